@@ -1,0 +1,3 @@
+from bunkhouse.cli import main
+
+raise SystemExit(main())

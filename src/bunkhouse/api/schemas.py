@@ -1,0 +1,68 @@
+"""Request schemas at the HTTP edge: just enough to reject what the engine cannot answer.
+
+Fields bunkhouse does not know are ignored here and passed on to the engine untouched, as
+OpenAI clients expect. Types are strict: ``"stream": "yes"`` is a 400, not a guess.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from bunkhouse.errors import InvalidRequest
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    model: StrictStr | None = None
+    stream: StrictBool = False
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+
+
+T = TypeVar("T", bound=_Request)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Request):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class EmbeddingRequest(_Request):
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or InvalidRequest saying what is wrong with it."""
+    if not body:
+        raise InvalidRequest("request body is empty; send a JSON object")
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return data
+
+
+def validate(schema: type[T], data: dict[str, Any]) -> T:
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise InvalidRequest(
+            f"{param}: {first['msg']}" if param else first["msg"], param=param
+        ) from e

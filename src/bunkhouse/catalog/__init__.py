@@ -1,0 +1,5 @@
+"""Local models: config entries, model roots, packaged models, GGUF metadata."""
+
+from bunkhouse.catalog.catalog import Catalog, CatalogModel, build_catalog
+
+__all__ = ["Catalog", "CatalogModel", "build_catalog"]

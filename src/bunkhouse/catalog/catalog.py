@@ -1,0 +1,179 @@
+"""The catalog: every local model bunkhouse can serve, by id.
+
+Sources, in order of precedence when two name the same id:
+
+1. entries of the config file (``[[models]]``),
+2. models shipped in installed Python packages (``pip install -e ".[models]"``),
+3. every ``*.gguf`` under the model roots (``--models-dir``), with the path relative to its
+   root, less ``.gguf``, as id (``sub/name``). Of a split GGUF only the first shard is listed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from bunkhouse.catalog import packaged
+from bunkhouse.catalog.gguf_meta import GGUFInfo, read_gguf_info
+from bunkhouse.config import EngineOptions, Settings, engine_options
+from bunkhouse.errors import ConfigError, GGUFError, ModelNotFound, PackagedModelError
+
+log = logging.getLogger(__name__)
+
+_SHARD_RE = re.compile(r"-(\d{5})-of-(\d{5})$")
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogModel:
+    id: str
+    path: Path
+    source: str  # "config", "package" or "models_dir"
+    info: GGUFInfo
+    options: EngineOptions
+    size_bytes: int
+
+
+class Catalog:
+    """An immutable id → model mapping with one default model."""
+
+    def __init__(self, models: Iterable[CatalogModel], default_id: str | None) -> None:
+        self._models = {m.id: m for m in models}
+        if default_id is not None and default_id not in self._models:
+            raise ConfigError(
+                f"default model {default_id!r} is not in the catalog; known: {self.ids()}"
+            )
+        self.default_id = default_id
+
+    def __iter__(self) -> Iterator[CatalogModel]:
+        return iter(self._models.values())
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def ids(self) -> list[str]:
+        return list(self._models)
+
+    def get(self, model_id: str | None) -> CatalogModel:
+        """The model named ``model_id``; the default model when it is None."""
+        if model_id is None:
+            if self.default_id is None:
+                raise ModelNotFound(
+                    "no model given and no default model is configured", param="model"
+                )
+            model_id = self.default_id
+        found = self._models.get(model_id)
+        if found is None:
+            known = ", ".join(self._models) or "(none)"
+            raise ModelNotFound(
+                f"model {model_id!r} not found; known models: {known}", param="model"
+            )
+        return found
+
+
+def _effective_options(
+    base: EngineOptions, overrides: dict[str, int], info: GGUFInfo, where: str
+) -> EngineOptions:
+    options = engine_options(base, overrides, where)
+    trained = info.context_length
+    if trained and options.context > trained:
+        log.info(
+            "%s: context %d capped at the model's trained context %d",
+            where,
+            options.context,
+            trained,
+        )
+        options = engine_options(options, {"context": trained}, where)
+    return options
+
+
+def _model(
+    model_id: str,
+    path: Path,
+    source: str,
+    settings: Settings,
+    overrides: dict[str, int] | None = None,
+) -> CatalogModel:
+    info = read_gguf_info(path)
+    options = _effective_options(settings.defaults, overrides or {}, info, f"model {model_id!r}")
+    return CatalogModel(model_id, path, source, info, options, path.stat().st_size)
+
+
+def _from_config(settings: Settings) -> Iterator[CatalogModel]:
+    for entry in settings.entries:
+        if not entry.path.is_file():
+            raise ConfigError(f"model {entry.id!r}: no file at {entry.path}")
+        try:
+            yield _model(entry.id, entry.path.resolve(), "config", settings, entry.options)
+        except GGUFError as e:
+            raise ConfigError(f"model {entry.id!r}: {e.message}") from e
+
+
+def _from_packages(settings: Settings) -> Iterator[CatalogModel]:
+    for pm in packaged.KNOWN:
+        try:
+            parts = packaged.part_paths(pm)
+            if parts is None:
+                log.debug("packaged model %s is not installed", pm.id)
+                continue
+            path = packaged.assemble(pm, parts, settings.cache_dir / "models")
+        except PackagedModelError as e:
+            log.warning("skipping packaged model: %s", e.message)
+            continue
+        yield _model(pm.id, path, "package", settings)
+
+
+def gguf_files(root: Path) -> Iterator[tuple[str, Path]]:
+    """(id, path) of each servable GGUF under ``root``, in a stable order."""
+    for path in sorted(root.rglob("*.gguf")):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        rel = path.relative_to(root).with_suffix("").as_posix()
+        shard = _SHARD_RE.search(rel)
+        if shard:
+            if int(shard.group(1)) != 1:
+                continue
+            rel = rel[: shard.start()]
+        yield rel, path
+
+
+def _from_dirs(settings: Settings) -> Iterator[CatalogModel]:
+    for root in settings.models_dirs:
+        if not root.is_dir():
+            raise ConfigError(f"--models-dir {root} is not a directory")
+        for model_id, path in gguf_files(root):
+            try:
+                yield _model(model_id, path.resolve(), "models_dir", settings)
+            except GGUFError as e:
+                log.warning("skipping %s: %s", path, e.message)
+
+
+def build_catalog(settings: Settings) -> Catalog:
+    """Scan every source named by ``settings`` into a catalog."""
+    models: dict[str, CatalogModel] = {}
+    sources = [_from_config(settings)]
+    if settings.include_packaged:
+        sources.append(_from_packages(settings))
+    sources.append(_from_dirs(settings))
+    for source in sources:
+        for model in source:
+            if model.id in models:
+                log.warning(
+                    "model id %r from %s is already taken by %s; skipped",
+                    model.id,
+                    model.path,
+                    models[model.id].path,
+                )
+                continue
+            models[model.id] = model
+    return Catalog(models.values(), settings.default_model or _first_default(models))
+
+
+def _first_default(models: dict[str, CatalogModel]) -> str | None:
+    for source in ("config", "package", "models_dir"):
+        for model in models.values():
+            if model.source == source:
+                return model.id
+    return None

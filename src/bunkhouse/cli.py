@@ -1,0 +1,191 @@
+"""Command-line entry points. Builds Settings from flags and the config file, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from bunkhouse import __version__
+from bunkhouse.catalog import Catalog, build_catalog
+from bunkhouse.config import Settings, load_config_file
+from bunkhouse.errors import BunkhouseError
+
+log = logging.getLogger("bunkhouse")
+
+DESCRIPTION = """\
+bunkhouse serves every local model you have behind one OpenAI-compatible endpoint.
+Each model runs in its own worker process, started when a request first names it.
+"""
+
+SERVE_EPILOG = """\
+examples:
+  bunkhouse serve                                 # the packaged models, Qwen2.5-Coder 0.5B default
+  bunkhouse serve --models-dir ~/models           # also every *.gguf under ~/models
+  bunkhouse serve --config bunkhouse.toml --preload qwen
+  curl localhost:8080/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Hello"}]}'
+"""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--models-dir",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="DIR",
+        help="serve every *.gguf under DIR (repeatable)",
+    )
+    p.add_argument(
+        "--config", type=Path, metavar="FILE", help="TOML config file (see docs/configuration.md)"
+    )
+    p.add_argument(
+        "--no-packaged",
+        action="store_true",
+        help="do not serve the models shipped in Python packages",
+    )
+    p.add_argument("--default-model", metavar="ID", help="model for requests that name none")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bunkhouse",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"bunkhouse {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the models over HTTP",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
+    serve.add_argument("--port", type=int, default=8080, help="port to listen on (%(default)s)")
+    serve.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="start this model's worker before serving (repeatable)",
+    )
+    serve.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds a worker may take to load its model (%(default)s)",
+    )
+    serve.add_argument(
+        "--stop-grace",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a worker gets to stop before SIGKILL (%(default)s)",
+    )
+    _common(serve)
+    models = sub.add_parser("models", help="list the model catalog")
+    _common(models)
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    settings = Settings(
+        host=getattr(args, "host", "127.0.0.1"),
+        port=getattr(args, "port", 8080),
+        models_dirs=tuple(d.expanduser() for d in args.models_dir),
+        preload=tuple(getattr(args, "preload", ())),
+        default_model=args.default_model,
+        include_packaged=not args.no_packaged,
+        ready_timeout_s=getattr(args, "ready_timeout", 120.0),
+        stop_grace_s=getattr(args, "stop_grace", 10.0),
+        log_level=args.log_level,
+    )
+    if args.config is not None:
+        settings = load_config_file(args.config.expanduser(), settings)
+        if args.no_packaged:
+            settings = dataclasses.replace(settings, include_packaged=False)
+    return settings
+
+
+def print_catalog(catalog: Catalog) -> None:
+    header = ("ID", "SIZE", "ARCH", "CONTEXT", "CHAT", "SOURCE", "PATH")
+    rows = [header]
+    for m in catalog:
+        marker = " *" if m.id == catalog.default_id else ""
+        rows.append(
+            (
+                m.id + marker,
+                f"{m.size_bytes / 2**20:.0f} MiB",
+                m.info.architecture,
+                f"{m.options.context}/{m.info.context_length or '?'}",
+                "yes" if m.info.has_chat_template else "no",
+                m.source,
+                str(m.path),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    if not len(catalog):
+        print(
+            'no models: install the packaged ones (pip install -e ".[models]") '
+            "or pass --models-dir DIR",
+            file=sys.stderr,
+        )
+    else:
+        print("\n* default model; CONTEXT is served/trained tokens")
+
+
+def serve(settings: Settings, catalog: Catalog) -> int:
+    import uvicorn
+
+    from bunkhouse.front.app import build_app
+    from bunkhouse.supervisor.pool import PoolOptions, WorkerPool
+
+    for model_id in settings.preload:
+        catalog.get(model_id)
+    pool = WorkerPool(catalog, PoolOptions(settings.ready_timeout_s, settings.stop_grace_s))
+    app = build_app(catalog, pool, settings.preload)
+    log.info(
+        "serving %d model(s) on http://%s:%d (default: %s)",
+        len(catalog),
+        settings.host,
+        settings.port,
+        catalog.default_id,
+    )
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.stop_grace_s) or 1,
+        log_config=None,
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings = settings_from(args)
+        catalog = build_catalog(settings)
+        if args.command == "models":
+            print_catalog(catalog)
+            return 0
+        return serve(settings, catalog)
+    except BunkhouseError as e:
+        print(f"bunkhouse: error: {e.message}", file=sys.stderr)
+        return 2

@@ -1,0 +1,188 @@
+"""Frozen, validated settings: command-line flags plus the optional TOML config file.
+
+The TOML file (``--config FILE``) looks like::
+
+    default_model = "qwen"          # optional; else the first [[models]], else the packaged one
+    models_dirs = ["~/models"]      # optional; added to --models-dir
+    include_packaged = true         # optional; serve the models shipped in Python packages
+
+    [defaults]                      # optional; per-model defaults for every model
+    context = 8192                  # total context shared by the slots (tokens)
+    parallel = 4                    # slots: requests decoded at once
+    cache_ram_mib = 256             # engine's RAM prompt cache
+    threads = 2                     # CPU threads of each worker
+
+    [[models]]
+    id = "qwen"
+    path = "~/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    context = 4096                  # any key of [defaults] may be set per model
+
+Unknown keys are errors, so that a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bunkhouse.errors import ConfigError
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """How one worker runs its engine. Every field is set explicitly on the engine."""
+
+    context: int = 8192
+    parallel: int = 4
+    cache_ram_mib: int = 256
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    def validate(self, where: str) -> EngineOptions:
+        for name in ("context", "parallel", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}: {name} must be >= 1")
+        if self.cache_ram_mib < 0:
+            raise ConfigError(f"{where}: cache_ram_mib must be >= 0")
+        if self.context < 64 * self.parallel:
+            raise ConfigError(
+                f"{where}: context {self.context} leaves fewer than 64 tokens for each of "
+                f"{self.parallel} slots; raise context or lower parallel"
+            )
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """A model named in the config file."""
+
+    id: str
+    path: Path
+    options: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    models_dirs: tuple[Path, ...] = ()
+    config_file: Path | None = None
+    preload: tuple[str, ...] = ()
+    default_model: str | None = None
+    include_packaged: bool = True
+    defaults: EngineOptions = field(default_factory=EngineOptions)
+    entries: tuple[ModelEntry, ...] = ()
+    cache_dir: Path = field(default_factory=lambda: default_cache_dir())
+    ready_timeout_s: float = 120.0
+    stop_grace_s: float = 10.0
+    log_level: str = "info"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("BUNKHOUSE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "bunkhouse"
+
+
+def check_model_id(model_id: str, where: str) -> str:
+    if not _ID_RE.match(model_id):
+        raise ConfigError(
+            f"{where}: model id {model_id!r} must be 1-128 characters of letters, digits "
+            "and . _ : / - (starting with a letter or digit)"
+        )
+    return model_id
+
+
+_OPTION_KEYS = frozenset({"context", "parallel", "cache_ram_mib", "threads"})
+_TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models"})
+
+
+def engine_options(base: EngineOptions, overrides: dict[str, int], where: str) -> EngineOptions:
+    return replace(base, **overrides).validate(where)
+
+
+def _options(table: dict[str, Any], where: str, extra: frozenset[str]) -> dict[str, int]:
+    unknown = set(table) - _OPTION_KEYS - extra
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
+    out: dict[str, int] = {}
+    for key in _OPTION_KEYS & set(table):
+        value = table[key]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} must be an integer, not {value!r}")
+        out[key] = value
+    return out
+
+
+def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> ModelEntry:
+    where = f"[[models]] #{index + 1}"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: must be a table")
+    options = _options(table, where, frozenset({"id", "path"}))
+    model_id, path = table.get("id"), table.get("path")
+    if not isinstance(model_id, str) or not isinstance(path, str):
+        raise ConfigError(f"{where}: needs string keys 'id' and 'path'")
+    check_model_id(model_id, where)
+    engine_options(defaults, options, f"model {model_id!r}")
+    resolved = Path(path).expanduser()
+    if not resolved.is_absolute():
+        resolved = base_dir / resolved
+    return ModelEntry(model_id, resolved, options)
+
+
+def load_config_file(path: Path, settings: Settings) -> Settings:
+    """Merge the TOML file at ``path`` into ``settings`` (flags given explicitly win)."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {sorted(unknown)}")
+    defaults_table = data.get("defaults", {})
+    if not isinstance(defaults_table, dict):
+        raise ConfigError(f"{path}: [defaults] must be a table")
+    defaults = engine_options(
+        settings.defaults, _options(defaults_table, "[defaults]", frozenset()), "[defaults]"
+    )
+    models = data.get("models", [])
+    if not isinstance(models, list):
+        raise ConfigError(f"{path}: 'models' must be an array of tables ([[models]])")
+    entries = tuple(_entry(t, i, path.parent, defaults) for i, t in enumerate(models))
+    _check_unique(entries)
+    dirs = data.get("models_dirs", [])
+    if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+        raise ConfigError(f"{path}: 'models_dirs' must be an array of strings")
+    default_model = data.get("default_model")
+    if default_model is not None and not isinstance(default_model, str):
+        raise ConfigError(f"{path}: 'default_model' must be a string")
+    include_packaged = data.get("include_packaged", settings.include_packaged)
+    if not isinstance(include_packaged, bool):
+        raise ConfigError(f"{path}: 'include_packaged' must be true or false")
+    return replace(
+        settings,
+        config_file=path,
+        defaults=defaults,
+        entries=entries,
+        models_dirs=settings.models_dirs + tuple(Path(d).expanduser() for d in dirs),
+        default_model=settings.default_model or default_model,
+        include_packaged=include_packaged,
+    )
+
+
+def _check_unique(entries: tuple[ModelEntry, ...]) -> None:
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.id in seen:
+            raise ConfigError(f"model id {entry.id!r} is configured twice")
+        seen.add(entry.id)

@@ -1,0 +1,105 @@
+"""The bunkhouse exception tree and its mapping to OpenAI-style error envelopes.
+
+Every error that can cross a boundary is a ``BunkhouseError``. Each subclass fixes the HTTP
+status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
+
+    BunkhouseError                      500 server_error / internal_error
+    ├── ConfigError                     (startup only: bad flags or TOML; never an HTTP answer)
+    ├── CatalogError                    (startup only: unreadable model roots or packages)
+    │   ├── GGUFError                   a file is not a readable GGUF
+    │   └── PackagedModelError          a packaged model is missing parts or fails its checksum
+    ├── InvalidRequest                  400 invalid_request_error / invalid_request
+    ├── NotFound                        404 invalid_request_error / not_found
+    │   └── ModelNotFound               404 invalid_request_error / model_not_found
+    ├── MethodNotAllowed                405 invalid_request_error / method_not_allowed
+    ├── WorkerLoadFailed                503 server_error / model_load_failed
+    └── EngineUnavailable               502 server_error / engine_unavailable
+
+Lower layers raise these with ``raise ... from`` the original exception; the HTTP edge turns
+them into ``{"error": {"message", "type", "code", "param"}}`` in one place
+(:func:`error_body`). Nothing matches on message text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class BunkhouseError(Exception):
+    """Base of every error bunkhouse raises on purpose."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def headers(self) -> dict[str, str]:
+        """Extra HTTP headers that go with this error (e.g. ``Retry-After``)."""
+        return {}
+
+
+class ConfigError(BunkhouseError):
+    """Flags, environment or the TOML config file are invalid."""
+
+
+class CatalogError(BunkhouseError):
+    """The model catalog cannot be built."""
+
+
+class GGUFError(CatalogError):
+    """A file is not a readable GGUF model."""
+
+
+class PackagedModelError(CatalogError):
+    """A model shipped in Python packages is incomplete or fails its checksum."""
+
+
+class InvalidRequest(BunkhouseError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class NotFound(BunkhouseError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class MethodNotAllowed(BunkhouseError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class WorkerLoadFailed(BunkhouseError):
+    """A worker did not become ready; the message quotes the last lines of its stderr."""
+
+    status = 503
+    code = "model_load_failed"
+
+
+class EngineUnavailable(BunkhouseError):
+    """A worker could not be reached or went away during a request."""
+
+    status = 502
+    code = "engine_unavailable"
+
+
+def error_body(err: BunkhouseError) -> dict[str, Any]:
+    """The OpenAI-style envelope for ``err``."""
+    return envelope(err.message, err.type, err.code, err.param)
+
+
+def envelope(
+    message: str, type_: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": code, "param": param}}

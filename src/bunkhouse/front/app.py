@@ -1,0 +1,141 @@
+"""The front's HTTP app: OpenAI-compatible routes, each routed by the body's ``model``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from bunkhouse.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    parse_json_object,
+    validate,
+)
+from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.errors import BunkhouseError, MethodNotAllowed, NotFound, error_body
+from bunkhouse.front.proxy import forward
+from bunkhouse.supervisor.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+Schema = type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
+
+
+class Front:
+    """Route handlers over one catalog and one worker pool."""
+
+    def __init__(self, catalog: Catalog, pool: WorkerPool) -> None:
+        self.catalog = catalog
+        self.pool = pool
+
+    def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
+            body = await request.body()
+            parsed = validate(schema, parse_json_object(body))
+            model = self.catalog.get(parsed.model)
+            worker = await self.pool.get(model)
+            return await forward(
+                worker.client, path, body, stream=parsed.stream, request=request, model_id=model.id
+            )
+
+        return handler
+
+    def model_object(self, model: CatalogModel) -> dict[str, Any]:
+        worker = self.pool.worker(model.id)
+        return {
+            "id": model.id,
+            "object": "model",
+            "created": int(os.stat(model.path).st_mtime),
+            "owned_by": "bunkhouse",
+            "state": self.pool.state(model.id),
+            "source": model.source,
+            "architecture": model.info.architecture,
+            "size_bytes": model.size_bytes,
+            "context": model.options.context,
+            "parallel": model.options.parallel,
+            "chat_template": model.info.has_chat_template,
+            "default": model.id == self.catalog.default_id,
+            "pid": worker.pid if worker else None,
+            "measured_bytes": worker.memory_bytes() if worker else None,
+        }
+
+    async def list_models(self, request: Request) -> Response:
+        data = [self.model_object(m) for m in self.catalog]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def get_model(self, request: Request) -> Response:
+        return JSONResponse(self.model_object(self.catalog.get(request.path_params["model_id"])))
+
+    async def health(self, request: Request) -> Response:
+        states = {m.id: self.pool.state(m.id) for m in self.catalog}
+        return JSONResponse({"status": "ok", "models": states})
+
+
+async def _bunkhouse_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BunkhouseError)
+    if exc.status >= 500:
+        log.error("%s %s: %s", request.method, request.url.path, exc.message)
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers())
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    err: BunkhouseError
+    if exc.status_code == 405:
+        err = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
+    else:
+        err = NotFound(f"no route {request.method} {request.url.path}")
+    return await _bunkhouse_error(request, err)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return await _bunkhouse_error(request, BunkhouseError("internal error; see the server log"))
+
+
+def build_app(catalog: Catalog, pool: WorkerPool, preload: Sequence[str] = ()) -> Starlette:
+    front = Front(catalog, pool)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            for model_id in preload:
+                await pool.get(catalog.get(model_id))
+            yield
+        finally:
+            await pool.close()
+
+    routes = [
+        Route(
+            "/v1/chat/completions",
+            front.generation("/v1/chat/completions", ChatCompletionRequest),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/completions",
+            front.generation("/v1/completions", CompletionRequest),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/embeddings", front.generation("/v1/embeddings", EmbeddingRequest), methods=["POST"]
+        ),
+        Route("/v1/models", front.list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", front.get_model, methods=["GET"]),
+        Route("/health", front.health, methods=["GET"]),
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        BunkhouseError: _bunkhouse_error,
+        HTTPException: _http_error,
+        Exception: _unexpected,
+    }
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

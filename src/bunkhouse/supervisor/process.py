@@ -1,0 +1,260 @@
+"""One worker process: spawn, health gate, stderr capture, stop, and its lifecycle state.
+
+The lifecycle is an enum plus a transition table; ``_set_state`` is the one writer and checks
+every transition. Callers use :meth:`WorkerProcess.start` and :meth:`WorkerProcess.stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+from bunkhouse.catalog import CatalogModel
+from bunkhouse.errors import WorkerLoadFailed
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
+_STDERR_LINES = 200
+_QUOTED_LINES = 12
+_POLL_S = 0.05
+
+
+class WorkerState(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"  # stopped on request
+    EXITED = "exited"  # died on its own (crash, OOM kill, parent's SIGKILL of it)
+    FAILED = "failed"  # never became ready
+
+
+_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.NEW: frozenset({WorkerState.STARTING}),
+    WorkerState.STARTING: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.STOPPING}),
+    WorkerState.READY: frozenset({WorkerState.STOPPING, WorkerState.EXITED}),
+    WorkerState.STOPPING: frozenset({WorkerState.STOPPED}),
+    WorkerState.STOPPED: frozenset(),
+    WorkerState.EXITED: frozenset({WorkerState.STOPPING}),
+    WorkerState.FAILED: frozenset({WorkerState.STOPPING}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+Spawner = Callable[[Sequence[str]], Awaitable[asyncio.subprocess.Process]]
+
+
+async def spawn_local(argv: Sequence[str]) -> asyncio.subprocess.Process:
+    """Start a worker as a local child process (the placement seam: local processes now)."""
+    return await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # a ^C at the terminal reaches the front, which stops workers
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLaunch:
+    """Everything needed to start one worker, besides the model."""
+
+    socket: Path
+    ready_timeout_s: float
+    stop_grace_s: float
+    engine: str = DEFAULT_ENGINE
+
+
+def worker_argv(model: CatalogModel, launch: WorkerLaunch) -> list[str]:
+    o = model.options
+    return [
+        sys.executable,
+        "-m",
+        "bunkhouse.worker",
+        "--model-id",
+        model.id,
+        "--model-path",
+        str(model.path),
+        "--socket",
+        str(launch.socket),
+        "--context",
+        str(o.context),
+        "--parallel",
+        str(o.parallel),
+        "--cache-ram-mib",
+        str(o.cache_ram_mib),
+        "--threads",
+        str(o.threads),
+        "--engine",
+        launch.engine,
+        "--parent-pid",
+        str(os.getpid()),
+    ]
+
+
+class WorkerProcess:
+    """A worker process serving one model on a Unix socket."""
+
+    def __init__(
+        self, model: CatalogModel, launch: WorkerLaunch, spawner: Spawner = spawn_local
+    ) -> None:
+        self.model = model
+        self.launch = launch
+        self._spawner = spawner
+        self.state = WorkerState.NEW
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stderr: deque[str] = deque(maxlen=_STDERR_LINES)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=str(launch.socket)),
+            base_url="http://worker",
+            timeout=httpx.Timeout(None, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self.started_at: float | None = None
+        self.ready_at: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def stderr_tail(self, lines: int = _QUOTED_LINES) -> str:
+        return "\n".join(list(self._stderr)[-lines:])
+
+    def memory_bytes(self) -> int | None:
+        """Resident memory of the worker process, measured now."""
+        if self.pid is None or self.state not in (WorkerState.STARTING, WorkerState.READY):
+            return None
+        try:
+            return int(psutil.Process(self.pid).memory_info().rss)
+        except psutil.Error:
+            return None
+
+    def _set_state(self, new: WorkerState, reason: str) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.model.id}: {self.state.value} -> {new.value}")
+        log.info(
+            "model %s: worker %s -> %s (%s)", self.model.id, self.state.value, new.value, reason
+        )
+        self.state = new
+
+    async def start(self) -> None:
+        """Spawn the worker and wait until it answers health, its ready deadline, or its exit."""
+        self._set_state(WorkerState.STARTING, "spawn")
+        self.launch.socket.unlink(missing_ok=True)
+        self.started_at = time.monotonic()
+        self._proc = await self._spawner(worker_argv(self.model, self.launch))
+        self._tasks.append(asyncio.create_task(self._read_output(self._proc)))
+        try:
+            await self._health_gate(self._proc)
+        except WorkerLoadFailed:
+            self._set_state(WorkerState.FAILED, "load failed")
+            await self.stop()
+            raise
+        self.ready_at = time.monotonic()
+        self._set_state(
+            WorkerState.READY, f"pid {self._proc.pid} in {self.ready_at - self.started_at:.1f} s"
+        )
+        self._tasks.append(asyncio.create_task(self._watch_exit(self._proc)))
+
+    async def _health_gate(self, proc: asyncio.subprocess.Process) -> None:
+        deadline = time.monotonic() + self.launch.ready_timeout_s
+        while time.monotonic() < deadline:
+            if await self._healthy():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), _POLL_S)
+            if proc.returncode is not None:
+                await self._drain_output()
+                raise WorkerLoadFailed(
+                    f"model {self.model.id!r} failed to load (worker exited with code "
+                    f"{proc.returncode}). Last lines of its output:\n{self.stderr_tail()}"
+                )
+        raise WorkerLoadFailed(
+            f"model {self.model.id!r} was not ready within {self.launch.ready_timeout_s:.0f} s. "
+            f"Last lines of its output:\n{self.stderr_tail()}"
+        )
+
+    async def _healthy(self) -> bool:
+        if not self.launch.socket.exists():
+            return False
+        try:
+            resp = await self.client.get("/health", timeout=2.0)
+        except httpx.TransportError:
+            return False
+        return resp.status_code == 200
+
+    async def _read_output(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        async for raw in proc.stdout:
+            line = raw.decode("utf-8", errors="replace").rstrip()
+            self._stderr.append(line)
+            log.debug("model %s: worker: %s", self.model.id, line)
+
+    async def _drain_output(self) -> None:
+        """Let the output reader take what the exited worker wrote last."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._tasks[0]), 2.0)
+
+    async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if self.state is WorkerState.READY:
+            await self._drain_output()
+            log.error(
+                "model %s: worker pid %d exited unexpectedly with code %s; last output:\n%s",
+                self.model.id,
+                proc.pid,
+                code,
+                self.stderr_tail(),
+            )
+            self._set_state(WorkerState.EXITED, f"exit code {code}")
+
+    async def stop(self) -> None:
+        """SIGTERM, wait up to the grace period, then SIGKILL. Idempotent."""
+        if self.state in (WorkerState.STOPPING, WorkerState.STOPPED):
+            return
+        self._set_state(WorkerState.STOPPING, "stop requested")
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            await _terminate(proc, self.launch.stop_grace_s, self.model.id)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.aclose()
+        self.launch.socket.unlink(missing_ok=True)
+        self._set_state(WorkerState.STOPPED, "stopped")
+
+
+async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, model_id: str) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), grace_s)
+        return
+    except TimeoutError:
+        log.warning(
+            "model %s: worker pid %d ignored SIGTERM for %.1f s; killing it",
+            model_id,
+            proc.pid,
+            grace_s,
+        )
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()

@@ -1,0 +1,3 @@
+from bunkhouse.worker.main import main
+
+raise SystemExit(main())

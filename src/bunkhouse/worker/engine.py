@@ -1,0 +1,48 @@
+"""The contract between a worker process and the engine it hosts.
+
+An engine is named by an import path (``package.module:Class``) on the worker's command line,
+so tests can supply engines with injected faults without a test branch in product code. The
+engine serves the worker HTTP API itself on ``config.socket`` (llama.cpp's server already
+speaks it: ``/health``, ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+``/slots``, ``/metrics``), so no Python sits in the per-token path.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model_id: str
+    model_path: Path
+    socket: Path
+    context: int
+    parallel: int
+    cache_ram_mib: int
+    threads: int
+
+
+class Engine(Protocol):
+    def __init__(self, config: WorkerConfig) -> None: ...
+
+    def start(self) -> None:
+        """Load the model and start serving on ``config.socket``; return once it answers."""
+
+    def stop(self) -> None:
+        """Stop serving and free the model."""
+
+
+class EngineLoadError(Exception):
+    """The engine could not load its model; the message says why."""
+
+
+def load_engine_class(import_path: str) -> type[Engine]:
+    module_name, _, attr = import_path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"engine must be 'module:Class', not {import_path!r}")
+    cls: type[Engine] = getattr(importlib.import_module(module_name), attr)
+    return cls

@@ -1,0 +1,72 @@
+"""``python -m bunkhouse.worker``: one model, one engine, one Unix socket.
+
+Exit codes: 0 after SIGTERM/SIGINT or the parent's death, 2 for bad arguments,
+3 when the engine cannot load the model (the reason is the last line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from bunkhouse.worker.engine import EngineLoadError, WorkerConfig, load_engine_class
+from bunkhouse.worker.lifeline import hold
+
+log = logging.getLogger("bunkhouse.worker")
+
+DEFAULT_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
+EXIT_LOAD_FAILED = 3
+
+
+def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
+    p = argparse.ArgumentParser(
+        prog="python -m bunkhouse.worker", description="Serve one model on a Unix socket."
+    )
+    p.add_argument("--model-id", required=True)
+    p.add_argument("--model-path", required=True, type=Path)
+    p.add_argument("--socket", required=True, type=Path)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--parallel", type=int, default=4)
+    p.add_argument("--cache-ram-mib", type=int, default=256)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--engine", default=DEFAULT_ENGINE, help="module:Class of the engine")
+    p.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process stops being our parent"
+    )
+    a = p.parse_args(argv)
+    config = WorkerConfig(
+        a.model_id, a.model_path, a.socket, a.context, a.parallel, a.cache_ram_mib, a.threads
+    )
+    return config, a.engine, a.parent_pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s"
+    )
+    config, engine_path, parent_pid = parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if parent_pid is not None:
+        hold(parent_pid, stop.set)
+    config.socket.unlink(missing_ok=True)  # a leftover socket file makes the engine fail
+    engine = load_engine_class(engine_path)(config)
+    log.info("model %s: loading %s", config.model_id, config.model_path)
+    try:
+        engine.start()
+    except EngineLoadError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_LOAD_FAILED
+    log.info("model %s: serving on %s (pid %d)", config.model_id, config.socket, os.getpid())
+    while not stop.wait(0.2):
+        pass
+    log.info("model %s: stopping", config.model_id)
+    engine.stop()
+    config.socket.unlink(missing_ok=True)
+    return 0
