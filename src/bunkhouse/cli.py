@@ -7,6 +7,9 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
+from types import FrameType
+
+import uvicorn
 
 from bunkhouse import __version__
 from bunkhouse.catalog import Catalog, build_catalog
@@ -143,8 +146,6 @@ def print_catalog(catalog: Catalog) -> None:
 
 
 def serve(settings: Settings, catalog: Catalog) -> int:
-    import uvicorn
-
     from bunkhouse.front.app import build_app
     from bunkhouse.supervisor.pool import PoolOptions, WorkerPool
 
@@ -168,8 +169,20 @@ def serve(settings: Settings, catalog: Catalog) -> int:
         timeout_graceful_shutdown=int(settings.stop_grace_s) or 1,
         log_config=None,
     )
-    uvicorn.Server(config).run()
+    _Server(config).run()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a requested stop (SIGINT/SIGTERM) exits 0 once shut down.
+
+    uvicorn re-raises the captured signal after its shutdown, which makes the exit status
+    look like a crash to supervisors (systemd, tests) that asked for the stop.
+    """
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,7 +62,21 @@ def validate(schema: type[T], data: dict[str, Any]) -> T:
         return schema.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = _param(data, first["loc"], missing=first["type"] == "missing")
         raise InvalidRequest(
             f"{param}: {first['msg']}" if param else first["msg"], param=param
         ) from e
+
+
+def _param(data: Any, loc: tuple[int | str, ...], *, missing: bool) -> str | None:
+    """The path of the offending field, without pydantic's union-branch tags (``prompt.str``)."""
+    path: list[str] = []
+    for i, key in enumerate(loc):
+        present = (isinstance(data, dict) and key in data) or (
+            isinstance(data, list) and isinstance(key, int) and key < len(data)
+        )
+        if not present and not (missing and i == len(loc) - 1):
+            break
+        path.append(str(key))
+        data = data[key] if present else None
+    return ".".join(path) or None

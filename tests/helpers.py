@@ -1,0 +1,62 @@
+"""Shared test helpers: deadlines instead of sleeps, tiny GGUF files, free ports."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import gguf
+import numpy as np
+
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T | None], timeout_s: float, what: str,
+             interval_s: float = 0.05) -> T:
+    """Poll ``check`` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.1f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def write_tiny_gguf(path: Path, arch: str = "llama", *, context: int = 2048,
+                    chat_template: str | None = "{{ messages }}",
+                    sliding_window: int | None = None, vocab: int = 300) -> Path:
+    """A small but well-formed GGUF file (metadata like a real model's, one tensor)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
+    w.add_context_length(context)
+    w.add_block_count(4)
+    w.add_embedding_length(64)
+    w.add_head_count(8)
+    w.add_head_count_kv(2)
+    w.add_file_type(15)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"tok{i}" for i in range(vocab)])
+    w.add_token_scores([0.0] * vocab)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

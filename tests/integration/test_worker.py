@@ -1,0 +1,172 @@
+"""A real worker process with a real model, driven over its Unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.catalog.gguf_meta import read_gguf_info
+from bunkhouse.config import EngineOptions
+from bunkhouse.errors import WorkerLoadFailed
+from bunkhouse.supervisor.process import WorkerLaunch, WorkerProcess, WorkerState, worker_argv
+from tests.helpers import wait_for, write_tiny_gguf
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _healthy(sock: Path) -> bool:
+    if not sock.exists():
+        return False
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as c:
+            return c.get("http://w/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def qwen_socket(packaged_catalog: Catalog) -> Iterator[Path]:
+    """`python -m bunkhouse.worker` serving Qwen on a socket in a private directory."""
+    model = packaged_catalog.get(QWEN)
+    with tempfile.TemporaryDirectory(prefix="bh-test-") as d:
+        sock = Path(d) / "w.sock"
+        launch = WorkerLaunch(socket=sock, ready_timeout_s=60, stop_grace_s=5)
+        proc = subprocess.Popen(worker_argv(model, launch), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: proc.poll() is not None or _healthy(sock), 60, "worker health")
+            assert proc.poll() is None, "worker exited during load"
+            yield sock
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+        assert not sock.exists()
+
+
+def _sdk(sock: Path) -> openai.OpenAI:
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)))
+    return openai.OpenAI(base_url="http://worker/v1", api_key="unused", http_client=http)
+
+
+def test_chat_over_the_socket(qwen_socket: Path) -> None:
+    with _sdk(qwen_socket) as client:
+        reply = client.chat.completions.create(model=QWEN, messages=FRANCE,  # type: ignore[arg-type]
+                                               max_tokens=24, temperature=0)
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.model == QWEN  # the engine answers with our id, not its file path
+
+
+def test_streaming_over_the_socket(qwen_socket: Path) -> None:
+    with _sdk(qwen_socket) as client:
+        stream = client.chat.completions.create(
+            model=QWEN, messages=FRANCE, max_tokens=24, temperature=0,  # type: ignore[arg-type]
+            stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_async_completions_and_embeddings(qwen_socket: Path) -> None:
+    async def run() -> tuple[str, list[list[float]]]:
+        http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(qwen_socket)))
+        async with openai.AsyncOpenAI(base_url="http://worker/v1", api_key="x",
+                                      http_client=http) as client:
+            comp = await client.completions.create(model=QWEN, prompt="1, 2, 3, 4,",
+                                                   max_tokens=6, temperature=0)
+            emb = await client.embeddings.create(model=QWEN, input=["hello", "bonjour"])
+        return comp.choices[0].text, [d.embedding for d in emb.data]
+
+    text, vectors = asyncio.run(run())
+    assert "5" in text
+    assert len(vectors) == 2
+    for v in vectors:
+        assert math.isclose(math.sqrt(sum(x * x for x in v)), 1.0, rel_tol=1e-3)
+
+
+def _model_at(path: Path) -> CatalogModel:
+    return CatalogModel("broken", path, "models_dir", read_gguf_info(path),
+                        EngineOptions(context=512, parallel=1, cache_ram_mib=0, threads=1),
+                        path.stat().st_size)
+
+
+def test_supervisor_start_measure_stop(packaged_catalog: Catalog, tmp_path: Path) -> None:
+    async def run() -> None:
+        model = packaged_catalog.get("gemma-3-270m")
+        worker = WorkerProcess(model, WorkerLaunch(tmp_path / "g.sock", 60, 5))
+        await worker.start()
+        try:
+            assert worker.state is WorkerState.READY and worker.pid
+            measured = worker.memory_bytes()
+            assert measured is not None and measured > model.size_bytes * 0.5
+            resp = await worker.client.get("/health")
+            assert resp.json() == {"status": "ok"}
+        finally:
+            await worker.stop()
+        assert worker.state is WorkerState.STOPPED
+        assert not psutil.pid_exists(worker.pid) or \
+            psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE
+        assert not (tmp_path / "g.sock").exists()
+
+    asyncio.run(run())
+
+
+def test_load_failure_quotes_the_engine(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "broken.gguf")  # metadata only: no real weights
+
+    async def run() -> WorkerProcess:
+        worker = WorkerProcess(_model_at(path), WorkerLaunch(tmp_path / "b.sock", 60, 5))
+        with pytest.raises(WorkerLoadFailed) as info:
+            await worker.start()
+        assert "failed to load" in info.value.message
+        assert "llama" in info.value.message.lower()  # a line quoted from the engine's output
+        assert info.value.status == 503
+        return worker
+
+    worker = asyncio.run(run())
+    assert worker.state is WorkerState.STOPPED
+
+
+def test_worker_exits_when_its_parent_is_killed(packaged_catalog: Catalog,
+                                                tmp_path: Path) -> None:
+    model = packaged_catalog.get("gemma-3-270m")
+    argv = worker_argv(model, WorkerLaunch(tmp_path / "o.sock", 60, 5))
+    # An intermediate parent that starts the worker (naming itself as parent), then waits.
+    script = (
+        "import os, subprocess, sys, time\n"
+        "argv = sys.argv[1:]\n"
+        "argv[argv.index('--parent-pid') + 1] = str(os.getpid())\n"
+        "p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE)
+    assert parent.stdout is not None
+    worker_pid = int(parent.stdout.readline())
+    try:
+        wait_for(lambda: _healthy(tmp_path / "o.sock"), 60, "worker health")
+        parent.kill()
+        parent.wait()
+        wait_for(lambda: not psutil.pid_exists(worker_pid)
+                 or psutil.Process(worker_pid).status() == psutil.STATUS_ZOMBIE,
+                 5, "the orphaned worker to exit")
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+        if psutil.pid_exists(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)

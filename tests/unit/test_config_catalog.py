@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bunkhouse.catalog import build_catalog
+from bunkhouse.catalog.catalog import gguf_files
+from bunkhouse.config import EngineOptions, Settings, load_config_file
+from bunkhouse.errors import ConfigError, ModelNotFound
+from tests.helpers import write_tiny_gguf
+
+
+def _settings(**kw: object) -> Settings:
+    return Settings(include_packaged=False, defaults=EngineOptions(threads=1), **kw)  # type: ignore[arg-type]
+
+
+def _config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bunkhouse.toml"
+    path.write_text(text)
+    return path
+
+
+def test_models_dir_ids_are_relative_paths(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "a.gguf")
+    write_tiny_gguf(tmp_path / "sub" / "b.gguf")
+    write_tiny_gguf(tmp_path / "big-00001-of-00002.gguf")
+    write_tiny_gguf(tmp_path / "big-00002-of-00002.gguf")
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert [i for i, _ in gguf_files(tmp_path)] == ["a", "big", "sub/b"]
+
+
+def test_catalog_from_models_dir_skips_unreadable_files(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "good.gguf", context=1024)
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,)))
+    assert catalog.ids() == ["good"]
+    assert catalog.default_id == "good"
+    assert catalog.get(None).options.context == 1024  # capped at the trained context
+
+
+def test_config_entries_win_and_set_options(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "models" / "a.gguf", context=32768)
+    path = _config(tmp_path, """
+default_model = "mine"
+[defaults]
+parallel = 2
+[[models]]
+id = "mine"
+path = "models/a.gguf"
+context = 4096
+[[models]]
+id = "a"
+path = "models/a.gguf"
+""")
+    settings = load_config_file(path, _settings(models_dirs=(tmp_path / "models",)))
+    catalog = build_catalog(settings)
+    assert catalog.ids() == ["mine", "a"]
+    mine = catalog.get("mine")
+    assert (mine.options.context, mine.options.parallel, mine.source) == (4096, 2, "config")
+    assert catalog.get("a").source == "config"
+    assert catalog.get(None).id == "mine"
+
+
+def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "a.gguf")
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,)))
+    with pytest.raises(ModelNotFound, match="known models: a") as info:
+        catalog.get("b")
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nctx = 3\n", "unknown key"),
+        ("bogus = 1\n", "unknown key"),
+        ("[[models]]\nid = 'x'\n", "needs string keys"),
+        ("[[models]]\nid = 'bad id!'\npath = 'x.gguf'\n", "model id"),
+        ("[defaults]\nparallel = 'four'\n", "must be an integer"),
+        ("[defaults]\nparallel = 0\n", "parallel must be >= 1"),
+        ("[defaults]\ncontext = 100\nparallel = 4\n", "fewer than 64 tokens"),
+        ("[[models]]\nid='x'\npath='a'\n[[models]]\nid='x'\npath='b'\n", "configured twice"),
+        ("this is = = not toml", "not valid TOML"),
+    ],
+)
+def test_config_errors_are_clear(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config_file(_config(tmp_path, text), _settings())
+
+
+def test_missing_model_file_is_a_startup_error(tmp_path: Path) -> None:
+    path = _config(tmp_path, "[[models]]\nid = 'x'\npath = 'nowhere.gguf'\n")
+    with pytest.raises(ConfigError, match="no file at"):
+        build_catalog(load_config_file(path, _settings()))
+
+
+def test_unknown_default_model_is_a_startup_error(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "a.gguf")
+    with pytest.raises(ConfigError, match="not in the catalog"):
+        build_catalog(_settings(models_dirs=(tmp_path,), default_model="zzz"))
+
+
+def test_packaged_default_is_qwen() -> None:
+    catalog = build_catalog(Settings())
+    assert catalog.default_id == "qwen2.5-coder-0.5b-instruct"
+    assert catalog.get(None).info.has_chat_template

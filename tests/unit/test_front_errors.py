@@ -1,0 +1,88 @@
+"""Error envelopes at the HTTP edge: every bad request is a clear 4xx in the OpenAI shape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from bunkhouse.catalog import build_catalog
+from bunkhouse.config import Settings
+from bunkhouse.front.app import build_app
+from bunkhouse.supervisor.pool import PoolOptions, WorkerPool
+from tests.helpers import write_tiny_gguf
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False))
+    # No request below reaches a worker: each is refused before the pool is asked.
+    with TestClient(build_app(catalog, WorkerPool(catalog, PoolOptions()))) as c:
+        yield c
+
+
+def _assert_envelope(resp: Any, status: int, code: str) -> dict[str, object]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "code", "param"}
+    assert err["code"] == code and err["message"]
+    return dict(err)
+
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", b"{not json", None),
+        ("/v1/chat/completions", b"", None),
+        ("/v1/chat/completions", b"[1, 2]", None),
+        ("/v1/chat/completions", b'{"model": "tiny"}', "messages"),
+        ("/v1/chat/completions", b'{"messages": []}', "messages"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', "messages.0.role"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stream": "yes"}', "stream"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "model": 7}', "model"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": "9"}',
+         "max_tokens"),
+        ("/v1/completions", b'{"model": "tiny"}', "prompt"),
+        ("/v1/completions", b'{"prompt": {"a": 1}}', "prompt"),
+        ("/v1/embeddings", b'{"inputs": "x"}', "input"),
+        ("/v1/chat/completions", b"\xff\xfe", None),
+        ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, None),
+    ],
+)
+def test_bad_requests_are_400(client: TestClient, path: str, body: bytes,
+                              param: str | None) -> None:
+    err = _assert_envelope(client.post(path, content=body), 400, "invalid_request")
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_unknown_model_is_404_naming_known_ids(client: TestClient, path: str) -> None:
+    body = {"model": "gpt-4", "messages": MSGS, "prompt": "x", "input": "x"}
+    err = _assert_envelope(client.post(path, json=body), 404, "model_not_found")
+    assert "tiny" in str(err["message"]) and err["param"] == "model"
+
+
+def test_unknown_route_and_method(client: TestClient) -> None:
+    _assert_envelope(client.get("/v2/nothing"), 404, "not_found")
+    _assert_envelope(client.delete("/health"), 405, "method_not_allowed")
+    _assert_envelope(client.get("/v1/chat/completions"), 405, "method_not_allowed")
+
+
+def test_models_listing_without_workers(client: TestClient) -> None:
+    listing = client.get("/v1/models").json()
+    assert listing["object"] == "list"
+    (model,) = listing["data"]
+    assert model["id"] == "tiny" and model["object"] == "model"
+    assert model["state"] == "absent" and model["default"] is True
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+    _assert_envelope(client.get("/v1/models/nope"), 404, "model_not_found")
+    assert client.get("/health").json() == {"status": "ok", "models": {"tiny": "absent"}}

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+
+from bunkhouse.catalog import Catalog
+from bunkhouse.catalog.gguf_meta import read_fields, read_gguf_info
+from bunkhouse.errors import GGUFError
+from tests.helpers import write_tiny_gguf
+
+
+def test_reads_serving_facts(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "m.gguf", "gemma3", context=4096, sliding_window=512,
+                           chat_template="{{ x }}")
+    info = read_gguf_info(path)
+    assert info.architecture == "gemma3"
+    assert info.name == "tiny gemma3"
+    assert info.context_length == 4096
+    assert info.block_count == 4
+    assert (info.head_count, info.head_count_kv) == (8, 2)
+    assert info.key_length == info.value_length == 64 // 8  # embedding / heads by default
+    assert info.sliding_window == 512
+    assert info.chat_template == "{{ x }}" and info.has_chat_template
+    assert info.tensor_count == 1
+
+
+def test_agrees_with_the_gguf_package_reader(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "m.gguf", vocab=5000)
+    fields, tensor_count = read_fields(path)
+    reader = gguf.GGUFReader(str(path))
+    assert tensor_count == len(reader.tensors)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert fields[name] is None or fields[name] == list(field.contents())
+        else:
+            assert fields[name] == pytest.approx(field.contents()), name
+
+
+def test_no_chat_template(tmp_path: Path) -> None:
+    info = read_gguf_info(write_tiny_gguf(tmp_path / "m.gguf", chat_template=None))
+    assert info.chat_template is None and not info.has_chat_template
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"GGUF", b"not a gguf file at all", b"GGUF\x09\x00\x00\x00" + b"\x00" * 16],
+)
+def test_bad_files_raise_gguf_error(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(GGUFError):
+        read_gguf_info(path)
+
+
+def test_truncated_file_says_truncated(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "m.gguf", vocab=2000)
+    path.write_bytes(path.read_bytes()[:3000])
+    with pytest.raises(GGUFError, match="truncated"):
+        read_gguf_info(path)
+
+
+def test_packaged_models_metadata(packaged_catalog: Catalog) -> None:
+    qwen = packaged_catalog.get("qwen2.5-coder-0.5b-instruct").info
+    assert (qwen.architecture, qwen.block_count, qwen.head_count_kv) == ("qwen2", 24, 2)
+    assert (qwen.key_length, qwen.value_length, qwen.context_length) == (64, 64, 32768)
+    assert qwen.has_chat_template
+    gemma = packaged_catalog.get("gemma-3-270m").info
+    assert (gemma.architecture, gemma.block_count, gemma.sliding_window) == ("gemma3", 18, 512)
+    assert (gemma.head_count_kv, gemma.key_length) == (1, 256)
+    assert not gemma.has_chat_template

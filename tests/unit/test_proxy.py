@@ -1,0 +1,109 @@
+"""The proxy against httpx.MockTransport: pass-through, error re-shaping, broken workers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from bunkhouse.errors import BunkhouseError, error_body
+from bunkhouse.front.proxy import forward
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def _front(handler: Handler) -> TestClient:
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://w")
+
+    async def route(request: Request) -> Response:
+        body = await request.body()
+        try:
+            return await forward(upstream, "/v1/chat/completions", body,
+                                 stream=json.loads(body).get("stream", False),
+                                 request=request, model_id="m")
+        except BunkhouseError as e:
+            return JSONResponse(error_body(e), status_code=e.status)
+
+    return TestClient(Starlette(routes=[Route("/c", route, methods=["POST"])]))
+
+
+def test_plain_answer_passes_through_unchanged() -> None:
+    seen: list[bytes] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(req.content)
+        return httpx.Response(200, json={"choices": [{"message": {"content": "Paris"}}]})
+
+    body = b'{"messages": [], "unknown_field": 1}'
+    resp = _front(handler).post("/c", content=body)
+    assert resp.status_code == 200
+    assert resp.json()["choices"][0]["message"]["content"] == "Paris"
+    assert seen == [body]  # the body reaches the engine byte for byte
+
+
+def test_stream_passes_through_chunk_by_chunk() -> None:
+    events = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
+
+    async def body() -> AsyncIterator[bytes]:
+        for e in events:
+            yield e
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    with _front(handler).stream("POST", "/c", content=b'{"stream": true}') as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        assert b"".join(resp.iter_raw()) == b"".join(events)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_errors_become_envelopes(stream: bool) -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        err = {"code": 400, "message": "context too long", "type": "exceed_context_size_error"}
+        return httpx.Response(400, json={"error": err})
+
+    resp = _front(handler).post("/c", json={"stream": stream})
+    assert resp.status_code == 400
+    assert resp.json() == {"error": {"message": "context too long", "code": "engine_error",
+                                     "type": "exceed_context_size_error", "param": None}}
+
+
+def test_non_json_engine_error_keeps_its_text() -> None:
+    resp = _front(lambda req: httpx.Response(500, text="boom")).post("/c", json={})
+    assert resp.status_code == 500
+    assert resp.json()["error"]["message"] == "boom"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unreachable_worker_is_502(stream: bool) -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("no such socket", request=req)
+
+    resp = _front(handler).post("/c", json={"stream": stream})
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_stream_that_breaks_ends_with_an_error_event() -> None:
+    async def body() -> AsyncIterator[bytes]:
+        yield b'data: {"n": 1}\n\n'
+        raise httpx.ReadError("worker died")
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    with _front(handler).stream("POST", "/c", json={"stream": True}) as resp:
+        text = b"".join(resp.iter_raw()).decode()
+    first, error = text.strip().split("\n\n")
+    assert first == 'data: {"n": 1}'
+    assert error.startswith("event: error\ndata: ")
+    payload = json.loads(error.split("data: ", 1)[1])
+    assert payload["error"]["code"] == "engine_unavailable"
