@@ -11,7 +11,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -59,7 +58,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         workers = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        gone, alive = psutil.wait_procs(workers, timeout=5)
+        _, alive = psutil.wait_procs(workers, timeout=5)
         assert not alive, f"workers left running: {alive}"
     finally:
         if proc.poll() is None:
@@ -172,3 +171,18 @@ def test_errors_are_openai_envelopes(server: Server) -> None:
     resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                       json={"messages": FRANCE, "max_tokens": 4, "frobnicate": {"x": 1}})
     assert resp.status_code == 200
+
+
+def test_requests_right_after_streams_never_meet_a_stale_connection(server: Server) -> None:
+    """Regression: the engine may close a kept-alive connection after a stream; the next
+    request on it failed with 502 ("Server disconnected without sending a response")."""
+    stream = {"model": GEMMA, "prompt": "Once upon a time", "max_tokens": 16,
+              "stream": True, "ignore_eos": True}
+    plain = {"model": GEMMA, "prompt": "Once upon a time", "max_tokens": 2}
+    with httpx.Client(timeout=60) as client:
+        for _ in range(10):
+            with client.stream("POST", f"{server.url}/v1/completions", json=stream) as resp:
+                assert resp.status_code == 200
+                assert "data: [DONE]" in list(resp.iter_lines())
+            resp2 = client.post(f"{server.url}/v1/completions", json=plain)
+            assert resp2.status_code == 200, resp2.text

@@ -123,10 +123,17 @@ class WorkerProcess:
         self._stderr: deque[str] = deque(maxlen=_STDERR_LINES)
         self._tasks: list[asyncio.Task[None]] = []
         self.client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=str(launch.socket)),
+            # A fresh connection per request: llama.cpp's server may close a kept-alive
+            # connection after a stream without saying so, and the next request on it fails
+            # ("Server disconnected without sending a response"). A Unix socket connect
+            # costs microseconds. (Limits go on the transport: the client's are ignored
+            # when a transport is given.)
+            transport=httpx.AsyncHTTPTransport(
+                uds=str(launch.socket),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+            ),
             base_url="http://worker",
             timeout=httpx.Timeout(None, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self.started_at: float | None = None
         self.ready_at: float | None = None
