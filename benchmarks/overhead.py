@@ -138,7 +138,8 @@ def _worker_socket(front_url: str) -> str:
     return cmd[cmd.index("--socket") + 1]
 
 
-def run(rounds: int, tokens: int) -> dict[str, list[Sample]]:
+def run(rounds: int, tokens: int) -> tuple[dict[str, list[Sample]], float]:
+    """Samples per target, and the CPU seconds the front process spent meanwhile."""
     model = build_catalog(Settings()).get(MODEL)
     o = model.options
     engine_port, front_port, key = _free_port(), _free_port(), secrets.token_hex(16)
@@ -168,16 +169,19 @@ def run(rounds: int, tokens: int) -> dict[str, list[Sample]]:
         samples: dict[str, list[Sample]] = {t.name: [] for t in targets}
         for t in targets:  # warm-up, not counted
             stream_once(clients[t.name], t, "Say hello.", 8)
+        front_cpu = psutil.Process(front.pid)
+        cpu_before = sum(front_cpu.cpu_times()[:2])
         for r in range(rounds):
             order = targets if r % 2 == 0 else targets[::-1]
             for t in order:
                 prompt = f"[{t.name} {r}] Write a long list of fruits, one per line."
                 samples[t.name].append(stream_once(clients[t.name], t, prompt, tokens))
             print(f"round {r + 1}/{rounds} done", file=sys.stderr)
-        return samples
+        front_cpu_s = sum(front_cpu.cpu_times()[:2]) - cpu_before
+        return samples, front_cpu_s
 
 
-def report(samples: dict[str, list[Sample]], tokens: int) -> str:
+def report(samples: dict[str, list[Sample]], front_cpu_s: float, tokens: int) -> str:
     med = {name: (statistics.median(s.ttft_s for s in ss),
                   statistics.median(s.decode_tps for s in ss)) for name, ss in samples.items()}
     rounds = len(next(iter(samples.values())))
@@ -199,6 +203,9 @@ def report(samples: dict[str, list[Sample]], tokens: int) -> str:
         d_ttft = (med[a][0] - med[b][0]) * 1000
         ratio = med[a][1] / med[b][1]
         lines.append(f"{a} vs {b}: TTFT {d_ttft:+.1f} ms, decode tok/s ratio {ratio:.3f}")
+    front_tokens = sum(s.tokens for s in samples["bunkhouse"])
+    lines.append(f"front CPU: {front_cpu_s * 1000:.0f} ms for {front_tokens} streamed tokens "
+                 f"({front_cpu_s * 1e6 / front_tokens:.0f} us per token)")
     return "\n".join(lines)
 
 
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tokens", type=int, default=64)
     a = p.parse_args(argv)
-    print(report(run(a.rounds, a.tokens), a.tokens))
+    samples, front_cpu_s = run(a.rounds, a.tokens)
+    print(report(samples, front_cpu_s, a.tokens))
     return 0
 
 

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bunkhouse.cli import main
+from tests.helpers import write_tiny_gguf
+
+
+def test_models_prints_the_catalog(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_tiny_gguf(tmp_path / "chatty.gguf", context=4096)
+    write_tiny_gguf(tmp_path / "base.gguf", chat_template=None)
+    assert main(["models", "--no-packaged", "--models-dir", str(tmp_path),
+                 "--default-model", "chatty"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:6] == ["ID", "SIZE", "ARCH", "CONTEXT", "CHAT", "SOURCE"]
+    rows = {line.split()[0]: line.split() for line in lines[1:3]}
+    assert rows["chatty"][1] == "*"
+    assert "4096/4096" in rows["chatty"] and "yes" in rows["chatty"]
+    assert "no" in rows["base"] and str(tmp_path / "base.gguf") in rows["base"]
+
+
+def test_bad_config_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text("[defaults]\nparalel = 2\n")
+    assert main(["models", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bunkhouse: error:") and "paralel" in err
+
+
+def test_unknown_preload_is_refused_before_serving(capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "a.gguf")
+    code = main(["serve", "--no-packaged", "--models-dir", str(tmp_path), "--preload", "zzz",
+                 "--port", "1"])
+    assert code == 2
+    assert "model 'zzz' not found; known models: a" in capsys.readouterr().err
+
+
+def test_help_explains_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--models-dir", "--config", "--preload"):
+        assert flag in out
