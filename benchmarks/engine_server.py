@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--api-key", default="")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--cache-ram-mib", type=int, default=256)
+    p.add_argument("--cache-ram-mib", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     config = WorkerConfig(a.model_id, a.model_path, Path("unused.sock"), a.context,

@@ -6,8 +6,10 @@ import argparse
 import dataclasses
 import logging
 import sys
+import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -108,11 +110,15 @@ def settings_from(args: argparse.Namespace) -> Settings:
         ready_timeout_s=getattr(args, "ready_timeout", 120.0),
         stop_grace_s=getattr(args, "stop_grace", 10.0),
         log_level=args.log_level,
+        budget_bytes=getattr(args, "budget", None),
+        admission_wait_s=getattr(args, "admission_wait", 30.0),
     )
     if args.config is not None:
         settings = load_config_file(args.config.expanduser(), settings)
         if args.no_packaged:
             settings = dataclasses.replace(settings, include_packaged=False)
+    if getattr(args, "ttl", None) is not None:
+        settings = dataclasses.replace(settings, ttl_s=args.ttl)
     return settings
 
 
@@ -147,19 +153,23 @@ def print_catalog(catalog: Catalog) -> None:
 
 def serve(settings: Settings, catalog: Catalog) -> int:
     from bunkhouse.front.app import build_app
-    from bunkhouse.supervisor.pool import PoolOptions, WorkerPool
+    from bunkhouse.residency.estimate import default_budget_bytes
+    from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+    from bunkhouse.supervisor.launcher import LaunchOptions, LocalLauncher
 
     for model_id in settings.preload:
         catalog.get(model_id)
-    pool = WorkerPool(catalog, PoolOptions(settings.ready_timeout_s, settings.stop_grace_s))
-    app = build_app(catalog, pool, settings.preload)
-    log.info(
-        "serving %d model(s) on http://%s:%d (default: %s)",
-        len(catalog),
-        settings.host,
-        settings.port,
-        catalog.default_id,
+    budget = settings.budget_bytes or default_budget_bytes()
+    launcher = LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s))
+    residency = ResidencyManager(
+        catalog,
+        ResidencyOptions(budget_bytes=budget, ttl_s=settings.ttl_s,
+                         admission_wait_s=settings.admission_wait_s),
+        launcher.start,
     )
+    app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close)
+    log.info("serving %d model(s) on http://%s:%d (default: %s), memory budget %d MiB",
+             len(catalog), settings.host, settings.port, catalog.default_id, budget // 2**20)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -185,6 +195,41 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def ps(url: str) -> int:
+    import httpx
+
+    try:
+        stats = httpx.get(f"{url.rstrip('/')}/stats", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        print(f"bunkhouse: error: cannot read {url}/stats: {e}; is `bunkhouse serve` running "
+              "there? (--url sets the address)", file=sys.stderr)
+        return 1
+    print(format_ps(stats))
+    return 0
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+def format_ps(stats: dict[str, Any]) -> str:
+    header = ("ID", "STATE", "PINNED", "LEASES", "ESTIMATED", "MEASURED", "IDLE", "PID")
+    now = time.time()
+    rows = [header] + [
+        (m["id"], m["state"], "yes" if m["pinned"] else "no", str(m["leases"]),
+         _mib(m["estimated_bytes"]), _mib(m["measured_bytes"]),
+         f"{now - m['last_used']:.0f} s" if m["last_used"] else "-", str(m["pid"] or "-"))
+        for m in stats["models"]
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    lines.append("")
+    lines.append(f"budget {_mib(stats['budget_bytes'])}, used {_mib(stats['used_bytes'])}, "
+                 f"free {_mib(stats['free_bytes'])}, peak {_mib(stats['peak_used_bytes'])}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(
@@ -192,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.command == "ps":
+        return ps(args.url)
     try:
         settings = settings_from(args)
         catalog = build_catalog(settings)

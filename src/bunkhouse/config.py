@@ -5,17 +5,21 @@ The TOML file (``--config FILE``) looks like::
     default_model = "qwen"          # optional; else the first [[models]], else the packaged one
     models_dirs = ["~/models"]      # optional; added to --models-dir
     include_packaged = true         # optional; serve the models shipped in Python packages
+    budget = "8GiB"                 # optional; memory all workers together may use
 
     [defaults]                      # optional; per-model defaults for every model
     context = 8192                  # total context shared by the slots (tokens)
     parallel = 4                    # slots: requests decoded at once
-    cache_ram_mib = 256             # engine's RAM prompt cache
+    cache_ram_mib = 0               # engine's RAM prompt cache (counted in the estimate)
     threads = 2                     # CPU threads of each worker
+
+    ttl = 0                         # idle seconds before a model is unloaded; 0: never
 
     [[models]]
     id = "qwen"
     path = "~/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     context = 4096                  # any key of [defaults] may be set per model
+    pinned = true                   # never evicted
 
 Unknown keys are errors, so that a typo never silently does nothing.
 """
@@ -40,7 +44,7 @@ class EngineOptions:
 
     context: int = 8192
     parallel: int = 4
-    cache_ram_mib: int = 256
+    cache_ram_mib: int = 0  # off: it would grow a worker beyond its estimate
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
 
     def validate(self, where: str) -> EngineOptions:
@@ -64,6 +68,8 @@ class ModelEntry:
     id: str
     path: Path
     options: dict[str, int]
+    pinned: bool = False
+    ttl_s: float | None = None  # None: the global ttl
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,9 @@ class Settings:
     include_packaged: bool = True
     defaults: EngineOptions = field(default_factory=EngineOptions)
     entries: tuple[ModelEntry, ...] = ()
+    budget_bytes: int | None = None  # None: a share of this machine's memory
+    ttl_s: float = 0.0  # idle unload after this many seconds; 0: never
+    admission_wait_s: float = 30.0  # how long a load waits for leased models to let go
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     ready_timeout_s: float = 120.0
     stop_grace_s: float = 10.0
@@ -102,7 +111,26 @@ def check_model_id(model_id: str, where: str) -> str:
 
 
 _OPTION_KEYS = frozenset({"context", "parallel", "cache_ram_mib", "threads"})
-_TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models"})
+_TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models",
+                       "budget"})
+_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"8GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"1000000"``."""
+    m = _SIZE_RE.match(text)
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None:
+        raise ConfigError(f"{text!r} is not a size; write e.g. 8GiB, 512MiB or 2000000000")
+    return int(float(m.group(1)) * unit)
+
+
+def _ttl(value: object, where: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{where}: ttl must be a number of seconds >= 0, not {value!r}")
+    return float(value)
 
 
 def engine_options(base: EngineOptions, overrides: dict[str, int], where: str) -> EngineOptions:
@@ -110,7 +138,7 @@ def engine_options(base: EngineOptions, overrides: dict[str, int], where: str) -
 
 
 def _options(table: dict[str, Any], where: str, extra: frozenset[str]) -> dict[str, int]:
-    unknown = set(table) - _OPTION_KEYS - extra
+    unknown = set(table) - _OPTION_KEYS - extra - {"ttl"}
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
     out: dict[str, int] = {}
@@ -126,7 +154,7 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: must be a table")
-    options = _options(table, where, frozenset({"id", "path"}))
+    options = _options(table, where, frozenset({"id", "path", "pinned"}))
     model_id, path = table.get("id"), table.get("path")
     if not isinstance(model_id, str) or not isinstance(path, str):
         raise ConfigError(f"{where}: needs string keys 'id' and 'path'")
@@ -135,7 +163,11 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
     resolved = Path(path).expanduser()
     if not resolved.is_absolute():
         resolved = base_dir / resolved
-    return ModelEntry(model_id, resolved, options)
+    pinned = table.get("pinned", False)
+    if not isinstance(pinned, bool):
+        raise ConfigError(f"{where}: pinned must be true or false")
+    ttl = _ttl(table["ttl"], where) if "ttl" in table else None
+    return ModelEntry(model_id, resolved, options, pinned, ttl)
 
 
 def load_config_file(path: Path, settings: Settings) -> Settings:
@@ -166,6 +198,11 @@ def load_config_file(path: Path, settings: Settings) -> Settings:
     default_model = data.get("default_model")
     if default_model is not None and not isinstance(default_model, str):
         raise ConfigError(f"{path}: 'default_model' must be a string")
+    ttl_s = _ttl(defaults_table["ttl"], "[defaults]") if "ttl" in defaults_table else settings.ttl_s
+    budget = data.get("budget")
+    if budget is not None and not isinstance(budget, str | int):
+        raise ConfigError(f"{path}: 'budget' must be a size such as \"8GiB\"")
+    budget_bytes = settings.budget_bytes or (None if budget is None else parse_size(str(budget)))
     include_packaged = data.get("include_packaged", settings.include_packaged)
     if not isinstance(include_packaged, bool):
         raise ConfigError(f"{path}: 'include_packaged' must be true or false")
@@ -177,6 +214,8 @@ def load_config_file(path: Path, settings: Settings) -> Settings:
         models_dirs=settings.models_dirs + tuple(Path(d).expanduser() for d in dirs),
         default_model=settings.default_model or default_model,
         include_packaged=include_packaged,
+        ttl_s=ttl_s,
+        budget_bytes=budget_bytes,
     )
 
 

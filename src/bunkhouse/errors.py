@@ -13,6 +13,8 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     │   └── ModelNotFound               404 invalid_request_error / model_not_found
     ├── MethodNotAllowed                405 invalid_request_error / method_not_allowed
     ├── WorkerLoadFailed                503 server_error / model_load_failed
+    ├── InsufficientMemory              503 server_error / insufficient_memory (+ Retry-After)
+    ├── ModelTooLarge                   503 server_error / model_too_large
     └── EngineUnavailable               502 server_error / engine_unavailable
 
 Lower layers raise these with ``raise ... from`` the original exception; the HTTP edge turns
@@ -85,6 +87,27 @@ class WorkerLoadFailed(BunkhouseError):
 
     status = 503
     code = "model_load_failed"
+
+
+class InsufficientMemory(BunkhouseError):
+    """The model would fit once leased models let go, but they did not within the wait."""
+
+    status = 503
+    code = "insufficient_memory"
+
+    def __init__(self, message: str, *, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class ModelTooLarge(BunkhouseError):
+    """The model can never fit the memory budget (less what pinned models hold)."""
+
+    status = 503
+    code = "model_too_large"
 
 
 class EngineUnavailable(BunkhouseError):

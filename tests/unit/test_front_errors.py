@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 from bunkhouse.catalog import build_catalog
 from bunkhouse.config import Settings
 from bunkhouse.front.app import build_app
-from bunkhouse.supervisor.pool import PoolOptions, WorkerPool
+from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from tests.helpers import write_tiny_gguf
 
 
@@ -20,8 +20,11 @@ from tests.helpers import write_tiny_gguf
 def client(tmp_path: Path) -> Iterator[TestClient]:
     write_tiny_gguf(tmp_path / "tiny.gguf")
     catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False))
-    # No request below reaches a worker: each is refused before the pool is asked.
-    with TestClient(build_app(catalog, WorkerPool(catalog, PoolOptions()))) as c:
+    async def no_workers(model: object) -> Any:
+        raise AssertionError("no request here may reach a worker")
+
+    residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**30), no_workers)
+    with TestClient(build_app(catalog, residency)) as c:
         yield c
 
 

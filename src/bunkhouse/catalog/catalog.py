@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bunkhouse.catalog import packaged
 from bunkhouse.catalog.gguf_meta import GGUFInfo, read_gguf_info
-from bunkhouse.config import EngineOptions, Settings, engine_options
+from bunkhouse.config import EngineOptions, ModelEntry, Settings, engine_options
 from bunkhouse.errors import ConfigError, GGUFError, ModelNotFound, PackagedModelError
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ class CatalogModel:
     info: GGUFInfo
     options: EngineOptions
     size_bytes: int
+    pinned: bool = False  # never evicted
+    ttl_s: float | None = None  # idle unload; None: the global ttl
 
 
 class Catalog:
@@ -89,16 +91,14 @@ def _effective_options(
     return options
 
 
-def _model(
-    model_id: str,
-    path: Path,
-    source: str,
-    settings: Settings,
-    overrides: dict[str, int] | None = None,
-) -> CatalogModel:
+def _model(model_id: str, path: Path, source: str, settings: Settings,
+           entry: ModelEntry | None = None) -> CatalogModel:
     info = read_gguf_info(path)
-    options = _effective_options(settings.defaults, overrides or {}, info, f"model {model_id!r}")
-    return CatalogModel(model_id, path, source, info, options, path.stat().st_size)
+    overrides = entry.options if entry else {}
+    options = _effective_options(settings.defaults, overrides, info, f"model {model_id!r}")
+    return CatalogModel(model_id, path, source, info, options, path.stat().st_size,
+                        pinned=entry.pinned if entry else False,
+                        ttl_s=entry.ttl_s if entry else None)
 
 
 def _from_config(settings: Settings) -> Iterator[CatalogModel]:
@@ -106,7 +106,7 @@ def _from_config(settings: Settings) -> Iterator[CatalogModel]:
         if not entry.path.is_file():
             raise ConfigError(f"model {entry.id!r}: no file at {entry.path}")
         try:
-            yield _model(entry.id, entry.path.resolve(), "config", settings, entry.options)
+            yield _model(entry.id, entry.path.resolve(), "config", settings, entry)
         except GGUFError as e:
             raise ConfigError(f"model {entry.id!r}: {e.message}") from e
 

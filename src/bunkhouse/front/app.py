@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -24,7 +25,7 @@ from bunkhouse.api.schemas import (
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.errors import BunkhouseError, MethodNotAllowed, NotFound, error_body
 from bunkhouse.front.proxy import forward
-from bunkhouse.supervisor.pool import WorkerPool
+from bunkhouse.residency.manager import ResidencyManager
 
 log = logging.getLogger(__name__)
 
@@ -32,32 +33,36 @@ Schema = type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingR
 
 
 class Front:
-    """Route handlers over one catalog and one worker pool."""
+    """Route handlers over one catalog and one residency manager."""
 
-    def __init__(self, catalog: Catalog, pool: WorkerPool) -> None:
+    def __init__(self, catalog: Catalog, residency: ResidencyManager) -> None:
         self.catalog = catalog
-        self.pool = pool
+        self.residency = residency
 
     def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             body = await request.body()
             parsed = validate(schema, parse_json_object(body))
             model = self.catalog.get(parsed.model)
-            worker = await self.pool.get(model)
-            return await forward(
-                worker.client, path, body, stream=parsed.stream, request=request, model_id=model.id
-            )
+            lease = await self.residency.acquire(model)
+            try:
+                return await forward(lease.worker.client, path, body, stream=parsed.stream,
+                                     request=request, model_id=model.id,
+                                     on_done=lease.release)
+            except BaseException:
+                lease.release()  # idempotent: forward may have released it already
+                raise
 
         return handler
 
     def model_object(self, model: CatalogModel) -> dict[str, Any]:
-        worker = self.pool.worker(model.id)
+        status = self.residency.status(model.id)
         return {
             "id": model.id,
             "object": "model",
             "created": int(os.stat(model.path).st_mtime),
             "owned_by": "bunkhouse",
-            "state": self.pool.state(model.id),
+            "state": status.state,
             "source": model.source,
             "architecture": model.info.architecture,
             "size_bytes": model.size_bytes,
@@ -65,8 +70,13 @@ class Front:
             "parallel": model.options.parallel,
             "chat_template": model.info.has_chat_template,
             "default": model.id == self.catalog.default_id,
-            "pid": worker.pid if worker else None,
-            "measured_bytes": worker.memory_bytes() if worker else None,
+            "pinned": status.pinned,
+            "leases": status.leases,
+            "last_used": status.last_used,
+            "estimated_bytes": status.estimated_bytes,
+            "measured_bytes": status.measured_bytes,
+            "pid": status.pid,
+            "last_error": status.last_error,
         }
 
     async def list_models(self, request: Request) -> Response:
@@ -77,8 +87,21 @@ class Front:
         return JSONResponse(self.model_object(self.catalog.get(request.path_params["model_id"])))
 
     async def health(self, request: Request) -> Response:
-        states = {m.id: self.pool.state(m.id) for m in self.catalog}
+        states = {s.id: s.state for s in self.residency.statuses()}
         return JSONResponse({"status": "ok", "models": states})
+
+    async def stats(self, request: Request) -> Response:
+        r = self.residency
+        budget, used = r.options.budget_bytes, r.used_bytes()
+        return JSONResponse({
+            "budget_bytes": budget,
+            "used_bytes": used,
+            "free_bytes": budget - used,
+            "peak_used_bytes": r.peak_bytes,
+            "models": [self.model_object(m) for m in self.catalog],
+            "event_counts": r.events.counts,
+            "events": [e.as_dict() for e in r.events.recent(100)],
+        })
 
 
 async def _bunkhouse_error(request: Request, exc: Exception) -> Response:
@@ -103,17 +126,23 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return await _bunkhouse_error(request, BunkhouseError("internal error; see the server log"))
 
 
-def build_app(catalog: Catalog, pool: WorkerPool, preload: Sequence[str] = ()) -> Starlette:
-    front = Front(catalog, pool)
+def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[str] = (),
+              on_shutdown: Callable[[], None] | None = None) -> Starlette:
+    front = Front(catalog, residency)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        background = asyncio.create_task(residency.run_background())
         try:
             for model_id in preload:
-                await pool.get(catalog.get(model_id))
+                (await residency.acquire(catalog.get(model_id))).release()
             yield
         finally:
-            await pool.close()
+            background.cancel()
+            await asyncio.gather(background, return_exceptions=True)
+            await residency.close()
+            if on_shutdown is not None:
+                on_shutdown()
 
     routes = [
         Route(
@@ -132,6 +161,7 @@ def build_app(catalog: Catalog, pool: WorkerPool, preload: Sequence[str] = ()) -
         Route("/v1/models", front.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", front.get_model, methods=["GET"]),
         Route("/health", front.health, methods=["GET"]),
+        Route("/stats", front.stats, methods=["GET"]),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         BunkhouseError: _bunkhouse_error,

@@ -11,12 +11,13 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from bunkhouse.errors import EngineUnavailable, envelope, error_body
 
@@ -35,46 +36,69 @@ def engine_error(status: int, body: bytes) -> JSONResponse:
     return JSONResponse(envelope(message, type_, "engine_error"), status_code=status)
 
 
-async def forward(
-    client: httpx.AsyncClient,
-    path: str,
-    body: bytes,
-    *,
-    stream: bool,
-    request: Request,
-    model_id: str,
-) -> Response:
-    """Send ``body`` to the worker behind ``client`` and relay its answer."""
+def _nothing() -> None:
+    pass
+
+
+async def forward(client: httpx.AsyncClient, path: str, body: bytes, *, stream: bool,
+                  request: Request, model_id: str,
+                  on_done: Callable[[], None] = _nothing) -> Response:
+    """Send ``body`` to the worker behind ``client`` and relay its answer.
+
+    ``on_done`` runs once the upstream exchange is over: for a stream, when the relay ends
+    (completed, broken or the client gone), else before the answer is returned. If this
+    raises, ``on_done`` may not have run.
+    """
     upstream = client.build_request("POST", path, content=body, headers=_JSON)
     if stream:
-        return await _forward_stream(client, upstream, model_id)
-    return await _forward_once(client, upstream, request, model_id)
+        return await _forward_stream(client, upstream, model_id, on_done)
+    try:
+        return await _forward_once(client, upstream, request, model_id)
+    finally:
+        on_done()
 
 
-async def _send(
-    client: httpx.AsyncClient, upstream: httpx.Request, model_id: str
-) -> httpx.Response:
+async def _send(client: httpx.AsyncClient, upstream: httpx.Request,
+                model_id: str) -> httpx.Response:
     try:
         return await client.send(upstream, stream=True)
     except httpx.TransportError as e:
         raise EngineUnavailable(f"model {model_id!r}: worker unreachable: {e!r}") from e
 
 
-async def _forward_stream(
-    client: httpx.AsyncClient, upstream: httpx.Request, model_id: str
-) -> Response:
+async def _forward_stream(client: httpx.AsyncClient, upstream: httpx.Request, model_id: str,
+                          on_done: Callable[[], None]) -> Response:
     resp = await _send(client, upstream, model_id)
     if resp.status_code >= 400:
         try:
             return engine_error(resp.status_code, await resp.aread())
         finally:
             await resp.aclose()
-    return StreamingResponse(
-        _relay(resp, model_id),
-        status_code=resp.status_code,
-        media_type=resp.headers.get("content-type", "text/event-stream"),
-        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-    )
+            on_done()
+    return _Relay(resp, model_id, on_done)
+
+
+class _Relay(StreamingResponse):
+    """Streams the worker's answer; closes it and calls ``on_done`` however the send ends,
+    even when the client is gone before the first byte (the body iterator never starts)."""
+
+    def __init__(self, upstream: httpx.Response, model_id: str,
+                 on_done: Callable[[], None]) -> None:
+        super().__init__(
+            _relay(upstream, model_id),
+            status_code=upstream.status_code,
+            media_type=upstream.headers.get("content-type", "text/event-stream"),
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+        self._upstream = upstream
+        self._on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._upstream.aclose()
+            self._on_done()
 
 
 async def _relay(resp: httpx.Response, model_id: str) -> AsyncIterator[bytes]:

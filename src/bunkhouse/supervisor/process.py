@@ -142,6 +142,10 @@ class WorkerProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def alive(self) -> bool:
+        return self.state is WorkerState.READY
+
     def stderr_tail(self, lines: int = _QUOTED_LINES) -> str:
         return "\n".join(list(self._stderr)[-lines:])
 
@@ -174,6 +178,9 @@ class WorkerProcess:
         except WorkerLoadFailed:
             self._set_state(WorkerState.FAILED, "load failed")
             await self.stop()
+            raise
+        except asyncio.CancelledError:
+            await self.stop()  # never leave a half-started worker behind
             raise
         self.ready_at = time.monotonic()
         self._set_state(

@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
     p.add_argument("--socket", required=True, type=Path)
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--cache-ram-mib", type=int, default=256)
+    p.add_argument("--cache-ram-mib", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--engine", default=DEFAULT_ENGINE, help="module:Class of the engine")
     p.add_argument(

@@ -25,6 +25,8 @@ def build_params(config: WorkerConfig) -> Any:
     params.n_ctx = config.context  # total context, shared by the slots
     params.n_parallel = config.parallel
     params.cont_batching = True
+    params.n_batch = 2048
+    params.n_ubatch = 512  # residency.estimate assumes this micro-batch (SWA cache size)
     params.kv_unified = False  # each slot owns context / parallel tokens: predictable KV need
     params.cache_ram_mib = config.cache_ram_mib
     params.cpuparams.n_threads = config.threads

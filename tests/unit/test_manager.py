@@ -1,0 +1,291 @@
+"""The residency manager with fake workers and an injected clock: no processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bunkhouse.catalog import CatalogModel
+from bunkhouse.catalog.gguf_meta import GGUFInfo
+from bunkhouse.config import EngineOptions
+from bunkhouse.errors import InsufficientMemory, ModelTooLarge, WorkerLoadFailed
+from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+
+GIB = 1024**3
+INFO = GGUFInfo("fake", None, 4096, 0, 64, 1, 1, 64, 64, None, None, None, 0)
+
+
+def model(id: str, gib: float = 4, *, pinned: bool = False,
+          ttl_s: float | None = None) -> CatalogModel:
+    return CatalogModel(id, Path(f"/models/{id}.gguf"), "config", INFO,
+                        EngineOptions(context=4096, parallel=1, cache_ram_mib=0, threads=1),
+                        int(gib * GIB), pinned=pinned, ttl_s=ttl_s)
+
+
+class FakeWorker:
+    def __init__(self, m: CatalogModel) -> None:
+        self.model = m
+        self.pid = 1000 + len(m.id)
+        self.stopped = False
+        self.client = httpx.AsyncClient()
+
+    @property
+    def alive(self) -> bool:
+        return not self.stopped
+
+    def memory_bytes(self) -> int:
+        return self.model.size_bytes
+
+    async def stop(self) -> None:
+        self.stopped = True
+        await self.client.aclose()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Host:
+    """A manager over fake workers that records every start and how many overlap."""
+
+    def __init__(self, models: list[CatalogModel], budget_gib: float = 10,
+                 admission_wait_s: float = 30, ttl_s: float = 0) -> None:
+        self.clock = Clock()
+        self.starts: list[str] = []
+        self.running = 0
+        self.max_concurrent_starts = 0
+        self.workers: list[FakeWorker] = []
+        self.fail: set[str] = set()
+        self.gate: asyncio.Event | None = None
+        options = ResidencyOptions(budget_bytes=int(budget_gib * GIB), ttl_s=ttl_s,
+                                   admission_wait_s=admission_wait_s, drain_grace_s=1)
+        self.manager = ResidencyManager(models, options, self.start, clock=self.clock)
+        self.models = {m.id: m for m in models}
+
+    async def start(self, m: CatalogModel) -> FakeWorker:
+        self.starts.append(m.id)
+        self.running += 1
+        self.max_concurrent_starts = max(self.max_concurrent_starts, self.running)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            await asyncio.sleep(0.01)
+            if m.id in self.fail:
+                raise WorkerLoadFailed(f"model {m.id!r} failed to load")
+        finally:
+            self.running -= 1
+        w = FakeWorker(m)
+        self.workers.append(w)
+        return w
+
+    def state(self, id: str) -> str:
+        return self.manager.status(id).state
+
+    async def use(self, id: str) -> None:
+        (await self.manager.acquire(self.models[id])).release()
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_concurrent_acquires_of_a_cold_model_share_one_load() -> None:
+    async def go() -> None:
+        h = Host([model("a")])
+        leases = await asyncio.gather(*(h.manager.acquire(h.models["a"]) for _ in range(10)))
+        assert h.starts == ["a"]
+        assert h.manager.status("a").leases == 10
+        assert len({id(lease.worker) for lease in leases}) == 1
+        for lease in leases:
+            lease.release()
+        assert h.manager.status("a").leases == 0
+
+    run(go())
+
+
+def test_cold_starts_are_serialized() -> None:
+    async def go() -> None:
+        h = Host([model("a", 1), model("b", 1), model("c", 1)])
+        await asyncio.gather(h.use("a"), h.use("b"), h.use("c"))
+        assert sorted(h.starts) == ["a", "b", "c"]
+        assert h.max_concurrent_starts == 1
+
+    run(go())
+
+
+def test_release_is_idempotent_and_updates_last_used() -> None:
+    async def go() -> None:
+        h = Host([model("a")])
+        lease = await h.manager.acquire(h.models["a"])
+        h.clock.now += 50
+        lease.release()
+        lease.release()
+        status = h.manager.status("a")
+        assert status.leases == 0
+        assert status.last_used is not None
+
+    run(go())
+
+
+def test_least_recently_used_is_evicted_and_its_worker_stopped() -> None:
+    async def go() -> None:
+        h = Host([model("a"), model("b"), model("c")], budget_gib=10)
+        await h.use("a")
+        h.clock.now += 1
+        await h.use("b")
+        h.clock.now += 1
+        await h.use("a")  # now b is the least recently used
+        h.clock.now += 1
+        await h.use("c")
+        assert (h.state("a"), h.state("b"), h.state("c")) == ("ready", "absent", "ready")
+        assert [w.model.id for w in h.workers if w.stopped] == ["b"]
+        assert h.manager.used_bytes() <= 10 * GIB
+        kinds = [(e.model, e.kind) for e in h.manager.events.recent()]
+        assert ("b", "draining") in kinds and ("b", "absent") in kinds
+
+    run(go())
+
+
+def test_pinned_model_is_never_evicted() -> None:
+    async def go() -> None:
+        h = Host([model("a", 6, pinned=True), model("b", 6)], budget_gib=10)
+        await h.use("a")
+        with pytest.raises(ModelTooLarge, match="pinned models hold"):
+            await h.use("b")
+        assert h.state("a") == "ready" and h.starts == ["a"]
+
+    run(go())
+
+
+def test_leased_model_is_never_evicted_and_the_load_waits_for_it() -> None:
+    async def go() -> None:
+        h = Host([model("a", 6), model("b", 6)], budget_gib=10)
+        lease = await h.manager.acquire(h.models["a"])
+        waiting = asyncio.create_task(h.use("b"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and h.state("a") == "ready" and h.starts == ["a"]
+        lease.release()  # the stream ends: now a may go
+        await waiting
+        assert (h.state("a"), h.state("b")) == ("absent", "ready")
+
+    run(go())
+
+
+def test_wait_is_bounded_then_insufficient_memory() -> None:
+    async def go() -> None:
+        h = Host([model("a", 6), model("b", 6)], budget_gib=10, admission_wait_s=0.1)
+        h.manager._clock = __import__("time").monotonic  # real time for the bound
+        lease = await h.manager.acquire(h.models["a"])
+        with pytest.raises(InsufficientMemory) as info:
+            await h.use("b")
+        assert info.value.status == 503 and info.value.headers()["Retry-After"] == "5"
+        assert "a" in info.value.message
+        assert h.state("a") == "ready"
+        lease.release()
+
+    run(go())
+
+
+def test_model_bigger_than_the_budget_fails_at_once_naming_both_sizes() -> None:
+    async def go() -> None:
+        h = Host([model("huge", 12)], budget_gib=10)
+        with pytest.raises(ModelTooLarge, match=r"needs 12433 MiB but the memory budget is 10240"):
+            await h.use("huge")
+        assert h.starts == []
+
+    run(go())
+
+
+def test_ttl_unloads_idle_models_but_not_pinned_or_leased() -> None:
+    async def go() -> None:
+        h = Host([model("a", 1), model("b", 1, pinned=True), model("c", 1, ttl_s=1000)],
+                 ttl_s=60)
+        await h.use("a")
+        await h.use("b")
+        await h.use("c")
+        held = await h.manager.acquire(h.models["c"])
+        h.clock.now += 61
+        await h.manager.expire_idle()
+        assert (h.state("a"), h.state("b"), h.state("c")) == ("absent", "ready", "ready")
+        held.release()
+        h.clock.now += 2000
+        await h.manager.expire_idle()
+        assert h.state("c") == "absent"
+
+    run(go())
+
+
+def test_failed_load_reaches_every_waiter_and_the_next_acquire_retries() -> None:
+    async def go() -> None:
+        h = Host([model("a")])
+        h.fail.add("a")
+        results = await asyncio.gather(*(h.use("a") for _ in range(3)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, WorkerLoadFailed) for r in results)
+        assert h.starts == ["a"] and h.state("a") == "failed"
+        assert h.manager.status("a").last_error
+        h.fail.clear()
+        await h.use("a")
+        assert h.starts == ["a", "a"] and h.state("a") == "ready"
+
+    run(go())
+
+
+def test_dead_worker_is_replaced_on_the_next_acquire() -> None:
+    async def go() -> None:
+        h = Host([model("a")])
+        await h.use("a")
+        h.workers[0].stopped = True  # it died
+        await h.use("a")
+        assert h.starts == ["a", "a"] and h.state("a") == "ready"
+
+    run(go())
+
+
+def test_pause_all_waits_for_leases_and_holds_new_ones() -> None:
+    async def go() -> None:
+        h = Host([model("a", 1), model("b", 1)])
+        lease = await h.manager.acquire(h.models["a"])
+        await h.use("b")
+        order: list[str] = []
+
+        async def pauser() -> None:
+            async with h.manager.pause_all():
+                order.append("paused")
+                await asyncio.sleep(0.05)
+                order.append("resuming")
+
+        async def late() -> None:
+            await asyncio.sleep(0.01)
+            await h.use("b")
+            order.append("late request served")
+
+        pause, other = asyncio.create_task(pauser()), asyncio.create_task(late())
+        await asyncio.sleep(0.03)
+        assert order == []  # the pause waits for a's lease
+        lease.release()
+        await asyncio.gather(pause, other)
+        assert order == ["paused", "resuming", "late request served"]
+
+    run(go())
+
+
+def test_close_stops_every_worker() -> None:
+    async def go() -> None:
+        h = Host([model("a", 1), model("b", 1)])
+        await h.use("a")
+        await h.use("b")
+        await h.manager.close()
+        assert all(w.stopped for w in h.workers)
+        assert (h.state("a"), h.state("b")) == ("absent", "absent")
+
+    run(go())
