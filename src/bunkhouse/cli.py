@@ -15,8 +15,8 @@ import uvicorn
 
 from bunkhouse import __version__
 from bunkhouse.catalog import Catalog, build_catalog
-from bunkhouse.config import Settings, load_config_file
-from bunkhouse.errors import BunkhouseError
+from bunkhouse.config import Settings, load_config_file, parse_size
+from bunkhouse.errors import BunkhouseError, ConfigError
 
 log = logging.getLogger("bunkhouse")
 
@@ -93,10 +93,28 @@ def parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds a worker gets to stop before SIGKILL (%(default)s)",
     )
+    serve.add_argument("--budget", type=_size, metavar="SIZE",
+                       help="memory all workers together may use, e.g. 8GiB or 512MiB "
+                            "(default: half of this machine's RAM)")
+    serve.add_argument("--ttl", type=float, metavar="S",
+                       help="unload a model idle for S seconds (default 0: never)")
+    serve.add_argument("--admission-wait", type=float, default=30.0, metavar="S",
+                       help="how long a load waits for models in use to make room before "
+                            "503 insufficient_memory (%(default)s)")
     _common(serve)
     models = sub.add_parser("models", help="list the model catalog")
     _common(models)
+    ps = sub.add_parser("ps", help="show a running server's models, memory and budget")
+    ps.add_argument("--url", default="http://127.0.0.1:8080",
+                    help="the server's address (%(default)s)")
     return p
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(e.message) from e
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -232,13 +250,13 @@ def format_ps(stats: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "ps":
+        return ps(args.url)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command == "ps":
-        return ps(args.url)
     try:
         settings = settings_from(args)
         catalog = build_catalog(settings)

@@ -5,12 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import shutil
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -18,53 +13,18 @@ import openai
 import psutil
 import pytest
 
-from tests.helpers import free_port, wait_for
+from tests.e2e.server import Server, serve
+from tests.helpers import wait_for
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 GEMMA = "gemma-3-270m"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen[bytes]
-
-    def model(self, model_id: str) -> dict[str, Any]:
-        data: dict[str, Any] = httpx.get(f"{self.url}/v1/models/{model_id}").json()
-        return data
-
-
-def _up(url: str, proc: subprocess.Popen[bytes]) -> bool:
-    if proc.poll() is not None:
-        raise AssertionError(f"bunkhouse serve exited with code {proc.returncode}")
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("wb")
-    exe = shutil.which("bunkhouse") or sys.executable
-    argv = [exe] if exe.endswith("bunkhouse") else [exe, "-m", "bunkhouse"]
-    proc = subprocess.Popen([*argv, "serve", "--port", str(port)], stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _up(url, proc), 60, "bunkhouse serve to answer /health")
-        yield Server(url, proc)
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        _, alive = psutil.wait_procs(workers, timeout=5)
-        assert not alive, f"workers left running: {alive}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with serve(tmp_path_factory.mktemp("serve")) as running:
+        yield running
 
 
 def test_curl_style_chat_uses_the_default_model(server: Server) -> None:
@@ -154,6 +114,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(server: Server) -> None:
     # 2000 tokens would keep a slot busy for about a minute; the disconnect must end it now.
     wait_for(lambda: not any(s["is_processing"] for s in _worker_slots(server, QWEN)),
              10, "every slot of the worker to be idle after the disconnect")
+    wait_for(lambda: server.model(QWEN)["leases"] == 0, 10, "the stream's lease to end")
     reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                        json={"model": QWEN, "messages": FRANCE, "max_tokens": 16})
     assert reply.status_code == 200 and "Paris" in reply.text

@@ -1,0 +1,74 @@
+"""`bunkhouse serve` in a subprocess on a free port, stopped as a user would stop it."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from tests.helpers import free_port, wait_for
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(f"{self.url}/v1/models/{model_id}").json()
+        return data
+
+    def stats(self) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(f"{self.url}/stats").json()
+        return data
+
+    def workers(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+
+def _up(url: str, proc: subprocess.Popen[bytes]) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError(f"bunkhouse serve exited with code {proc.returncode}")
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextmanager
+def serve(workdir: Path, *args: str) -> Iterator[Server]:
+    """Start `bunkhouse serve ARGS`; on exit SIGTERM it and check it left no worker behind."""
+    port = free_port()
+    log_path = workdir / "serve.log"
+    exe = shutil.which("bunkhouse")
+    argv = [exe] if exe else [sys.executable, "-m", "bunkhouse"]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([*argv, "serve", "--port", str(port), *args],
+                                stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(url, proc), 60, "bunkhouse serve to answer /health")
+        server = Server(url, proc, log_path)
+        yield server
+        workers = server.workers()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        _, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive, f"workers left running: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
