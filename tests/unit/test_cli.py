@@ -45,3 +45,17 @@ def test_help_explains_serve(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--models-dir", "--config", "--preload"):
         assert flag in out
+
+
+def test_bad_budget_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--budget", "lots"])
+    assert info.value.code == 2
+    assert "not a size" in capsys.readouterr().err
+
+
+def test_ps_without_a_server_says_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.helpers import free_port
+
+    assert main(["ps", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
+    assert "is `bunkhouse serve` running" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 
 from bunkhouse.catalog import build_catalog
 from bunkhouse.catalog.catalog import gguf_files
-from bunkhouse.config import EngineOptions, Settings, load_config_file
+from bunkhouse.config import EngineOptions, Settings, load_config_file, parse_size
 from bunkhouse.errors import ConfigError, ModelNotFound
 from tests.helpers import write_tiny_gguf
 
@@ -105,3 +105,48 @@ def test_packaged_default_is_qwen() -> None:
     catalog = build_catalog(Settings())
     assert catalog.default_id == "qwen2.5-coder-0.5b-instruct"
     assert catalog.get(None).info.has_chat_template
+
+
+def test_pins_ttls_and_budget_from_the_config(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "a.gguf")
+    path = _config(tmp_path, """
+budget = "1.5GiB"
+[defaults]
+ttl = 300
+[[models]]
+id = "pinned"
+path = "a.gguf"
+pinned = true
+[[models]]
+id = "quick"
+path = "a.gguf"
+ttl = 5
+""")
+    settings = load_config_file(path, _settings())
+    assert settings.budget_bytes == int(1.5 * 2**30) and settings.ttl_s == 300
+    catalog = build_catalog(settings)
+    assert (catalog.get("pinned").pinned, catalog.get("pinned").ttl_s) == (True, None)
+    assert (catalog.get("quick").pinned, catalog.get("quick").ttl_s) == (False, 5.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[[models]]\nid='x'\npath='a'\npinned='yes'\n", "pinned must be true or false"),
+        ("[[models]]\nid='x'\npath='a'\nttl=-1\n", "ttl must be a number"),
+        ("[defaults]\nttl='long'\n", "ttl must be a number"),
+        ("budget = 'lots'\n", "not a size"),
+    ],
+)
+def test_residency_config_errors(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config_file(_config(tmp_path, text), _settings())
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("8GiB", 8 * 2**30), ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+     ("1000", 1000), ("2kib", 2048)],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
