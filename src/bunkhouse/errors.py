@@ -15,6 +15,7 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     ├── WorkerLoadFailed                503 server_error / model_load_failed
     ├── InsufficientMemory              503 server_error / insufficient_memory (+ Retry-After)
     ├── ModelTooLarge                   503 server_error / model_too_large
+    ├── ModelFailed                     503 server_error / model_failed (+ Retry-After)
     └── EngineUnavailable               502 server_error / engine_unavailable
 
 Lower layers raise these with ``raise ... from`` the original exception; the HTTP edge turns
@@ -101,6 +102,12 @@ class InsufficientMemory(BunkhouseError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class ModelFailed(InsufficientMemory):
+    """The model's workers kept dying; it rests until its cool-down passes."""
+
+    code = "model_failed"
 
 
 class ModelTooLarge(BunkhouseError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +13,9 @@ import pytest
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
-from bunkhouse.errors import InsufficientMemory, ModelTooLarge, WorkerLoadFailed
+from bunkhouse.errors import InsufficientMemory, ModelFailed, ModelTooLarge, WorkerLoadFailed
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+from bunkhouse.supervisor.restart import RestartPolicy
 
 GIB = 1024**3
 INFO = GGUFInfo("fake", None, 4096, 0, 64, 1, 1, 64, 64, None, None, None, 0)
@@ -33,6 +34,22 @@ class FakeWorker:
         self.pid = 1000 + len(m.id)
         self.stopped = False
         self.client = httpx.AsyncClient()
+        self.on_exit: Callable[[], None] | None = None
+        self.exit_cause: str | None = None
+        self.answers = True  # to probes
+
+    async def probe(self, timeout_s: float) -> bool:
+        return self.answers
+
+    def kill(self) -> None:
+        self.die("killed")
+
+    def die(self, cause: str) -> None:
+        """The process exits on its own (or is killed): as the real watcher reports it."""
+        self.stopped = True
+        self.exit_cause = cause
+        if self.on_exit is not None:
+            self.on_exit()
 
     @property
     def alive(self) -> bool:
@@ -44,6 +61,9 @@ class FakeWorker:
     async def stop(self) -> None:
         self.stopped = True
         await self.client.aclose()
+
+
+FAST_RESTART = RestartPolicy(backoff_s=0.001)
 
 
 class Clock:
@@ -58,7 +78,8 @@ class Host:
     """A manager over fake workers that records every start and how many overlap."""
 
     def __init__(self, models: list[CatalogModel], budget_gib: float = 10,
-                 admission_wait_s: float = 30, ttl_s: float = 0) -> None:
+                 admission_wait_s: float = 30, ttl_s: float = 0,
+                 restart: RestartPolicy = FAST_RESTART) -> None:
         self.clock = Clock()
         self.starts: list[str] = []
         self.running = 0
@@ -67,7 +88,8 @@ class Host:
         self.fail: set[str] = set()
         self.gate: asyncio.Event | None = None
         options = ResidencyOptions(budget_bytes=int(budget_gib * GIB), ttl_s=ttl_s,
-                                   admission_wait_s=admission_wait_s, drain_grace_s=1)
+                                   admission_wait_s=admission_wait_s, drain_grace_s=1,
+                                   restart=restart, probe_interval_s=0)
         self.manager = ResidencyManager(models, options, self.start, clock=self.clock)
         self.models = {m.id: m for m in models}
 
@@ -287,5 +309,99 @@ def test_close_stops_every_worker() -> None:
         await h.manager.close()
         assert all(w.stopped for w in h.workers)
         assert (h.state("a"), h.state("b")) == ("absent", "absent")
+
+    run(go())
+
+
+async def _until(h: Host, check: Callable[[], bool]) -> None:
+    """Wait on the manager's change events until ``check`` holds (run() bounds it)."""
+    while not check():
+        await h.manager._wait_changed(0.05)
+
+
+def test_a_crashed_worker_is_respawned_with_the_same_model() -> None:
+    async def go() -> None:
+        h = Host([model("a")])
+        await h.use("a")
+        h.clock.now += 100  # it ran a while: no backoff
+        h.workers[0].die("exit code -9")
+        await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
+        assert h.starts == ["a", "a"]
+        kinds = [e.kind for e in h.manager.events.recent() if e.model == "a"]
+        assert kinds[-4:] == ["absent", "respawning", "loading", "ready"]
+        assert "crashed" in kinds
+        await h.use("a")
+
+    run(go())
+
+
+def test_a_crash_loop_ends_in_failed_after_the_budget_without_a_storm() -> None:
+    async def go() -> None:
+        h = Host([model("a")], restart=RestartPolicy(max_restarts=3, backoff_s=0.001,
+                                                     cooldown_s=60))
+        h.fail.add("a")
+        outcomes = []
+        for _ in range(8):
+            try:
+                await h.use("a")
+            except (WorkerLoadFailed, ModelFailed) as e:
+                outcomes.append(type(e).__name__)
+        assert h.starts == ["a"] * 4  # the first try and 3 restarts, then no more spawns
+        assert outcomes == ["WorkerLoadFailed"] * 4 + ["ModelFailed"] * 4
+        status = h.manager.status("a")
+        assert status.state == "failed" and "failed to load" in (status.last_error or "")
+        with pytest.raises(ModelFailed) as info:
+            await h.use("a")
+        assert info.value.status == 503 and int(info.value.headers()["Retry-After"]) > 0
+        h.fail.clear()
+        h.clock.now += 61  # the cool-down passes
+        await h.use("a")
+        assert h.state("a") == "ready" and len(h.starts) == 5
+
+    run(go())
+
+
+def test_quick_deaths_back_off_exponentially() -> None:
+    async def go() -> None:
+        h = Host([model("a")], restart=RestartPolicy(max_restarts=10, backoff_s=0.05))
+        await h.use("a")
+        loop = asyncio.get_running_loop()
+        gaps = []
+        for n in range(3):
+            before = loop.time()
+            h.workers[-1].die("crashed at once")
+            await _until(h, lambda n=n: len(h.workers) == n + 2 and h.state("a") == "ready")
+            gaps.append(loop.time() - before)
+        assert gaps[0] >= 0.05 and gaps[1] >= 0.1 and gaps[2] >= 0.2
+
+    run(go())
+
+
+def test_a_worker_that_stops_answering_probes_is_replaced() -> None:
+    async def go() -> None:
+        h = Host([model("a")])
+        await h.use("a")
+        h.workers[0].answers = False
+        for _ in range(2):
+            h.manager._probe_due()
+            await _until(h, lambda: not h.manager._entries["a"].probing)
+        await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
+        assert h.workers[0].stopped and h.workers[0].exit_cause == "killed"
+
+    run(go())
+
+
+def test_a_worker_that_fails_every_request_is_replaced() -> None:
+    async def go() -> None:
+        h = Host([model("a")])
+        for ok in (False, True, False, False):  # a success resets the count
+            lease = await h.manager.acquire(h.models["a"])
+            lease.report(ok)
+            lease.release()
+        assert len(h.workers) == 1
+        lease = await h.manager.acquire(h.models["a"])
+        lease.report(False)  # the third failure in a row
+        lease.release()
+        await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
 
     run(go())

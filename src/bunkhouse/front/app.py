@@ -23,7 +23,13 @@ from bunkhouse.api.schemas import (
     validate,
 )
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.errors import BunkhouseError, MethodNotAllowed, NotFound, error_body
+from bunkhouse.errors import (
+    BunkhouseError,
+    EngineUnavailable,
+    MethodNotAllowed,
+    NotFound,
+    error_body,
+)
 from bunkhouse.front.proxy import forward
 from bunkhouse.residency.manager import ResidencyManager
 
@@ -46,12 +52,18 @@ class Front:
             model = self.catalog.get(parsed.model)
             lease = await self.residency.acquire(model)
             try:
-                return await forward(lease.worker.client, path, body, stream=parsed.stream,
-                                     request=request, model_id=model.id,
-                                     on_done=lease.release)
+                response = await forward(lease.worker.client, path, body,
+                                         stream=parsed.stream, request=request,
+                                         model_id=model.id, on_done=lease.release)
+            except EngineUnavailable:
+                lease.report(False)
+                lease.release()
+                raise
             except BaseException:
                 lease.release()  # idempotent: forward may have released it already
                 raise
+            lease.report(response.status_code < 500)
+            return response
 
         return handler
 

@@ -21,17 +21,19 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import httpx
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.errors import InsufficientMemory, ModelTooLarge
+from bunkhouse.errors import InsufficientMemory, ModelFailed, ModelTooLarge
 from bunkhouse.residency import policy
 from bunkhouse.residency.estimate import MemoryEstimate, estimate
 from bunkhouse.residency.events import EventLog
+from bunkhouse.supervisor import restart
+from bunkhouse.supervisor.restart import RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ MIB = 1024 * 1024
 
 class WorkerHandle(Protocol):
     """What the manager needs of a started worker."""
+
+    on_exit: Callable[[], None] | None  # called once if it dies while ready
+    exit_cause: str | None
 
     @property
     def pid(self) -> int | None: ...
@@ -51,6 +56,10 @@ class WorkerHandle(Protocol):
     def client(self) -> httpx.AsyncClient: ...
 
     def memory_bytes(self) -> int | None: ...
+
+    async def probe(self, timeout_s: float) -> bool: ...
+
+    def kill(self) -> None: ...
 
     async def stop(self) -> None: ...
 
@@ -67,7 +76,7 @@ class State(enum.Enum):
 
 
 _TRANSITIONS: dict[State, frozenset[State]] = {
-    State.ABSENT: frozenset({State.LOADING}),
+    State.ABSENT: frozenset({State.LOADING, State.FAILED}),  # failed: a crash loop gave up
     State.LOADING: frozenset({State.READY, State.FAILED}),
     State.READY: frozenset({State.DRAINING}),
     State.DRAINING: frozenset({State.ABSENT}),
@@ -82,6 +91,11 @@ class ResidencyOptions:
     admission_wait_s: float = 30.0
     drain_grace_s: float = 30.0
     retry_after_s: int = 5
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    probe_interval_s: float = 5.0  # liveness: the engine's main loop must answer this often
+    probe_timeout_s: float = 5.0
+    probe_failures: int = 2  # consecutive failed probes before the worker is replaced
+    generation_failures: int = 3  # consecutive 5xx/broken requests before it is replaced
 
 
 class _Entry:
@@ -98,6 +112,16 @@ class _Entry:
         self.pinned = model.pinned
         self.loading: asyncio.Task[None] | None = None
         self.last_error: str | None = None
+        # supervision
+        self.spawned_at = 0.0
+        self.failures: list[float] = []  # when workers died or failed to load
+        self.quick_deaths = 0
+        self.next_delay_s = 0.0  # backoff before the next spawn
+        self.failed_until: float | None = None
+        self.probe_failures = 0
+        self.probing = False
+        self.last_probe = 0.0
+        self.failed_requests = 0
 
     @property
     def bytes(self) -> int:
@@ -133,6 +157,10 @@ class Lease:
             self._released = True
             self._manager._release(self._entry)
 
+    def report(self, ok: bool) -> None:
+        """Whether the worker answered this request (a 5xx or a broken connection: no)."""
+        self._manager._report(self._entry, self.worker, ok)
+
 
 class ResidencyManager:
     def __init__(self, models: Iterable[CatalogModel], options: ResidencyOptions,
@@ -148,6 +176,7 @@ class ResidencyManager:
         self._changed = asyncio.Event()
         self._paused = 0
         self.peak_bytes = 0
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -182,6 +211,15 @@ class ResidencyManager:
             if entry.state is State.DRAINING:
                 await self._wait_changed(None)
                 continue
+            if entry.state is State.FAILED and entry.failed_until is not None:
+                remaining = entry.failed_until - self._clock()
+                if remaining > 0:
+                    raise ModelFailed(
+                        f"model {entry.model.id!r} is failed: {entry.last_error}; it will be "
+                        f"tried again in {remaining:.0f} s", retry_after_s=max(1, int(remaining)))
+                entry.failures.clear()
+                entry.quick_deaths = 0
+                entry.failed_until = None
             task = entry.loading
             if task is None or task.done():  # a finished load that did not stick: load again
                 task = entry.loading = asyncio.create_task(self._load(entry))
@@ -200,21 +238,31 @@ class ResidencyManager:
     # -- load and evict --------------------------------------------------------------------
 
     async def _load(self, entry: _Entry) -> None:
+        if entry.next_delay_s:
+            log.info("model %s: waiting %.0f s before the next start (crash-loop backoff)",
+                     entry.model.id, entry.next_delay_s)
+            await asyncio.sleep(entry.next_delay_s)
         deadline = self._clock() + self.options.admission_wait_s
         async with self._cold_start:
             if entry.state is State.READY:
                 return
             await self._make_room(entry, deadline)
             self._set_state(entry, State.LOADING, f"estimated {entry.estimate.total // MIB} MiB")
+            entry.spawned_at = self._clock()
             try:
                 worker = await self._start_worker(entry.model)
-            except BaseException as e:
-                entry.last_error = str(e)
-                self._set_state(entry, State.FAILED, type(e).__name__)
+            except asyncio.CancelledError:
+                self._set_state(entry, State.FAILED, "cancelled")
                 raise
+            except Exception as e:
+                self._after_failure(entry, str(e), mark_failed=True)
+                raise
+            worker.on_exit = lambda: self._worker_exited(entry, worker)
             entry.worker = worker
             entry.measured = worker.memory_bytes()
             entry.last_error = None
+            entry.next_delay_s = 0.0
+            entry.probe_failures = entry.failed_requests = 0
             measured = f"{entry.measured // MIB} MiB" if entry.measured else "unknown"
             self._set_state(entry, State.READY,
                             f"pid {worker.pid}, measured {measured}, "
@@ -266,6 +314,92 @@ class ResidencyManager:
         if entry.state is State.READY:
             await self._evict(entry, reason)
 
+    # -- supervision: crashes, restart budget, liveness ------------------------------------
+
+    def _worker_exited(self, entry: _Entry, worker: WorkerHandle) -> None:
+        if entry.worker is worker and entry.state is State.READY:
+            self._spawn_task(self._recover(entry, worker.exit_cause or "worker exited"))
+
+    async def _recover(self, entry: _Entry, cause: str) -> None:
+        """A ready worker died: clear it out, then respawn it under the restart budget."""
+        self.events.emit(entry.model.id, "crashed", cause)
+        await self._evict(entry, "crashed")
+        if self._after_failure(entry, cause, mark_failed=False):
+            self.events.emit(entry.model.id, "respawning",
+                             f"after {entry.next_delay_s:.0f} s backoff")
+            await self.acquire_and_release(entry.model)
+
+    async def acquire_and_release(self, model: CatalogModel) -> None:
+        (await self.acquire(model)).release()
+
+    def _after_failure(self, entry: _Entry, cause: str, *, mark_failed: bool) -> bool:
+        """Count a failure; give up past the restart budget. True: it may be tried again."""
+        now = self._clock()
+        entry.failures.append(now)
+        quick = now - entry.spawned_at < self.options.restart.quick_death_s
+        entry.quick_deaths = entry.quick_deaths + 1 if quick else 0
+        entry.last_error = cause
+        decision = restart.decide(self.options.restart, entry.failures, entry.quick_deaths, now)
+        if isinstance(decision, restart.GiveUp):
+            entry.failed_until = now + self.options.restart.cooldown_s
+            entry.next_delay_s = 0.0
+            self._set_state(entry, State.FAILED,
+                            f"{decision.failures} failures in {decision.window_s:.0f} s; "
+                            f"cooling down {self.options.restart.cooldown_s:.0f} s: {cause}")
+            return False
+        entry.next_delay_s = decision.delay_s
+        if mark_failed:
+            self._set_state(entry, State.FAILED, cause)
+        return True
+
+    def _report(self, entry: _Entry, worker: WorkerHandle, ok: bool) -> None:
+        if entry.worker is not worker:
+            return
+        entry.failed_requests = 0 if ok else entry.failed_requests + 1
+        if entry.failed_requests >= self.options.generation_failures and worker.alive:
+            log.error("model %s: %d requests in a row failed; replacing worker pid %s",
+                      entry.model.id, entry.failed_requests, worker.pid)
+            worker.kill()
+
+    def _probe_due(self) -> None:
+        now = self._clock()
+        for entry in self._entries.values():
+            if (entry.state is State.READY and entry.worker is not None and not entry.probing
+                    and now - entry.last_probe >= self.options.probe_interval_s):
+                entry.probing, entry.last_probe = True, now
+                self._spawn_task(self._probe(entry, entry.worker))
+
+    async def _probe(self, entry: _Entry, worker: WorkerHandle) -> None:
+        try:
+            ok = await worker.probe(self.options.probe_timeout_s)
+        finally:
+            entry.probing = False
+        if entry.worker is not worker:
+            return
+        entry.probe_failures = 0 if ok else entry.probe_failures + 1
+        if entry.probe_failures >= self.options.probe_failures and worker.alive:
+            log.error("model %s: worker pid %s did not answer %d probes; replacing it",
+                      entry.model.id, worker.pid, entry.probe_failures)
+            worker.kill()
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background residency task failed: %s", task.exception())
+
+    def reset_failure(self, model_id: str) -> None:
+        """An operator's reload: forget the model's failures and let it load again."""
+        entry = self._entries[model_id]
+        entry.failures.clear()
+        entry.quick_deaths = 0
+        entry.failed_until = None
+        entry.next_delay_s = 0.0
+
     # -- background: ttl and measurements --------------------------------------------------
 
     async def expire_idle(self) -> None:
@@ -290,6 +424,7 @@ class ResidencyManager:
         """Refresh measured memory and apply ttls, every ``interval_s``, until cancelled."""
         while True:
             self.refresh_measurements()
+            self._probe_due()
             await self.expire_idle()
             await asyncio.sleep(interval_s)
 
@@ -320,9 +455,10 @@ class ResidencyManager:
     async def close(self) -> None:
         """Stop every worker (concurrently)."""
         loads = [e.loading for e in self._entries.values() if e.loading and not e.loading.done()]
-        for task in loads:
+        background = [*loads, *self._tasks]
+        for task in background:
             task.cancel()
-        await asyncio.gather(*loads, return_exceptions=True)
+        await asyncio.gather(*background, return_exceptions=True)
         ready = [e for e in self._entries.values() if e.state is State.READY]
         await asyncio.gather(*(self._evict(e, "shutdown") for e in ready),
                              return_exceptions=True)

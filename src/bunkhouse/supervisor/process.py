@@ -119,6 +119,8 @@ class WorkerProcess:
         self.launch = launch
         self._spawner = spawner
         self.state = WorkerState.NEW
+        self.on_exit: Callable[[], None] | None = None  # called once if it dies while ready
+        self.exit_cause: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._stderr: deque[str] = deque(maxlen=_STDERR_LINES)
         self._tasks: list[asyncio.Task[None]] = []
@@ -231,14 +233,28 @@ class WorkerProcess:
         code = await proc.wait()
         if self.state is WorkerState.READY:
             await self._drain_output()
-            log.error(
-                "model %s: worker pid %d exited unexpectedly with code %s; last output:\n%s",
-                self.model.id,
-                proc.pid,
-                code,
-                self.stderr_tail(),
-            )
+            self.exit_cause = f"worker exited with code {code}"
+            if self.stderr_tail(1):
+                self.exit_cause += f"; its last output: {self.stderr_tail(3)}"
+            log.error("model %s: worker pid %d exited unexpectedly with code %s; last output:\n%s",
+                      self.model.id, proc.pid, code, self.stderr_tail())
             self._set_state(WorkerState.EXITED, f"exit code {code}")
+            if self.on_exit is not None:
+                self.on_exit()
+
+    async def probe(self, timeout_s: float) -> bool:
+        """Whether the engine's main loop answers: /slots is served by it, /health is not."""
+        try:
+            resp = await self.client.get("/slots", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    def kill(self) -> None:
+        """SIGKILL now: for a worker that no longer answers. Its exit is handled as a crash."""
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
 
     async def stop(self) -> None:
         """SIGTERM, wait up to the grace period, then SIGKILL. Idempotent."""
