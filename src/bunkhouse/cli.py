@@ -17,6 +17,7 @@ from bunkhouse import __version__
 from bunkhouse.catalog import Catalog, build_catalog
 from bunkhouse.config import Settings, load_config_file, parse_size
 from bunkhouse.errors import BunkhouseError, ConfigError
+from bunkhouse.worker.main import DEFAULT_ENGINE
 
 log = logging.getLogger("bunkhouse")
 
@@ -101,6 +102,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--admission-wait", type=float, default=30.0, metavar="S",
                        help="how long a load waits for models in use to make room before "
                             "503 insufficient_memory (%(default)s)")
+    serve.add_argument("--probe-interval", type=float, default=5.0, metavar="S",
+                       help="liveness: a worker whose engine does not answer two probes in a "
+                            "row, S seconds apart, is replaced (%(default)s)")
+    serve.add_argument("--engine", default=DEFAULT_ENGINE, metavar="MODULE:CLASS",
+                       help="the worker engine to load (default: llama.cpp)")
     _common(serve)
     models = sub.add_parser("models", help="list the model catalog")
     _common(models)
@@ -130,6 +136,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         log_level=args.log_level,
         budget_bytes=getattr(args, "budget", None),
         admission_wait_s=getattr(args, "admission_wait", 30.0),
+        probe_interval_s=getattr(args, "probe_interval", 5.0),
+        engine=getattr(args, "engine", DEFAULT_ENGINE),
     )
     if args.config is not None:
         settings = load_config_file(args.config.expanduser(), settings)
@@ -178,11 +186,14 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     for model_id in settings.preload:
         catalog.get(model_id)
     budget = settings.budget_bytes or default_budget_bytes()
-    launcher = LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s))
+    launcher = LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
+                                           settings.engine))
     residency = ResidencyManager(
         catalog,
         ResidencyOptions(budget_bytes=budget, ttl_s=settings.ttl_s,
-                         admission_wait_s=settings.admission_wait_s),
+                         admission_wait_s=settings.admission_wait_s,
+                         probe_interval_s=settings.probe_interval_s,
+                         probe_timeout_s=settings.probe_interval_s),
         launcher.start,
     )
     app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close)

@@ -86,6 +86,8 @@ class Settings:
     budget_bytes: int | None = None  # None: a share of this machine's memory
     ttl_s: float = 0.0  # idle unload after this many seconds; 0: never
     admission_wait_s: float = 30.0  # how long a load waits for leased models to let go
+    probe_interval_s: float = 5.0  # liveness probes of each ready worker
+    engine: str = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"  # module:Class
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     ready_timeout_s: float = 120.0
     stop_grace_s: float = 10.0

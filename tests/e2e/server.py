@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,7 @@ def _up(url: str, proc: subprocess.Popen[bytes]) -> bool:
 
 
 @contextmanager
-def serve(workdir: Path, *args: str) -> Iterator[Server]:
+def serve(workdir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
     """Start `bunkhouse serve ARGS`; on exit SIGTERM it and check it left no worker behind."""
     port = free_port()
     log_path = workdir / "serve.log"
@@ -57,7 +58,8 @@ def serve(workdir: Path, *args: str) -> Iterator[Server]:
     argv = [exe] if exe else [sys.executable, "-m", "bunkhouse"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen([*argv, "serve", "--port", str(port), *args],
-                                stdout=log, stderr=log)
+                                stdout=log, stderr=log,
+                                env={**os.environ, **env} if env else None)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _up(url, proc), 60, "bunkhouse serve to answer /health")

@@ -1,0 +1,89 @@
+"""Fault paths with real worker processes running the fault engine (tests/fault_engine.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tests.e2e.server import Server, serve
+from tests.helpers import wait_for, write_tiny_gguf
+
+ENGINE = "tests.fault_engine:FaultEngine"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _serve_faulty(tmp_path: Path, faults: dict[str, dict[str, object]], *args: str):  # type: ignore[no-untyped-def]
+    models = tmp_path / "models"
+    for model_id in faults:
+        write_tiny_gguf(models / f"{model_id}.gguf")
+    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(ROOT)}
+    return serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--engine", ENGINE,
+                 *args, env=env)
+
+
+def _ask(server: Server, model: str, **extra: object) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        **extra})
+
+
+def _kinds(server: Server, model: str) -> list[str]:
+    return [e["kind"] for e in server.stats()["events"] if e["model"] == model]
+
+
+def test_a_crash_loop_ends_in_failed_after_the_budget(tmp_path: Path) -> None:
+    with _serve_faulty(tmp_path, {"crashy": {"fail_load": "weights are garbage"}}) as server:
+        codes = [_ask(server, "crashy").json()["error"]["code"] for _ in range(7)]
+        assert codes == ["model_load_failed"] * 4 + ["model_failed"] * 3
+        assert _kinds(server, "crashy").count("loading") == 4  # 1 + 3 restarts: no storm
+        last = _ask(server, "crashy")
+        assert last.status_code == 503 and int(last.headers["retry-after"]) > 0
+        assert "weights are garbage" in last.json()["error"]["message"]
+        assert server.model("crashy")["state"] == "failed"
+
+
+def test_a_worker_crashing_mid_stream_is_respawned(tmp_path: Path) -> None:
+    with _serve_faulty(tmp_path, {"flaky": {"crash_after_tokens": 3}}) as server:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30, json={
+                "model": "flaky", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 10, "stream": True}) as resp:
+            lines = [line for line in resp.iter_lines() if line]
+        assert lines[:3] == [line for line in lines[:3] if line.startswith("data: ")]
+        assert lines[3] == "event: error"
+        assert json.loads(lines[4][6:])["error"]["code"] == "engine_unavailable"
+        wait_for(lambda: "respawning" in _kinds(server, "flaky"), 10, "the respawn")
+        assert _ask(server, "flaky").status_code == 200
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
+    with _serve_faulty(tmp_path, {"stubborn": {"ignore_sigterm": True}},
+                       "--stop-grace", "1") as server:
+        assert _ask(server, "stubborn").status_code == 200
+        worker = psutil.Process(server.model("stubborn")["pid"])
+        started = time.monotonic()
+        server.proc.terminate()
+        assert server.proc.wait(timeout=20) == 0
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+        assert time.monotonic() - started < 15
+        assert "ignored SIGTERM" in server.log.read_text()
+
+
+def test_a_hung_worker_is_detected_and_replaced(tmp_path: Path) -> None:
+    with _serve_faulty(tmp_path, {"hangs": {"hang_after_requests": 1}},
+                       "--probe-interval", "0.5") as server:
+        assert _ask(server, "hangs").status_code == 200  # from now on it answers nothing
+        first = server.model("hangs")["pid"]
+        wait_for(lambda: server.model("hangs")["pid"] not in (first, None)
+                 and server.model("hangs")["state"] == "ready", 20, "a replacement worker")
+        assert "crashed" in _kinds(server, "hangs")
+        assert _ask(server, "hangs").status_code == 200
+
+
+def test_a_worker_failing_every_generation_is_replaced(tmp_path: Path) -> None:
+    with _serve_faulty(tmp_path, {"broken": {"fail_generation": True}}) as server:
+        assert [_ask(server, "broken").status_code for _ in range(3)] == [500] * 3
+        wait_for(lambda: "crashed" in _kinds(server, "broken"), 10, "the replacement")

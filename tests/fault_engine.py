@@ -1,0 +1,132 @@
+"""A worker engine with injected faults, speaking the same worker API as llama.cpp's server.
+
+The worker loads it by import path (``--engine tests.fault_engine:FaultEngine``); faults come
+from the environment, per model id: ``BUNKHOUSE_FAULTS='{"m": {"crash_after_tokens": 3}}'``.
+
+- ``load_delay_s``: seconds before it serves;
+- ``fail_load``: a message; the load fails with it;
+- ``crash_after_tokens``: the process exits (code 70) after streaming this many tokens;
+- ``ignore_sigterm``: SIGTERM does nothing (only SIGKILL stops it);
+- ``hang_after_requests``: after this many generations, nothing answers any more;
+- ``fail_generation``: health answers, every generation is a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socketserver
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+from bunkhouse.worker.engine import EngineLoadError, WorkerConfig
+
+_TOKEN_INTERVAL_S = 0.01
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class FaultEngine:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        all_faults = json.loads(os.environ.get("BUNKHOUSE_FAULTS", "{}"))
+        self.faults: dict[str, Any] = all_faults.get(config.model_id, {})
+        self.requests = 0
+        self._server: _Server | None = None
+
+    def start(self) -> None:
+        time.sleep(float(self.faults.get("load_delay_s", 0)))
+        if self.faults.get("fail_load"):
+            raise EngineLoadError(f"fault engine: {self.faults['fail_load']}")
+        if self.faults.get("ignore_sigterm"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        engine = self
+
+        class Handler(_Handler):
+            pass
+
+        Handler.engine = engine
+        self._server = _Server(str(self.config.socket), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+
+    def hung(self) -> bool:
+        limit = self.faults.get("hang_after_requests")
+        return limit is not None and self.requests >= int(limit)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    engine: FaultEngine
+    protocol_version = "HTTP/1.1"  # streams are chunked, as llama.cpp's are
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _json(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.send_header("connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        self.wfile.write(data)
+
+    def _hang_if_hung(self) -> None:
+        if self.engine.hung():
+            time.sleep(3600)
+
+    def do_GET(self) -> None:
+        self._hang_if_hung()
+        if self.path == "/health":
+            self._json(200, {"status": "ok"})
+        elif self.path == "/slots":
+            self._json(200, [{"id": 0, "is_processing": False}])
+        else:
+            self._json(404, {"error": {"message": "not found", "type": "not_found_error"}})
+
+    def do_POST(self) -> None:
+        self._hang_if_hung()
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        self.engine.requests += 1
+        faults = self.engine.faults
+        if faults.get("fail_generation"):
+            self._json(500, {"error": {"message": "fault engine: generation failed",
+                                       "type": "server_error"}})
+            return
+        tokens = int(body.get("max_tokens") or 16)
+        model = self.engine.config.model_id
+        if not body.get("stream"):
+            text = " ".join(f"t{i}" for i in range(tokens))
+            self._json(200, {"object": "chat.completion", "model": model, "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": text},
+                 "finish_reason": "length"}]})
+            return
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.send_header("connection", "close")
+        self.end_headers()
+        crash_after = faults.get("crash_after_tokens")
+        for i in range(tokens):
+            if crash_after is not None and i >= int(crash_after):
+                os._exit(70)
+            chunk = {"object": "chat.completion.chunk", "model": model,
+                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+            self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+            time.sleep(_TOKEN_INTERVAL_S)
+        self._chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+        self.close_connection = True
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
