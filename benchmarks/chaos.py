@@ -22,7 +22,7 @@ from collections import Counter
 import httpx
 import psutil
 
-from benchmarks.overhead import _bunkhouse_argv, _free_port, _process, _wait_http
+from benchmarks.common import bunkhouse_argv, free_port, process, wait_http
 
 MODELS = ("qwen2.5-coder-0.5b-instruct", "gemma-3-270m")
 REQUEST_TIMEOUT_S = 60.0
@@ -56,8 +56,8 @@ def one_request(url: str, model: str, rng: random.Random) -> str:
 
 
 def run(duration_s: float, clients: int, seed: int) -> dict[str, int]:
-    port = _free_port()
-    argv = [*_bunkhouse_argv(), "serve", "--port", str(port), "--preload", MODELS[0],
+    port = free_port()
+    argv = [*bunkhouse_argv(), "serve", "--port", str(port), "--preload", MODELS[0],
             "--preload", MODELS[1], "--probe-interval", "2"]
     url = f"http://127.0.0.1:{port}"
     outcomes: Counter[str] = Counter()
@@ -65,8 +65,8 @@ def run(duration_s: float, clients: int, seed: int) -> dict[str, int]:
     kills = 0
     stop = threading.Event()
     lock = threading.Lock()
-    with _process(argv, "chaos-bunkhouse") as front, httpx.Client() as client:
-        _wait_http(client, f"{url}/health", front)
+    with process(argv, "chaos-bunkhouse") as front, httpx.Client() as client:
+        wait_http(client, f"{url}/health", front)
         front_ps = psutil.Process(front.pid)
 
         def load(i: int) -> None:

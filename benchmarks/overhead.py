@@ -20,20 +20,15 @@ import argparse
 import json
 import os
 import secrets
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import psutil
 
+from benchmarks.common import bunkhouse_argv, free_port, process, wait_http
 from bunkhouse.catalog import build_catalog
 from bunkhouse.config import Settings
 
@@ -54,55 +49,6 @@ class Sample:
     ttft_s: float
     decode_tps: float
     tokens: int
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _wait_http(client: httpx.Client, url: str, proc: subprocess.Popen[bytes],
-               timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        try:
-            if client.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready in {timeout_s} s")
-
-
-LOG_DIR = Path(__file__).parent / "results"
-
-
-@contextmanager
-def _process(argv: list[str], name: str) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``argv`` with its output in benchmarks/results/NAME.log; stop it on exit."""
-    LOG_DIR.mkdir(exist_ok=True)
-    with (LOG_DIR / f"{name}.log").open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _bunkhouse_argv() -> list[str]:
-    exe = shutil.which("bunkhouse")
-    return [exe] if exe else [sys.executable, "-m", "bunkhouse"]
 
 
 def stream_once(client: httpx.Client, target: Target, prompt: str, tokens: int) -> Sample:
@@ -142,20 +88,20 @@ def run(rounds: int, tokens: int) -> tuple[dict[str, list[Sample]], float]:
     """Samples per target, and the CPU seconds the front process spent meanwhile."""
     model = build_catalog(Settings()).get(MODEL)
     o = model.options
-    engine_port, front_port, key = _free_port(), _free_port(), secrets.token_hex(16)
+    engine_port, front_port, key = free_port(), free_port(), secrets.token_hex(16)
     engine_argv = [
         sys.executable, "-m", "benchmarks.engine_server", "--model-id", MODEL,
         "--model-path", str(model.path), "--port", str(engine_port), "--api-key", key,
         "--context", str(o.context), "--parallel", str(o.parallel),
         "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
     ]
-    front_argv = [*_bunkhouse_argv(), "serve", "--port", str(front_port), "--preload", MODEL]
+    front_argv = [*bunkhouse_argv(), "serve", "--port", str(front_port), "--preload", MODEL]
     front_url = f"http://127.0.0.1:{front_port}"
-    with _process(engine_argv, "engine-tcp") as engine, \
-            _process(front_argv, "bunkhouse") as front, \
+    with process(engine_argv, "engine-tcp") as engine, \
+            process(front_argv, "bunkhouse") as front, \
             httpx.Client(limits=_NO_KEEPALIVE) as client:
-        _wait_http(client, f"http://127.0.0.1:{engine_port}/health", engine)
-        _wait_http(client, f"{front_url}/health", front)
+        wait_http(client, f"http://127.0.0.1:{engine_port}/health", engine)
+        wait_http(client, f"{front_url}/health", front)
         uds = httpx.HTTPTransport(uds=_worker_socket(front_url), limits=_NO_KEEPALIVE)
         targets = [
             Target("engine-tcp", f"http://127.0.0.1:{engine_port}", api_key=key),

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from benchmarks.overhead import _bunkhouse_argv, _free_port, _process, _wait_http
+from benchmarks.common import bunkhouse_argv, free_port, process, wait_http
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 GEMMA = "gemma-3-270m"
@@ -29,13 +29,13 @@ BUDGET = "800MiB"
 
 @contextmanager
 def _server(preload: str | None) -> Iterator[str]:
-    port = _free_port()
-    argv = [*_bunkhouse_argv(), "serve", "--port", str(port), "--budget", BUDGET]
+    port = free_port()
+    argv = [*bunkhouse_argv(), "serve", "--port", str(port), "--budget", BUDGET]
     if preload:
         argv += ["--preload", preload]
-    with _process(argv, "swap-bunkhouse") as proc, httpx.Client() as client:
+    with process(argv, "swap-bunkhouse") as proc, httpx.Client() as client:
         url = f"http://127.0.0.1:{port}"
-        _wait_http(client, f"{url}/health", proc)
+        wait_http(client, f"{url}/health", proc)
         yield url
 
 
