@@ -17,7 +17,7 @@ from bunkhouse import __version__
 from bunkhouse.catalog import Catalog, build_catalog
 from bunkhouse.config import Settings, load_config_file, parse_size
 from bunkhouse.errors import BunkhouseError, ConfigError
-from bunkhouse.worker.main import DEFAULT_ENGINE
+from bunkhouse.worker.engine import DEFAULT_ENGINE
 
 log = logging.getLogger("bunkhouse")
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bunkhouse.errors import ConfigError
+from bunkhouse.worker.engine import DEFAULT_ENGINE
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -87,7 +88,7 @@ class Settings:
     ttl_s: float = 0.0  # idle unload after this many seconds; 0: never
     admission_wait_s: float = 30.0  # how long a load waits for leased models to let go
     probe_interval_s: float = 5.0  # liveness probes of each ready worker
-    engine: str = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"  # module:Class
+    engine: str = DEFAULT_ENGINE  # module:Class of the worker engine
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     ready_timeout_s: float = 120.0
     stop_grace_s: float = 10.0

@@ -50,8 +50,8 @@ def _up(url: str, proc: subprocess.Popen[bytes]) -> bool:
 
 
 @contextmanager
-def serve(workdir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """Start `bunkhouse serve ARGS`; on exit SIGTERM it and check it left no worker behind."""
+def running(workdir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """Start `bunkhouse serve ARGS` and wait for /health; kill it on exit if still alive."""
     port = free_port()
     log_path = workdir / "serve.log"
     exe = shutil.which("bunkhouse")
@@ -63,14 +63,20 @@ def serve(workdir: Path, *args: str, env: dict[str, str] | None = None) -> Itera
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _up(url, proc), 60, "bunkhouse serve to answer /health")
-        server = Server(url, proc, log_path)
-        yield server
-        workers = server.workers()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        _, alive = psutil.wait_procs(workers, timeout=5)
-        assert not alive, f"workers left running: {alive}"
+        yield Server(url, proc, log_path)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def serve(workdir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """Start `bunkhouse serve ARGS`; on exit SIGTERM it and check it left no worker behind."""
+    with running(workdir, *args, env=env) as server:
+        yield server
+        workers = server.workers()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+        _, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive, f"workers left running: {alive}"

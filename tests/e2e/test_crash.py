@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import httpx
 import psutil
 
-from tests.e2e.server import Server, serve
-from tests.helpers import free_port, wait_for
+from tests.e2e.server import Server, running, serve
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -93,32 +89,13 @@ def test_corrupt_gguf_is_a_clear_load_error(tmp_path: Path,
 
 
 def test_sigkill_of_the_front_leaves_no_worker(tmp_path: Path) -> None:
-    port = free_port()
-    exe = shutil.which("bunkhouse")
-    argv = [exe] if exe else [sys.executable, "-m", "bunkhouse"]
-    with (tmp_path / "serve.log").open("wb") as log:
-        proc = subprocess.Popen([*argv, "serve", "--port", str(port), "--preload", QWEN,
-                                 "--preload", "gemma-3-270m"], stdout=log, stderr=log)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, 60, "the front")
-        workers = psutil.Process(proc.pid).children(recursive=True)
+    with running(tmp_path, "--preload", QWEN, "--preload", "gemma-3-270m") as server:
+        workers = server.workers()
         assert len(workers) == 2
-        proc.kill()
-        proc.wait()
+        server.proc.kill()
+        server.proc.wait()
         _, alive = psutil.wait_procs(workers, timeout=2)
         assert not alive, f"orphaned workers: {alive}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_sigterm_of_the_front_lets_a_running_stream_finish(tmp_path: Path) -> None:

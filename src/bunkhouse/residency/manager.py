@@ -327,10 +327,7 @@ class ResidencyManager:
         if self._after_failure(entry, cause, mark_failed=False):
             self.events.emit(entry.model.id, "respawning",
                              f"after {entry.next_delay_s:.0f} s backoff")
-            await self.acquire_and_release(entry.model)
-
-    async def acquire_and_release(self, model: CatalogModel) -> None:
-        (await self.acquire(model)).release()
+            (await self.acquire(entry.model)).release()
 
     def _after_failure(self, entry: _Entry, cause: str, *, mark_failed: bool) -> bool:
         """Count a failure; give up past the restart budget. True: it may be tried again."""
@@ -356,10 +353,8 @@ class ResidencyManager:
         if entry.worker is not worker:
             return
         entry.failed_requests = 0 if ok else entry.failed_requests + 1
-        if entry.failed_requests >= self.options.generation_failures and worker.alive:
-            log.error("model %s: %d requests in a row failed; replacing worker pid %s",
-                      entry.model.id, entry.failed_requests, worker.pid)
-            worker.kill()
+        self._replace_if_failing(entry, worker, entry.failed_requests,
+                                 self.options.generation_failures, "requests in a row failed")
 
     def _probe_due(self) -> None:
         now = self._clock()
@@ -377,9 +372,16 @@ class ResidencyManager:
         if entry.worker is not worker:
             return
         entry.probe_failures = 0 if ok else entry.probe_failures + 1
-        if entry.probe_failures >= self.options.probe_failures and worker.alive:
-            log.error("model %s: worker pid %s did not answer %d probes; replacing it",
-                      entry.model.id, worker.pid, entry.probe_failures)
+        self._replace_if_failing(entry, worker, entry.probe_failures,
+                                 self.options.probe_failures, "liveness probes in a row missed")
+
+    @staticmethod
+    def _replace_if_failing(entry: _Entry, worker: WorkerHandle, failures: int, limit: int,
+                            what: str) -> None:
+        """SIGKILL a worker that failed ``limit`` times in a row; its exit is a crash."""
+        if failures >= limit and worker.alive:
+            log.error("model %s: %d %s; replacing worker pid %s",
+                      entry.model.id, failures, what, worker.pid)
             worker.kill()
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:

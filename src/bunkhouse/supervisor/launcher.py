@@ -10,12 +10,12 @@ from pathlib import Path
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.supervisor.process import (
-    DEFAULT_ENGINE,
     Spawner,
     WorkerLaunch,
     WorkerProcess,
     spawn_local,
 )
+from bunkhouse.worker.engine import DEFAULT_ENGINE
 
 log = logging.getLogger(__name__)
 

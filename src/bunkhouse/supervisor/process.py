@@ -24,10 +24,10 @@ import psutil
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.errors import WorkerLoadFailed
+from bunkhouse.worker.engine import DEFAULT_ENGINE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
 _STDERR_LINES = 200
 _QUOTED_LINES = 12
 _POLL_S = 0.05

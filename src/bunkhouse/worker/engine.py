@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+DEFAULT_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:

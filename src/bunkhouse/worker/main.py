@@ -14,12 +14,16 @@ import sys
 import threading
 from pathlib import Path
 
-from bunkhouse.worker.engine import EngineLoadError, WorkerConfig, load_engine_class
+from bunkhouse.worker.engine import (
+    DEFAULT_ENGINE,
+    EngineLoadError,
+    WorkerConfig,
+    load_engine_class,
+)
 from bunkhouse.worker.lifeline import hold
 
 log = logging.getLogger("bunkhouse.worker")
 
-DEFAULT_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
 EXIT_LOAD_FAILED = 3
 
 
