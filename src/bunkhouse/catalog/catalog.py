@@ -34,6 +34,7 @@ class CatalogModel:
     info: GGUFInfo
     options: EngineOptions
     size_bytes: int
+    modified: int = 0  # the file's mtime, seconds since the epoch ("created" in the API)
     pinned: bool = False  # never evicted
     ttl_s: float | None = None  # idle unload; None: the global ttl
 
@@ -96,8 +97,9 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
     info = read_gguf_info(path)
     overrides = entry.options if entry else {}
     options = _effective_options(settings.defaults, overrides, info, f"model {model_id!r}")
-    return CatalogModel(model_id, path, source, info, options, path.stat().st_size,
-                        pinned=entry.pinned if entry else False,
+    st = path.stat()
+    return CatalogModel(model_id, path, source, info, options, st.st_size,
+                        modified=int(st.st_mtime), pinned=entry.pinned if entry else False,
                         ttl_s=entry.ttl_s if entry else None)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -72,7 +71,7 @@ class Front:
         return {
             "id": model.id,
             "object": "model",
-            "created": int(os.stat(model.path).st_mtime),
+            "created": model.modified,
             "owned_by": "bunkhouse",
             "state": status.state,
             "source": model.source,
