@@ -96,6 +96,13 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._hang_if_hung()
         body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        if self.path == "/apply-template":
+            text = "".join(f"<{m.get('role')}>{m.get('content')}\n" for m in body["messages"])
+            self._json(200, {"prompt": text})
+            return
+        if self.path == "/tokenize":
+            self._json(200, {"tokens": list(range(len(body["content"].split())))})
+            return
         self.engine.requests += 1
         faults = self.engine.faults
         if faults.get("fail_generation"):

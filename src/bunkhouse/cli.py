@@ -105,6 +105,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--probe-interval", type=float, default=5.0, metavar="S",
                        help="liveness: a worker whose engine does not answer two probes in a "
                             "row, S seconds apart, is replaced (%(default)s)")
+    serve.add_argument("--compute-gate", choices=["on", "off"], default="on",
+                       help="on: one model computes at a time, so that workers never "
+                            "oversubscribe the CPU; off: for GPU hosts (%(default)s)")
     serve.add_argument("--engine", default=DEFAULT_ENGINE, metavar="MODULE:CLASS",
                        help="the worker engine to load (default: llama.cpp)")
     _common(serve)
@@ -138,6 +141,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         admission_wait_s=getattr(args, "admission_wait", 30.0),
         probe_interval_s=getattr(args, "probe_interval", 5.0),
         engine=getattr(args, "engine", DEFAULT_ENGINE),
+        compute_gate=getattr(args, "compute_gate", "on") == "on",
     )
     if args.config is not None:
         settings = load_config_file(args.config.expanduser(), settings)
@@ -178,6 +182,7 @@ def print_catalog(catalog: Catalog) -> None:
 
 
 def serve(settings: Settings, catalog: Catalog) -> int:
+    from bunkhouse.front.admission import ComputeGate
     from bunkhouse.front.app import build_app
     from bunkhouse.residency.estimate import default_budget_bytes
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
@@ -196,7 +201,8 @@ def serve(settings: Settings, catalog: Catalog) -> int:
                          probe_timeout_s=settings.probe_interval_s),
         launcher.start,
     )
-    app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close)
+    app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close,
+                    compute=ComputeGate(enabled=settings.compute_gate))
     log.info("serving %d model(s) on http://%s:%d (default: %s), memory budget %d MiB",
              len(catalog), settings.host, settings.port, catalog.default_id, budget // 2**20)
     config = uvicorn.Config(

@@ -12,6 +12,7 @@ The TOML file (``--config FILE``) looks like::
     parallel = 4                    # slots: requests decoded at once
     cache_ram_mib = 0               # engine's RAM prompt cache (counted in the estimate)
     threads = 2                     # CPU threads of each worker
+    queue = 8                       # requests waiting for a slot; beyond: 429 queue_full
 
     ttl = 0                         # idle seconds before a model is unloaded; 0: never
 
@@ -41,19 +42,22 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
-    """How one worker runs its engine. Every field is set explicitly on the engine."""
+    """How one model is served: its engine's settings (each set explicitly on the engine) and
+    its admission queue in the front."""
 
     context: int = 8192
     parallel: int = 4
     cache_ram_mib: int = 0  # off: it would grow a worker beyond its estimate
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    queue: int = 8  # requests waiting for a slot beyond the ones running; more: 429
 
     def validate(self, where: str) -> EngineOptions:
         for name in ("context", "parallel", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}: {name} must be >= 1")
-        if self.cache_ram_mib < 0:
-            raise ConfigError(f"{where}: cache_ram_mib must be >= 0")
+        for name in ("cache_ram_mib", "queue"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}: {name} must be >= 0")
         if self.context < 64 * self.parallel:
             raise ConfigError(
                 f"{where}: context {self.context} leaves fewer than 64 tokens for each of "
@@ -89,6 +93,7 @@ class Settings:
     admission_wait_s: float = 30.0  # how long a load waits for leased models to let go
     probe_interval_s: float = 5.0  # liveness probes of each ready worker
     engine: str = DEFAULT_ENGINE  # module:Class of the worker engine
+    compute_gate: bool = True  # one model computes at a time (CPU hosts)
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     ready_timeout_s: float = 120.0
     stop_grace_s: float = 10.0
@@ -113,7 +118,7 @@ def check_model_id(model_id: str, where: str) -> str:
     return model_id
 
 
-_OPTION_KEYS = frozenset({"context", "parallel", "cache_ram_mib", "threads"})
+_OPTION_KEYS = frozenset({"context", "parallel", "cache_ram_mib", "threads", "queue"})
 _TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models",
                        "budget"})
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,

@@ -9,9 +9,11 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     │   ├── GGUFError                   a file is not a readable GGUF
     │   └── PackagedModelError          a packaged model is missing parts or fails its checksum
     ├── InvalidRequest                  400 invalid_request_error / invalid_request
+    │   └── ContextLengthExceeded       400 invalid_request_error / context_length_exceeded
     ├── NotFound                        404 invalid_request_error / not_found
     │   └── ModelNotFound               404 invalid_request_error / model_not_found
     ├── MethodNotAllowed                405 invalid_request_error / method_not_allowed
+    ├── QueueFull                       429 resource_admission / queue_full (+ Retry-After)
     ├── WorkerLoadFailed                503 server_error / model_load_failed
     ├── InsufficientMemory              503 server_error / insufficient_memory (+ Retry-After)
     ├── ModelTooLarge                   503 server_error / model_too_large
@@ -65,6 +67,23 @@ class InvalidRequest(BunkhouseError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt plus max_tokens can never fit one slot of the model."""
+
+    code = "context_length_exceeded"
+
+
+class QueueFull(BunkhouseError):
+    """Every slot of the model is busy and its queue is full."""
+
+    status = 429
+    type = "resource_admission"
+    code = "queue_full"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
 
 
 class NotFound(BunkhouseError):

@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -25,10 +26,12 @@ from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.errors import (
     BunkhouseError,
     EngineUnavailable,
+    InvalidRequest,
     MethodNotAllowed,
     NotFound,
     error_body,
 )
+from bunkhouse.front.admission import ComputeGate, Send, SlotGate, check_fits
 from bunkhouse.front.proxy import forward
 from bunkhouse.residency.manager import ResidencyManager
 
@@ -40,26 +43,47 @@ Schema = type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingR
 class Front:
     """Route handlers over one catalog and one residency manager."""
 
-    def __init__(self, catalog: Catalog, residency: ResidencyManager) -> None:
+    def __init__(self, catalog: Catalog, residency: ResidencyManager,
+                 compute: ComputeGate) -> None:
         self.catalog = catalog
         self.residency = residency
+        self.compute = compute
+        self._slots: dict[str, SlotGate] = {}
+
+    def slot_gate(self, model: CatalogModel) -> SlotGate:
+        gate = self._slots.get(model.id)
+        if gate is None:
+            o = model.options
+            gate = self._slots[model.id] = SlotGate(model.id, o.parallel, o.queue)
+        return gate
 
     def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             body = await request.body()
-            parsed = validate(schema, parse_json_object(body))
+            data = parse_json_object(body)
+            parsed = validate(schema, data)
             model = self.catalog.get(parsed.model)
             lease = await self.residency.acquire(model)
+            held = _Held(lease.release)
             try:
+                await check_fits(model, path, data, _asker(lease.worker.client, model.id))
+                slots = self.slot_gate(model)
+                await slots.enter()
+                held.push(slots.leave)
+                await self.compute.enter(model.id)
+                held.push(lambda: self.compute.leave(model.id))
+                if await request.is_disconnected():  # gone while it waited: never started
+                    held.close()
+                    return Response(status_code=499)
                 response = await forward(lease.worker.client, path, body,
                                          stream=parsed.stream, request=request,
-                                         model_id=model.id, on_done=lease.release)
+                                         model_id=model.id, on_done=held.close)
             except EngineUnavailable:
                 lease.report(False)
-                lease.release()
+                held.close()
                 raise
             except BaseException:
-                lease.release()  # idempotent: forward may have released it already
+                held.close()  # idempotent: forward may have closed it already
                 raise
             lease.report(response.status_code < 500)
             return response
@@ -115,6 +139,34 @@ class Front:
         })
 
 
+class _Held:
+    """What a request holds (lease, slot, compute turn), released once, in reverse order."""
+
+    def __init__(self, first: Callable[[], None]) -> None:
+        self._releases = [first]
+
+    def push(self, release: Callable[[], None]) -> None:
+        self._releases.append(release)
+
+    def close(self) -> None:
+        while self._releases:
+            self._releases.pop()()
+
+
+def _asker(client: httpx.AsyncClient, model_id: str) -> Send:
+    async def send(path: str, payload: dict[str, Any]) -> Any:
+        try:
+            resp = await client.post(path, json=payload)
+        except httpx.TransportError as e:
+            raise EngineUnavailable(f"model {model_id!r}: worker unreachable: {e!r}") from e
+        if resp.status_code >= 400:
+            raise InvalidRequest(f"model {model_id!r}: the engine refused the prompt: "
+                                 f"{resp.text[:500]}")
+        return resp.json()
+
+    return send
+
+
 async def _bunkhouse_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BunkhouseError)
     if exc.status >= 500:
@@ -138,8 +190,9 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[str] = (),
-              on_shutdown: Callable[[], None] | None = None) -> Starlette:
-    front = Front(catalog, residency)
+              on_shutdown: Callable[[], None] | None = None,
+              compute: ComputeGate | None = None) -> Starlette:
+    front = Front(catalog, residency, compute or ComputeGate())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -1,0 +1,156 @@
+"""Admission: who may run now, who waits, who is turned away.
+
+- :class:`SlotGate`, one per model: as many requests run as the worker has slots; at most
+  ``queue`` more wait; past that, 429 ``queue_full``. Models never wait behind each other's
+  queues.
+- :class:`ComputeGate`, one per host: on a CPU host two workers decoding at once
+  oversubscribe the cores and both collapse (DESIGN.md "Compute contention"), so one model
+  computes at a time. The model holding the gate keeps admitting its own requests (they batch
+  in its slots) until another model asks; then its new requests wait, its running ones finish,
+  and the gate passes to the waiting model in arrival order, with all of its waiting requests.
+- :func:`check_fits`: a request whose prompt plus ``max_tokens`` can never fit one slot gets
+  400 before any generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from bunkhouse.catalog import CatalogModel
+from bunkhouse.errors import ContextLengthExceeded, QueueFull
+from bunkhouse.residency.estimate import kv_cache_bytes
+
+
+class SlotGate:
+    """``slots`` requests at once, ``queue`` more waiting, the rest refused."""
+
+    def __init__(self, model_id: str, slots: int, queue: int) -> None:
+        self.model_id = model_id
+        self.queue = queue
+        self._free = asyncio.Semaphore(slots)
+        self.waiting = 0
+
+    async def enter(self) -> None:
+        if self._free.locked() and self.waiting >= self.queue:
+            raise QueueFull(f"model {self.model_id!r}: every slot is busy and {self.waiting} "
+                            "requests are queued; retry shortly")
+        self.waiting += 1
+        try:
+            await self._free.acquire()
+        finally:
+            self.waiting -= 1
+
+    def leave(self) -> None:
+        self._free.release()
+
+
+class ComputeGate:
+    """One model computes at a time; the others wait their turn (FIFO by model)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.owner: str | None = None
+        self.active = 0
+        self._turns: collections.OrderedDict[str, asyncio.Future[None]] = (
+            collections.OrderedDict())
+
+    async def enter(self, model_id: str) -> None:
+        if not self.enabled:
+            return
+        if self.owner is None or (self.owner == model_id and not self._turns):
+            self.owner = model_id
+            self.active += 1
+            return
+        turn = self._turns.get(model_id)
+        if turn is None:
+            turn = self._turns[model_id] = asyncio.get_running_loop().create_future()
+        await asyncio.shield(turn)
+        self.active += 1
+
+    def leave(self, model_id: str) -> None:
+        if not self.enabled:
+            return
+        self.active -= 1
+        if self.active == 0:
+            self._pass_on()
+
+    def _pass_on(self) -> None:
+        if not self._turns:
+            self.owner = None
+            return
+        model_id, turn = self._turns.popitem(last=False)
+        self.owner = model_id
+        turn.set_result(None)  # every request of that model that waited goes in together
+
+
+Send = Callable[[str, dict[str, Any]], Awaitable[Any]]
+
+# The templated prompt of a chat is never longer, in bytes, than its message texts plus this
+# much per message and overall (role markers, default system prompt). Above the bound the
+# prompt is templated and tokenized by the worker, exactly.
+_PER_MESSAGE_BYTES = 256
+_TEMPLATE_BYTES = 1024
+
+
+def slot_context(model: CatalogModel) -> int:
+    return model.options.context // model.options.parallel
+
+
+def _text_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, list):
+        return sum(_text_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    return 0
+
+
+async def check_fits(model: CatalogModel, path: str, body: dict[str, Any], send: Send) -> None:
+    """Raise ContextLengthExceeded if the request's prompt plus max_tokens cannot fit a slot.
+
+    ``send(path, json)`` asks the model's worker (``/apply-template``, ``/tokenize``); it is
+    only called when a cheap byte bound cannot prove that the request fits.
+    """
+    if path == "/v1/embeddings":
+        return
+    limit = slot_context(model)
+    max_tokens = body.get("max_tokens") or 0  # missing: the rest of the slot's context
+    if path == "/v1/chat/completions":
+        messages = body.get("messages", [])
+        bound = (_text_bytes(messages) + _PER_MESSAGE_BYTES * len(messages) + _TEMPLATE_BYTES
+                 + _text_bytes(body.get("tools")) * 2)
+        if bound + max_tokens < limit:
+            return
+        prompt = (await send("/apply-template", {"messages": messages}))["prompt"]
+        prompts: list[Any] = [prompt]
+    else:
+        raw = body.get("prompt", "")
+        prompts = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+    for prompt in prompts:
+        if isinstance(prompt, list):  # already tokens
+            tokens = len(prompt)
+        elif len(prompt.encode()) + 2 + max_tokens < limit:  # a token is at least one byte
+            continue
+        else:
+            tokens = len((await send("/tokenize", {"content": prompt, "add_special": True,
+                                                  "parse_special": True}))["tokens"])
+        need = tokens + max(max_tokens, 1)
+        if need > limit:
+            raise _too_long(model, tokens, max_tokens, need, limit)
+
+
+def _too_long(model: CatalogModel, tokens: int, max_tokens: int, need: int,
+              limit: int) -> ContextLengthExceeded:
+    o = model.options
+    kv_need = kv_cache_bytes(model.info, need, 1)
+    kv_slot = kv_cache_bytes(model.info, limit, 1)
+    return ContextLengthExceeded(
+        f"model {model.id!r}: the prompt is {tokens} tokens and max_tokens is {max_tokens}: "
+        f"{need} tokens ({kv_need // 1024} KiB of KV cache) do not fit one slot of {limit} "
+        f"tokens ({kv_slot // 1024} KiB; context {o.context} shared by {o.parallel} slots). "
+        "Shorten the prompt, lower max_tokens, or serve the model with a larger context or "
+        "fewer slots.", param="messages" if tokens > limit else "max_tokens")
