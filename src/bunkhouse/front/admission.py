@@ -30,8 +30,10 @@ class SlotGate:
     def __init__(self, model_id: str, slots: int, queue: int) -> None:
         self.model_id = model_id
         self.queue = queue
+        self.slots = slots
         self._free = asyncio.Semaphore(slots)
         self.waiting = 0
+        self.running = 0
 
     async def enter(self) -> None:
         if self._free.locked() and self.waiting >= self.queue:
@@ -42,8 +44,10 @@ class SlotGate:
             await self._free.acquire()
         finally:
             self.waiting -= 1
+        self.running += 1
 
     def leave(self) -> None:
+        self.running -= 1
         self._free.release()
 
 

@@ -1,0 +1,144 @@
+"""Admission gates and the context check, without processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bunkhouse.catalog import CatalogModel
+from bunkhouse.catalog.gguf_meta import GGUFInfo
+from bunkhouse.config import EngineOptions
+from bunkhouse.errors import ContextLengthExceeded, QueueFull
+from bunkhouse.front.admission import ComputeGate, SlotGate, check_fits
+
+INFO = GGUFInfo("qwen2", None, 32768, 24, 896, 14, 2, 64, 64, None, "{{x}}", 15, 0)
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 5))
+
+
+def test_slot_gate_runs_slots_queues_queue_refuses_the_rest() -> None:
+    async def go() -> None:
+        gate = SlotGate("m", slots=2, queue=3)
+        await gate.enter()
+        await gate.enter()
+        waiters = [asyncio.create_task(gate.enter()) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert gate.waiting == 3
+        with pytest.raises(QueueFull) as info:
+            await gate.enter()
+        assert info.value.status == 429 and info.value.type == "resource_admission"
+        assert info.value.headers()["Retry-After"]
+        gate.leave()
+        await asyncio.wait_for(waiters[0], 1)  # FIFO: the first waiter goes in
+        assert gate.waiting == 2
+        for _ in range(4):
+            gate.leave()
+        await asyncio.gather(*waiters)
+
+    run(go())
+
+
+def test_compute_gate_lets_one_model_batch_and_hands_over_in_turn() -> None:
+    async def go() -> None:
+        gate = ComputeGate()
+        order: list[str] = []
+        await gate.enter("a")
+        await gate.enter("a")  # the same model batches freely
+        b1 = asyncio.create_task(gate.enter("b"))
+        b2 = asyncio.create_task(gate.enter("b"))
+        await asyncio.sleep(0)
+        a3 = asyncio.create_task(gate.enter("a"))  # b is waiting: a's new request waits too
+        await asyncio.sleep(0)
+        assert not (b1.done() or b2.done() or a3.done())
+        b1.add_done_callback(lambda _: order.append("b"))
+        a3.add_done_callback(lambda _: order.append("a"))
+        gate.leave("a")
+        await asyncio.sleep(0)
+        assert order == []  # one of a's requests still runs
+        gate.leave("a")
+        await asyncio.gather(b1, b2)
+        assert gate.owner == "b" and gate.active == 2 and not a3.done()
+        gate.leave("b")
+        gate.leave("b")
+        await a3
+        assert order == ["b", "a"] and gate.owner == "a"
+        gate.leave("a")
+        assert gate.owner is None
+
+    run(go())
+
+
+def test_compute_gate_off_admits_everyone() -> None:
+    async def go() -> None:
+        gate = ComputeGate(enabled=False)
+        await gate.enter("a")
+        await asyncio.wait_for(gate.enter("b"), 0.1)
+
+    run(go())
+
+
+def _model(context: int = 4096, parallel: int = 4) -> CatalogModel:
+    return CatalogModel("m", Path("/m.gguf"), "config", INFO,
+                        EngineOptions(context=context, parallel=parallel, threads=1), 1)
+
+
+class Worker:
+    """Answers /apply-template and /tokenize like llama.cpp (one token per word here)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def __call__(self, path: str, payload: dict[str, Any]) -> Any:
+        self.calls.append(path)
+        if path == "/apply-template":
+            return {"prompt": " ".join(m["content"] for m in payload["messages"])}
+        return {"tokens": payload["content"].split()}
+
+
+def _chat(words: int, max_tokens: int | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "w " * words}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def test_small_requests_fit_without_asking_the_worker() -> None:
+    worker = Worker()
+    run(check_fits(_model(context=16384), "/v1/chat/completions", _chat(10, 100), worker))
+    run(check_fits(_model(), "/v1/completions", {"prompt": "hi", "max_tokens": 9}, worker))
+    assert worker.calls == []
+
+
+def test_large_prompts_are_templated_and_tokenized_exactly() -> None:
+    worker = Worker()
+    # 1200 bytes prove nothing; 600 tokens + 100 fit the 1024-token slot
+    run(check_fits(_model(), "/v1/chat/completions", _chat(600, 100), worker))
+    assert worker.calls == ["/apply-template", "/tokenize"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", _chat(1000, 100), "max_tokens"),  # 1100 > 1024
+        ("/v1/chat/completions", _chat(1100, None), "messages"),  # the prompt alone
+        ("/v1/completions", {"prompt": "w " * 1000, "max_tokens": 500}, "max_tokens"),
+        ("/v1/completions", {"prompt": list(range(1030))}, "messages"),
+    ],
+)
+def test_oversize_requests_are_400_naming_the_numbers(path: str, body: dict[str, Any],
+                                                      param: str) -> None:
+    with pytest.raises(ContextLengthExceeded) as info:
+        run(check_fits(_model(), path, body, Worker()))
+    err = info.value
+    assert err.status == 400 and err.code == "context_length_exceeded" and err.param == param
+    assert "slot of 1024 tokens" in err.message and "context 4096 shared by 4 slots" in err.message
+
+
+def test_embeddings_are_not_checked() -> None:
+    run(check_fits(_model(), "/v1/embeddings", {"input": "w " * 5000}, Worker()))
