@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -117,3 +118,40 @@ def test_models_show_slots_and_queue(host: Server) -> None:
     assert (info["parallel"], info["queue"], info["running"], info["queued"]) == (2, 4, 0, 0)
 
 
+
+
+def _busy_slots(server: Server, model: str) -> int:
+    cmd = psutil.Process(server.model(model)["pid"]).cmdline()
+    sock = cmd[cmd.index("--socket") + 1]
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock)) as c:
+        return sum(1 for s in c.get("http://worker/slots").json() if s["is_processing"])
+
+
+def test_plain_request_disconnect_frees_its_slot_while_another_slot_generates(
+        host: Server) -> None:
+    """llama.cpp alone keeps such a request running to its end; the front must not."""
+    started = threading.Event()
+
+    def long_stream() -> int:
+        body = {"model": A, "prompt": "Once upon a time", "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        n = 0
+        with httpx.stream("POST", f"{host.url}/v1/completions", json=body,
+                          timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                    started.set()
+        return n
+
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(long_stream)
+        assert started.wait(60)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{host.url}/v1/completions", timeout=1.5, json={
+                "model": A, "prompt": "Write a story", "max_tokens": 900,
+                "ignore_eos": True})
+        wait_for(lambda: _busy_slots(host, A) == 1, 5,
+                 "the disconnected request's slot to be freed while the stream runs")
+        assert not stream.done()
+        assert stream.result(timeout=120) > 100

@@ -77,7 +77,8 @@ class Front:
                     return Response(status_code=499)
                 response = await forward(lease.worker.client, path, body,
                                          stream=parsed.stream, request=request,
-                                         model_id=model.id, on_done=held.close)
+                                         model_id=model.id, on_done=held.close,
+                                         data=data)
             except EngineUnavailable:
                 lease.report(False)
                 held.close()

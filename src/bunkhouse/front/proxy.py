@@ -20,6 +20,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from bunkhouse.errors import EngineUnavailable, envelope, error_body
+from bunkhouse.front.assemble import (
+    StreamError,
+    assemble_chat,
+    assemble_completion,
+    sse_events,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +46,35 @@ def _nothing() -> None:
     pass
 
 
+_ASSEMBLERS: dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]] = {
+    "/v1/chat/completions": assemble_chat,
+    "/v1/completions": assemble_completion,
+}
+
+
 async def forward(client: httpx.AsyncClient, path: str, body: bytes, *, stream: bool,
                   request: Request, model_id: str,
-                  on_done: Callable[[], None] = _nothing) -> Response:
+                  on_done: Callable[[], None] = _nothing,
+                  data: dict[str, Any] | None = None) -> Response:
     """Send ``body`` to the worker behind ``client`` and relay its answer.
 
+    A plain generation request (``data``, its parsed body, given) is sent upstream as a stream
+    and its answer assembled here (see front/assemble.py: so that a disconnect frees the slot).
     ``on_done`` runs once the upstream exchange is over: for a stream, when the relay ends
     (completed, broken or the client gone), else before the answer is returned. If this
     raises, ``on_done`` may not have run.
     """
+    assembler = _ASSEMBLERS.get(path) if data is not None and not stream else None
+    if assembler is not None and data is not None and data.get("n", 1) == 1:
+        body = json.dumps({**data, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+    else:
+        assembler = None
     upstream = client.build_request("POST", path, content=body, headers=_JSON)
     if stream:
         return await _forward_stream(client, upstream, model_id, on_done)
     try:
-        return await _forward_once(client, upstream, request, model_id)
+        return await _forward_once(client, upstream, request, model_id, assembler)
     finally:
         on_done()
 
@@ -113,10 +134,12 @@ async def _relay(resp: httpx.Response, model_id: str) -> AsyncIterator[bytes]:
         await resp.aclose()
 
 
-async def _forward_once(
-    client: httpx.AsyncClient, upstream: httpx.Request, request: Request, model_id: str
-) -> Response:
-    call = asyncio.create_task(_call(client, upstream, model_id))
+Assembler = Callable[[list[dict[str, Any]]], dict[str, Any]]
+
+
+async def _forward_once(client: httpx.AsyncClient, upstream: httpx.Request, request: Request,
+                        model_id: str, assembler: Assembler | None) -> Response:
+    call = asyncio.create_task(_call(client, upstream, model_id, assembler))
     gone = asyncio.create_task(_client_gone(request))
     try:
         done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -130,17 +153,28 @@ async def _forward_once(
     return Response(status_code=499)
 
 
-async def _call(client: httpx.AsyncClient, upstream: httpx.Request, model_id: str) -> Response:
+async def _call(client: httpx.AsyncClient, upstream: httpx.Request, model_id: str,
+                assembler: Assembler | None) -> Response:
     resp = await _send(client, upstream, model_id)
     try:
-        content = await resp.aread()
+        if resp.status_code >= 400 or assembler is None:
+            content = await resp.aread()
+        else:
+            lines = [line async for line in resp.aiter_lines()]
     except httpx.TransportError as e:
         raise EngineUnavailable(f"model {model_id!r}: worker answer broke: {e!r}") from e
     finally:
         await resp.aclose()
     if resp.status_code >= 400:
         return engine_error(resp.status_code, content)
-    return Response(content, status_code=resp.status_code, headers=_JSON)
+    if assembler is None:
+        return Response(content, status_code=resp.status_code, headers=_JSON)
+    try:
+        return JSONResponse(assembler(sse_events(lines)))
+    except StreamError as e:
+        return engine_error(500, json.dumps(e.body).encode())
+    except ValueError as e:
+        raise EngineUnavailable(f"model {model_id!r}: unreadable stream from worker: {e}") from e
 
 
 async def _client_gone(request: Request) -> None:
