@@ -46,7 +46,7 @@ def test_slot_gate_runs_slots_queues_queue_refuses_the_rest() -> None:
 
 def test_compute_gate_lets_one_model_batch_and_hands_over_in_turn() -> None:
     async def go() -> None:
-        gate = ComputeGate()
+        gate = ComputeGate(batch_window_s=0)
         order: list[str] = []
         await gate.enter("a")
         await gate.enter("a")  # the same model batches freely
@@ -70,6 +70,22 @@ def test_compute_gate_lets_one_model_batch_and_hands_over_in_turn() -> None:
         assert order == ["b", "a"] and gate.owner == "a"
         gate.leave("a")
         assert gate.owner is None
+
+    run(go())
+
+
+def test_compute_gate_batches_the_owner_within_its_window() -> None:
+    async def go() -> None:
+        gate = ComputeGate(batch_window_s=60)
+        await gate.enter("a")
+        b = asyncio.create_task(gate.enter("b"))
+        await asyncio.sleep(0)
+        await asyncio.wait_for(gate.enter("a"), 0.1)  # a's turn is young: it still batches
+        assert gate.active == 2 and not b.done()
+        gate.leave("a")
+        gate.leave("a")
+        await b
+        assert gate.owner == "b"
 
     run(go())
 

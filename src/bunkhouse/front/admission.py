@@ -6,8 +6,10 @@
 - :class:`ComputeGate`, one per host: on a CPU host two workers decoding at once
   oversubscribe the cores and both collapse (DESIGN.md "Compute contention"), so one model
   computes at a time. The model holding the gate keeps admitting its own requests (they batch
-  in its slots) until another model asks; then its new requests wait, its running ones finish,
-  and the gate passes to the waiting model in arrival order, with all of its waiting requests.
+  in its slots) until another model asks and its turn is at least ``batch_window_s`` old;
+  then its new requests wait, its running ones finish, and the gate passes to the waiting
+  model in arrival order, with all of its waiting requests. The window lets requests that
+  arrive together batch together instead of being split across turns.
 - :func:`check_fits`: a request whose prompt plus ``max_tokens`` can never fit one slot gets
   400 before any generation.
 """
@@ -54,18 +56,23 @@ class SlotGate:
 class ComputeGate:
     """One model computes at a time; the others wait their turn (FIFO by model)."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, batch_window_s: float = 0.25) -> None:
         self.enabled = enabled
+        self.batch_window_s = batch_window_s
         self.owner: str | None = None
         self.active = 0
+        self._turn_started = 0.0
         self._turns: collections.OrderedDict[str, asyncio.Future[None]] = (
             collections.OrderedDict())
 
     async def enter(self, model_id: str) -> None:
         if not self.enabled:
             return
-        if self.owner is None or (self.owner == model_id and not self._turns):
-            self.owner = model_id
+        now = asyncio.get_running_loop().time()
+        if self.owner is None:
+            self.owner, self._turn_started = model_id, now
+        if self.owner == model_id and (
+                not self._turns or now - self._turn_started < self.batch_window_s):
             self.active += 1
             return
         turn = self._turns.get(model_id)
@@ -86,7 +93,7 @@ class ComputeGate:
             self.owner = None
             return
         model_id, turn = self._turns.popitem(last=False)
-        self.owner = model_id
+        self.owner, self._turn_started = model_id, asyncio.get_running_loop().time()
         turn.set_result(None)  # every request of that model that waited goes in together
 
 
