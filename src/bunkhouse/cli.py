@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -105,6 +106,18 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--probe-interval", type=float, default=5.0, metavar="S",
                        help="liveness: a worker whose engine does not answer two probes in a "
                             "row, S seconds apart, is replaced (%(default)s)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="require this client key on inference endpoints (repeatable; "
+                            "also --api-key-file and $BUNKHOUSE_API_KEYS, comma-separated)")
+    serve.add_argument("--api-key-file", action="append", default=[], type=Path,
+                       metavar="FILE", help="client keys, one a line (repeatable)")
+    serve.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                       help="an admin key: inference and control endpoints (repeatable; "
+                            "also --admin-key-file and $BUNKHOUSE_ADMIN_KEYS)")
+    serve.add_argument("--admin-key-file", action="append", default=[], type=Path,
+                       metavar="FILE", help="admin keys, one a line (repeatable)")
+    serve.add_argument("--max-body", type=_size, default=16 * 2**20, metavar="SIZE",
+                       help="largest request body; larger ones get 413 (16MiB)")
     serve.add_argument("--compute-gate", choices=["on", "off"], default="on",
                        help="on: one model computes at a time, so that workers never "
                             "oversubscribe the CPU; off: for GPU hosts (%(default)s)")
@@ -116,7 +129,23 @@ def parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("ps", help="show a running server's models, memory and budget")
     ps.add_argument("--url", default="http://127.0.0.1:8080",
                     help="the server's address (%(default)s)")
+    ps.add_argument("--api-key", default=os.environ.get("BUNKHOUSE_API_KEY"),
+                    help="a client or admin key, if the server needs one "
+                         "(default: $BUNKHOUSE_API_KEY)")
     return p
+
+
+def _keys(given: list[str], files: list[Path], env: str) -> tuple[str, ...]:
+    """Keys from flags, files (one a line, # comments) and a comma-separated variable."""
+    keys = list(given)
+    for path in files:
+        try:
+            lines = path.expanduser().read_text().splitlines()
+        except OSError as e:
+            raise ConfigError(f"cannot read key file {path}: {e.strerror}") from e
+        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    keys += [k.strip() for k in os.environ.get(env, "").split(",") if k.strip()]
+    return tuple(keys)
 
 
 def _size(text: str) -> int:
@@ -143,6 +172,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
         engine=getattr(args, "engine", DEFAULT_ENGINE),
         compute_gate=getattr(args, "compute_gate", "on") == "on",
     )
+    if args.command == "serve":
+        settings = dataclasses.replace(
+            settings,
+            api_keys=_keys(args.api_key, args.api_key_file, "BUNKHOUSE_API_KEYS"),
+            admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS"),
+            max_body_bytes=args.max_body,
+        )
     if args.config is not None:
         settings = load_config_file(args.config.expanduser(), settings)
         if args.no_packaged:
@@ -184,6 +220,7 @@ def print_catalog(catalog: Catalog) -> None:
 def serve(settings: Settings, catalog: Catalog) -> int:
     from bunkhouse.front.admission import ComputeGate
     from bunkhouse.front.app import build_app
+    from bunkhouse.front.auth import Keys
     from bunkhouse.residency.estimate import default_budget_bytes
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
     from bunkhouse.supervisor.launcher import LaunchOptions, LocalLauncher
@@ -202,7 +239,11 @@ def serve(settings: Settings, catalog: Catalog) -> int:
         launcher.start,
     )
     app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close,
-                    compute=ComputeGate(enabled=settings.compute_gate))
+                    compute=ComputeGate(enabled=settings.compute_gate),
+                    keys=Keys(settings.api_keys, settings.admin_keys),
+                    max_body_bytes=settings.max_body_bytes)
+    if settings.api_keys:
+        log.info("inference endpoints need one of %d client key(s)", len(settings.api_keys))
     log.info("serving %d model(s) on http://%s:%d (default: %s), memory budget %d MiB",
              len(catalog), settings.host, settings.port, catalog.default_id, budget // 2**20)
     config = uvicorn.Config(
@@ -230,11 +271,17 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def ps(url: str) -> int:
+def ps(url: str, key: str | None = None) -> int:
     import httpx
 
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
-        stats = httpx.get(f"{url.rstrip('/')}/stats", timeout=10).json()
+        resp = httpx.get(f"{url.rstrip('/')}/stats", timeout=10, headers=headers)
+        if resp.status_code in (401, 403):
+            print(f"bunkhouse: error: {resp.json()['error']['message']} (--api-key)",
+                  file=sys.stderr)
+            return 1
+        stats = resp.json()
     except (httpx.HTTPError, ValueError) as e:
         print(f"bunkhouse: error: cannot read {url}/stats: {e}; is `bunkhouse serve` running "
               "there? (--url sets the address)", file=sys.stderr)
@@ -268,7 +315,7 @@ def format_ps(stats: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "ps":
-        return ps(args.url)
+        return ps(args.url, args.api_key)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

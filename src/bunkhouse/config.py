@@ -94,6 +94,9 @@ class Settings:
     probe_interval_s: float = 5.0  # liveness probes of each ready worker
     engine: str = DEFAULT_ENGINE  # module:Class of the worker engine
     compute_gate: bool = True  # one model computes at a time (CPU hosts)
+    api_keys: tuple[str, ...] = ()  # client keys; none: inference is open
+    admin_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 16 * 1024 * 1024
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     ready_timeout_s: float = 120.0
     stop_grace_s: float = 10.0

@@ -10,6 +10,9 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     │   └── PackagedModelError          a packaged model is missing parts or fails its checksum
     ├── InvalidRequest                  400 invalid_request_error / invalid_request
     │   └── ContextLengthExceeded       400 invalid_request_error / context_length_exceeded
+    ├── Unauthorized                    401 invalid_request_error / invalid_api_key
+    ├── Forbidden                       403 invalid_request_error / permission_denied
+    ├── RequestTooLarge                 413 invalid_request_error / request_too_large
     ├── NotFound                        404 invalid_request_error / not_found
     │   └── ModelNotFound               404 invalid_request_error / model_not_found
     ├── MethodNotAllowed                405 invalid_request_error / method_not_allowed
@@ -84,6 +87,24 @@ class QueueFull(BunkhouseError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "1"}
+
+
+class Unauthorized(BunkhouseError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(BunkhouseError):
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
+class RequestTooLarge(BunkhouseError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
 
 
 class NotFound(BunkhouseError):

@@ -10,8 +10,9 @@ import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from starlette.requests import Request
 
-from bunkhouse.errors import InvalidRequest
+from bunkhouse.errors import InvalidRequest, RequestTooLarge
 
 
 class _Request(BaseModel):
@@ -54,7 +55,25 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if _depth(data) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
     return data
+
+
+MAX_JSON_DEPTH = 64
+
+
+def _depth(value: Any) -> int:
+    """How deep containers nest in ``value`` (iterative: no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_JSON_DEPTH:
+                children = item.values() if isinstance(item, dict) else item
+                stack.extend((c, depth + 1) for c in children)
+    return deepest
 
 
 def validate(schema: type[T], data: dict[str, Any]) -> T:
@@ -80,3 +99,18 @@ def _param(data: Any, loc: tuple[int | str, ...], *, missing: bool) -> str | Non
         path.append(str(key))
         data = data[key] if present else None
     return ".".join(path) or None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or RequestTooLarge (413) as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

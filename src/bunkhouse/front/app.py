@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from bunkhouse.api.schemas import (
     CompletionRequest,
     EmbeddingRequest,
     parse_json_object,
+    read_body,
     validate,
 )
 from bunkhouse.catalog import Catalog, CatalogModel
@@ -32,10 +34,13 @@ from bunkhouse.errors import (
     error_body,
 )
 from bunkhouse.front.admission import ComputeGate, Send, SlotGate, check_fits
+from bunkhouse.front.auth import Keys, Level
 from bunkhouse.front.proxy import forward
 from bunkhouse.residency.manager import ResidencyManager
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY = 16 * 1024 * 1024  # bytes of one request body; larger: 413
 
 Schema = type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
 
@@ -44,10 +49,11 @@ class Front:
     """Route handlers over one catalog and one residency manager."""
 
     def __init__(self, catalog: Catalog, residency: ResidencyManager,
-                 compute: ComputeGate) -> None:
+                 compute: ComputeGate, max_body_bytes: int = DEFAULT_MAX_BODY) -> None:
         self.catalog = catalog
         self.residency = residency
         self.compute = compute
+        self.max_body_bytes = max_body_bytes
         self._slots: dict[str, SlotGate] = {}
 
     def slot_gate(self, model: CatalogModel) -> SlotGate:
@@ -59,7 +65,7 @@ class Front:
 
     def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
-            body = await request.body()
+            body = await read_body(request, self.max_body_bytes)
             data = parse_json_object(body)
             parsed = validate(schema, data)
             model = self.catalog.get(parsed.model)
@@ -195,8 +201,11 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[str] = (),
               on_shutdown: Callable[[], None] | None = None,
-              compute: ComputeGate | None = None) -> Starlette:
-    front = Front(catalog, residency, compute or ComputeGate())
+              compute: ComputeGate | None = None, keys: Keys | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY) -> Starlette:
+    front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes)
+    keys = keys or Keys()
+    client = functools.partial(keys.guard, Level.CLIENT)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -213,23 +222,17 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
                 on_shutdown()
 
     routes = [
-        Route(
-            "/v1/chat/completions",
-            front.generation("/v1/chat/completions", ChatCompletionRequest),
-            methods=["POST"],
-        ),
-        Route(
-            "/v1/completions",
-            front.generation("/v1/completions", CompletionRequest),
-            methods=["POST"],
-        ),
-        Route(
-            "/v1/embeddings", front.generation("/v1/embeddings", EmbeddingRequest), methods=["POST"]
-        ),
-        Route("/v1/models", front.list_models, methods=["GET"]),
-        Route("/v1/models/{model_id:path}", front.get_model, methods=["GET"]),
+        Route("/v1/chat/completions",
+              client(front.generation("/v1/chat/completions", ChatCompletionRequest)),
+              methods=["POST"]),
+        Route("/v1/completions",
+              client(front.generation("/v1/completions", CompletionRequest)), methods=["POST"]),
+        Route("/v1/embeddings",
+              client(front.generation("/v1/embeddings", EmbeddingRequest)), methods=["POST"]),
+        Route("/v1/models", client(front.list_models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", client(front.get_model), methods=["GET"]),
         Route("/health", front.health, methods=["GET"]),
-        Route("/stats", front.stats, methods=["GET"]),
+        Route("/stats", client(front.stats), methods=["GET"]),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         BunkhouseError: _bunkhouse_error,

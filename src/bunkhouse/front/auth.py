@@ -1,0 +1,74 @@
+"""API keys at the HTTP edge.
+
+Two kinds of key: client keys open the inference endpoints; admin keys open those and the
+control endpoints. With no client key configured the inference endpoints are open (as
+Ollama, llama-server and LM Studio are by default); control endpoints always need an admin
+key. A key is read from ``Authorization: Bearer KEY`` or ``x-api-key: KEY``, compared in
+constant time against every configured key, and never logged.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+from collections.abc import Awaitable, Callable, Iterable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from bunkhouse.errors import Forbidden, Unauthorized
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Level(enum.Enum):
+    OPEN = "open"  # liveness
+    CLIENT = "client"  # inference, listings
+    ADMIN = "admin"  # runtime control
+
+
+def _matches(candidate: str, keys: Iterable[str]) -> bool:
+    found = False
+    for key in keys:  # no early exit: the time does not depend on which key matched
+        found |= hmac.compare_digest(candidate.encode(), key.encode())
+    return found
+
+
+def presented_key(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return request.headers.get("x-api-key") or None
+
+
+class Keys:
+    def __init__(self, client: Iterable[str] = (), admin: Iterable[str] = ()) -> None:
+        self.client = tuple(k for k in client if k)
+        self.admin = tuple(k for k in admin if k)
+
+    def check(self, request: Request, level: Level) -> None:
+        """Raise Unauthorized (401) or Forbidden (403) unless the request may go on."""
+        if level is Level.OPEN or (level is Level.CLIENT and not self.client):
+            return
+        key = presented_key(request)
+        if key is None:
+            raise Unauthorized("this endpoint needs an API key: send 'Authorization: Bearer "
+                               "KEY' or 'x-api-key: KEY'")
+        is_admin = _matches(key, self.admin)
+        if level is Level.ADMIN:
+            if is_admin:
+                return
+            if _matches(key, self.client):
+                raise Forbidden("this endpoint needs an admin key; the key given is a "
+                                "client key")
+            raise Unauthorized("the API key is not valid")
+        if not (is_admin or _matches(key, self.client)):
+            raise Unauthorized("the API key is not valid")
+
+    def guard(self, level: Level, handler: Handler) -> Handler:
+        async def guarded(request: Request) -> Response:
+            self.check(request, level)
+            return await handler(request)
+
+        return guarded

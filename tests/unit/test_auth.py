@@ -1,0 +1,100 @@
+"""API keys and request limits at the HTTP edge, without workers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+from starlette.testclient import TestClient
+
+from bunkhouse.catalog import build_catalog
+from bunkhouse.config import Settings
+from bunkhouse.errors import Forbidden, Unauthorized
+from bunkhouse.front.app import build_app
+from bunkhouse.front.auth import Keys, Level
+from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+from tests.helpers import write_tiny_gguf
+
+KEYS = Keys(client=["client-secret"], admin=["admin-secret"])
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False))
+
+    async def no_workers(model: object) -> Any:
+        raise AssertionError("no request here may reach a worker")
+
+    residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**30), no_workers)
+    app = build_app(catalog, residency, keys=KEYS, max_body_bytes=1000)
+    with TestClient(app) as c:
+        yield c
+
+
+def _request(headers: dict[str, str]) -> Request:
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "method": "GET", "path": "/", "headers": raw})
+
+
+@pytest.mark.parametrize(
+    ("headers", "level", "expected"),
+    [
+        ({}, Level.OPEN, None),
+        ({}, Level.CLIENT, Unauthorized),
+        ({"authorization": "Bearer wrong"}, Level.CLIENT, Unauthorized),
+        ({"authorization": "Bearer client-secret"}, Level.CLIENT, None),
+        ({"x-api-key": "client-secret"}, Level.CLIENT, None),
+        ({"authorization": "Bearer admin-secret"}, Level.CLIENT, None),
+        ({}, Level.ADMIN, Unauthorized),
+        ({"authorization": "Bearer wrong"}, Level.ADMIN, Unauthorized),
+        ({"authorization": "Bearer client-secret"}, Level.ADMIN, Forbidden),
+        ({"x-api-key": "admin-secret"}, Level.ADMIN, None),
+        ({"authorization": "Basic admin-secret"}, Level.ADMIN, Unauthorized),
+    ],
+)
+def test_key_matrix(headers: dict[str, str], level: Level, expected: type | None) -> None:
+    if expected is None:
+        KEYS.check(_request(headers), level)
+    else:
+        with pytest.raises(expected):
+            KEYS.check(_request(headers), level)
+
+
+def test_without_client_keys_inference_is_open_but_admin_is_not() -> None:
+    keys = Keys(admin=["a"])
+    keys.check(_request({}), Level.CLIENT)
+    with pytest.raises(Unauthorized):
+        keys.check(_request({}), Level.ADMIN)
+    with pytest.raises(Unauthorized):
+        Keys().check(_request({"x-api-key": "anything"}), Level.ADMIN)
+
+
+def test_inference_endpoints_need_a_key(client: TestClient) -> None:
+    body = {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    assert "client-secret" not in resp.text
+    ok = client.post("/v1/chat/completions", json=body,
+                     headers={"authorization": "Bearer client-secret"})
+    assert ok.status_code == 404  # past the key check: the model is unknown
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"x-api-key": "client-secret"}).status_code == 200
+    assert client.get("/stats").status_code == 401
+    assert client.get("/health").status_code == 200  # liveness stays open
+
+
+def test_oversize_body_is_413(client: TestClient) -> None:
+    headers = {"x-api-key": "client-secret"}
+    resp = client.post("/v1/completions", content=b"{" + b" " * 2000 + b"}", headers=headers)
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+
+def test_deeply_nested_json_is_400(client: TestClient) -> None:
+    headers = {"x-api-key": "client-secret"}
+    body = b'{"prompt": "x", "x": ' + b"[" * 70 + b"]" * 70 + b"}"
+    resp = client.post("/v1/completions", content=body, headers=headers)
+    assert resp.status_code == 400 and "nests deeper" in resp.json()["error"]["message"]
