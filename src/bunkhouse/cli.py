@@ -116,6 +116,11 @@ def parser() -> argparse.ArgumentParser:
                             "also --admin-key-file and $BUNKHOUSE_ADMIN_KEYS)")
     serve.add_argument("--admin-key-file", action="append", default=[], type=Path,
                        metavar="FILE", help="admin keys, one a line (repeatable)")
+    serve.add_argument("--allow-runtime-load", action="store_true",
+                       help="let admin-key holders register models by path (POST /v1/models)")
+    serve.add_argument("--allowed-root", action="append", default=[], type=Path,
+                       metavar="DIR", help="where runtime-registered model files may live "
+                                           "(repeatable; default: the --models-dir roots)")
     serve.add_argument("--max-body", type=_size, default=16 * 2**20, metavar="SIZE",
                        help="largest request body; larger ones get 413 (16MiB)")
     serve.add_argument("--compute-gate", choices=["on", "off"], default="on",
@@ -132,6 +137,17 @@ def parser() -> argparse.ArgumentParser:
     ps.add_argument("--api-key", default=os.environ.get("BUNKHOUSE_API_KEY"),
                     help="a client or admin key, if the server needs one "
                          "(default: $BUNKHOUSE_API_KEY)")
+    for verb, what in (("load", "load a model (with --path: register it first)"),
+                       ("unload", "drain and unload a model"),
+                       ("pin", "never evict a model"), ("unpin", "let a model be evicted")):
+        cmd = sub.add_parser(verb, help=f"{what} on a running server (admin key)")
+        cmd.add_argument("model", metavar="ID")
+        cmd.add_argument("--url", default="http://127.0.0.1:8080",
+                         help="the server's address (%(default)s)")
+        cmd.add_argument("--admin-key", default=os.environ.get("BUNKHOUSE_ADMIN_KEY"),
+                         help="default: $BUNKHOUSE_ADMIN_KEY")
+        if verb == "load":
+            cmd.add_argument("--path", help="a GGUF file inside the server's allowed roots")
     return p
 
 
@@ -175,6 +191,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.command == "serve":
         settings = dataclasses.replace(
             settings,
+            allow_runtime_load=args.allow_runtime_load,
+            allowed_roots=tuple(args.allowed_root),
             api_keys=_keys(args.api_key, args.api_key_file, "BUNKHOUSE_API_KEYS"),
             admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS"),
             max_body_bytes=args.max_body,
@@ -218,6 +236,7 @@ def print_catalog(catalog: Catalog) -> None:
 
 
 def serve(settings: Settings, catalog: Catalog) -> int:
+    from bunkhouse.front.admin import AdminOptions
     from bunkhouse.front.admission import ComputeGate
     from bunkhouse.front.app import build_app
     from bunkhouse.front.auth import Keys
@@ -241,7 +260,14 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close,
                     compute=ComputeGate(enabled=settings.compute_gate),
                     keys=Keys(settings.api_keys, settings.admin_keys),
-                    max_body_bytes=settings.max_body_bytes)
+                    max_body_bytes=settings.max_body_bytes,
+                    admin_options=AdminOptions(
+                        allow_runtime_load=settings.allow_runtime_load,
+                        roots=settings.allowed_roots or settings.models_dirs,
+                        defaults=settings.defaults,
+                        drain_grace_s=settings.stop_grace_s))
+    if settings.allow_runtime_load and not settings.admin_keys:
+        log.warning("--allow-runtime-load has no effect without an --admin-key")
     if settings.api_keys:
         log.info("inference endpoints need one of %d client key(s)", len(settings.api_keys))
     log.info("serving %d model(s) on http://%s:%d (default: %s), memory budget %d MiB",
@@ -290,6 +316,34 @@ def ps(url: str, key: str | None = None) -> int:
     return 0
 
 
+def control(verb: str, model: str, url: str, key: str | None, path: str | None) -> int:
+    import httpx
+
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    base = url.rstrip("/")
+    try:
+        if verb == "load" and path:
+            resp = httpx.post(f"{base}/v1/models", json={"id": model, "path": path},
+                              headers=headers, timeout=600)
+        else:
+            resp = httpx.post(f"{base}/v1/models/{model}/{verb}", headers=headers, timeout=600)
+    except httpx.HTTPError as e:
+        print(f"bunkhouse: error: cannot reach {base}: {e}; is `bunkhouse serve` running "
+              "there? (--url sets the address)", file=sys.stderr)
+        return 1
+    if resp.status_code >= 400:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text
+        print(f"bunkhouse: error: {resp.status_code}: {message}", file=sys.stderr)
+        return 1
+    outcome = {202: "draining: it is freed when its running requests end",
+               204: "unloaded"}.get(resp.status_code)
+    print(f"{model}: {outcome or resp.json()['state']}")
+    return 0
+
+
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.0f} MiB"
 
@@ -316,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "ps":
         return ps(args.url, args.api_key)
+    if args.command in ("load", "unload", "pin", "unpin"):
+        return control(args.command, args.model, args.url, args.admin_key,
+                       getattr(args, "path", None))
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

@@ -97,6 +97,8 @@ class Settings:
     api_keys: tuple[str, ...] = ()  # client keys; none: inference is open
     admin_keys: tuple[str, ...] = ()
     max_body_bytes: int = 16 * 1024 * 1024
+    allow_runtime_load: bool = False  # POST /v1/models by path (admin key needed as well)
+    allowed_roots: tuple[Path, ...] = ()  # for runtime paths; empty: the model roots
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     ready_timeout_s: float = 120.0
     stop_grace_s: float = 10.0

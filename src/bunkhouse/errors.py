@@ -15,6 +15,7 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     ├── RequestTooLarge                 413 invalid_request_error / request_too_large
     ├── NotFound                        404 invalid_request_error / not_found
     │   └── ModelNotFound               404 invalid_request_error / model_not_found
+    ├── Conflict                        409 invalid_request_error / conflict
     ├── MethodNotAllowed                405 invalid_request_error / method_not_allowed
     ├── QueueFull                       429 resource_admission / queue_full (+ Retry-After)
     ├── WorkerLoadFailed                503 server_error / model_load_failed
@@ -115,6 +116,12 @@ class NotFound(BunkhouseError):
 
 class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class Conflict(BunkhouseError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
 
 
 class MethodNotAllowed(BunkhouseError):

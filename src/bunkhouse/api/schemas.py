@@ -23,7 +23,7 @@ class _Request(BaseModel):
     max_tokens: StrictInt | None = Field(default=None, ge=0)
 
 
-T = TypeVar("T", bound=_Request)
+T = TypeVar("T", bound=BaseModel)
 
 
 class Message(BaseModel):

@@ -40,7 +40,8 @@ class CatalogModel:
 
 
 class Catalog:
-    """An immutable id → model mapping with one default model."""
+    """The id → model mapping with one default model. Built at startup; runtime-registered
+    models are added and removed by the admin endpoints (the only writer after startup)."""
 
     def __init__(self, models: Iterable[CatalogModel], default_id: str | None) -> None:
         self._models = {m.id: m for m in models}
@@ -51,7 +52,16 @@ class Catalog:
         self.default_id = default_id
 
     def __iter__(self) -> Iterator[CatalogModel]:
-        return iter(self._models.values())
+        return iter(list(self._models.values()))
+
+    def __contains__(self, model_id: object) -> bool:
+        return model_id in self._models
+
+    def add(self, model: CatalogModel) -> None:
+        self._models[model.id] = model
+
+    def remove(self, model_id: str) -> None:
+        del self._models[model_id]
 
     def __len__(self) -> int:
         return len(self._models)

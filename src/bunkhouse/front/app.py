@@ -33,6 +33,7 @@ from bunkhouse.errors import (
     NotFound,
     error_body,
 )
+from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate, Send, SlotGate, check_fits
 from bunkhouse.front.auth import Keys, Level
 from bunkhouse.front.proxy import forward
@@ -202,10 +203,13 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[str] = (),
               on_shutdown: Callable[[], None] | None = None,
               compute: ComputeGate | None = None, keys: Keys | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY) -> Starlette:
+              max_body_bytes: int = DEFAULT_MAX_BODY,
+              admin_options: AdminOptions | None = None) -> Starlette:
     front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes)
+    admin = Admin(catalog, residency, admin_options or AdminOptions(), front.model_object)
     keys = keys or Keys()
     client = functools.partial(keys.guard, Level.CLIENT)
+    control = functools.partial(keys.guard, Level.ADMIN)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -230,7 +234,10 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         Route("/v1/embeddings",
               client(front.generation("/v1/embeddings", EmbeddingRequest)), methods=["POST"]),
         Route("/v1/models", client(front.list_models), methods=["GET"]),
+        Route("/v1/models", control(admin.register), methods=["POST"]),
+        Route("/v1/models/{model_id:path}/{action}", control(admin.action), methods=["POST"]),
         Route("/v1/models/{model_id:path}", client(front.get_model), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", control(admin.delete), methods=["DELETE"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/stats", client(front.stats), methods=["GET"]),
     ]

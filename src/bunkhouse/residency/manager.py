@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import httpx
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.errors import InsufficientMemory, ModelFailed, ModelTooLarge
+from bunkhouse.errors import InsufficientMemory, ModelFailed, ModelNotFound, ModelTooLarge
 from bunkhouse.residency import policy
 from bunkhouse.residency.estimate import MemoryEstimate, estimate
 from bunkhouse.residency.events import EventLog
@@ -112,6 +112,7 @@ class _Entry:
         self.pinned = model.pinned
         self.loading: asyncio.Task[None] | None = None
         self.last_error: str | None = None
+        self.retired = False  # being deleted: admits nothing new, ever
         # supervision
         self.spawned_at = 0.0
         self.failures: list[float] = []  # when workers died or failed to load
@@ -201,6 +202,8 @@ class ResidencyManager:
         """A lease on a ready worker for ``model``, loading it (once, whoever asks) if needed."""
         entry = self._entries[model.id]
         while True:
+            if entry.retired:
+                raise ModelNotFound(f"model {model.id!r} is being removed", param="model")
             while self._paused:
                 await self._wait_changed(None)
             if entry.state is State.READY and entry.worker is not None:
@@ -297,22 +300,65 @@ class ResidencyManager:
     async def _evict(self, entry: _Entry, reason: str) -> None:
         """Drain (no new leases, in-flight work finishes within the grace), stop, reap."""
         self._set_state(entry, State.DRAINING, reason)
-        deadline = self._clock() + self.options.drain_grace_s
-        while entry.leases and self._clock() < deadline:
-            await self._wait_changed(deadline - self._clock())
-        if entry.leases:
+        if not await self._drained(entry, self.options.drain_grace_s):
             log.warning("model %s: %d request(s) still running after the %.0f s drain grace",
                         entry.model.id, entry.leases, self.options.drain_grace_s)
+        await self._stop(entry, reason)
+
+    async def _drained(self, entry: _Entry, grace_s: float | None) -> bool:
+        """Wait until no request holds the model, or the grace passes (None: no limit)."""
+        deadline = None if grace_s is None else self._clock() + grace_s
+        while entry.leases and (deadline is None or self._clock() < deadline):
+            await self._wait_changed(None if deadline is None else deadline - self._clock())
+        return entry.leases == 0
+
+    async def _stop(self, entry: _Entry, reason: str) -> None:
         worker, entry.worker = entry.worker, None
         if worker is not None:
             await worker.stop()  # returns once the process is reaped: its memory is free
         entry.measured = None
         self._set_state(entry, State.ABSENT, f"stopped ({reason})")
 
-    async def unload(self, model_id: str, reason: str) -> None:
+    async def unload(self, model_id: str, reason: str, grace_s: float | None = None,
+                     then: Callable[[], None] | None = None, retire: bool = False) -> bool:
+        """Drain and stop the model. True once it is freed; False if requests still ran after
+        ``grace_s``: it then accepts nothing new and is freed when they end. ``then`` runs
+        once the model is freed (or at once if it was not resident). ``retire``: it is being
+        deleted, so requests waiting for it, or coming, get 404 instead of a reload."""
         entry = self._entries[model_id]
-        if entry.state is State.READY:
-            await self._evict(entry, reason)
+        entry.retired = entry.retired or retire
+        done = then or (lambda: None)
+        if entry.loading is not None and not entry.loading.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(entry.loading)
+        if entry.state is State.DRAINING:
+            return False
+        if entry.state is not State.READY:
+            done()
+            return True
+        self._set_state(entry, State.DRAINING, reason)
+        grace = self.options.drain_grace_s if grace_s is None else grace_s
+        if await self._drained(entry, grace):
+            await self._stop(entry, reason)
+            done()
+            return True
+
+        async def later() -> None:
+            await self._drained(entry, None)
+            await self._stop(entry, reason)
+            done()
+
+        self._spawn_task(later())
+        return False
+
+    def register(self, model: CatalogModel) -> None:
+        """Track a model added at runtime (absent until first used or loaded)."""
+        self._entries[model.id] = _Entry(model)
+
+    def forget(self, model_id: str) -> None:
+        """Stop tracking an absent model (a runtime-registered one being removed)."""
+        if self._entries[model_id].state is State.ABSENT:
+            del self._entries[model_id]
 
     # -- supervision: crashes, restart budget, liveness ------------------------------------
 

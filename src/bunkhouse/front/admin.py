@@ -1,0 +1,172 @@
+"""Runtime model control: register, delete, load, unload, pin and unpin models.
+
+Every endpoint here needs an admin key (front/auth.py); registering a model by path also
+needs ``--allow-runtime-load`` and a path that resolves (symlinks and ``..`` followed) inside
+one of the allowed roots. Changes live in memory: the config file stays the source of truth.
+
+    POST   /v1/models                 {"id", "path", context?, parallel?, queue?, ttl?, pinned?}
+           200 model object once ready; 409 id taken; 403 disabled or outside the roots;
+           400 not a loadable local model (with the engine's reason)
+    DELETE /v1/models/{id}            204 freed; 202 still draining; 404; 409 pinned by config
+    POST   /v1/models/{id}/load       200 model object once ready
+    POST   /v1/models/{id}/unload     204 freed; 202 still draining
+    POST   /v1/models/{id}/pin        200 model object
+    POST   /v1/models/{id}/unpin      200 model object
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from bunkhouse.api.schemas import parse_json_object, read_body, validate
+from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.catalog.gguf_meta import read_gguf_info
+from bunkhouse.config import EngineOptions, check_model_id, engine_options
+from bunkhouse.errors import (
+    ConfigError,
+    Conflict,
+    Forbidden,
+    GGUFError,
+    InvalidRequest,
+    NotFound,
+    WorkerLoadFailed,
+)
+from bunkhouse.residency.manager import ResidencyManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AdminOptions:
+    allow_runtime_load: bool = False
+    roots: tuple[Path, ...] = ()  # where runtime-registered model files may live
+    defaults: EngineOptions = field(default_factory=EngineOptions)
+    drain_grace_s: float = 30.0
+
+
+class RegisterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: StrictStr
+    path: StrictStr
+    context: StrictInt | None = Field(default=None, ge=1)
+    parallel: StrictInt | None = Field(default=None, ge=1)
+    queue: StrictInt | None = Field(default=None, ge=0)
+    ttl: float | None = Field(default=None, ge=0)
+    pinned: StrictBool = False
+
+
+def inside_roots(path: str, roots: tuple[Path, ...]) -> Path | None:
+    """The real path of ``path`` if it lies inside one of ``roots`` (after resolving)."""
+    real = Path(os.path.realpath(os.path.expanduser(path)))
+    for root in roots:
+        real_root = os.path.realpath(root)
+        if os.path.commonpath([real_root, real]) == real_root:
+            return real
+    return None
+
+
+class Admin:
+    def __init__(self, catalog: Catalog, residency: ResidencyManager, options: AdminOptions,
+                 describe: Callable[[CatalogModel], dict[str, Any]]) -> None:
+        self.catalog = catalog
+        self.residency = residency
+        self.options = options
+        self.describe = describe
+
+    async def register(self, request: Request) -> Response:
+        if not self.options.allow_runtime_load:
+            raise Forbidden("runtime model loading is off; start the server with "
+                            "--allow-runtime-load")
+        data = parse_json_object(await read_body(request, 64 * 1024))
+        if not isinstance(data.get("id"), str) or not isinstance(data.get("path"), str):
+            raise InvalidRequest("needs string fields 'id' and 'path'")
+        body = validate(RegisterRequest, data)
+        try:
+            check_model_id(body.id, "id")
+        except ConfigError as e:
+            raise InvalidRequest(e.message, param="id") from e
+        if body.id in self.catalog:
+            raise Conflict(f"model id {body.id!r} is already in use", param="id")
+        model = self._model(body)
+        self.catalog.add(model)
+        self.residency.register(model)
+        try:
+            (await self.residency.acquire(model)).release()
+        except BaseException as e:
+            self.residency.forget(model.id)
+            self.catalog.remove(model.id)
+            if isinstance(e, WorkerLoadFailed):
+                raise InvalidRequest(f"{body.path} is not a loadable model: {e.message}",
+                                     param="path") from e
+            raise
+        log.info("model %s: registered at runtime from %s", model.id, model.path)
+        return JSONResponse(self.describe(model))
+
+    def _model(self, body: RegisterRequest) -> CatalogModel:
+        if "\0" in body.path:
+            raise InvalidRequest("path contains a NUL byte", param="path")
+        real = inside_roots(body.path, self.options.roots)
+        if real is None:
+            log.warning("refused a runtime model path outside the allowed roots: %r", body.path)
+            raise Forbidden("path is outside the allowed model roots", param="path")
+        if not real.is_file():
+            raise InvalidRequest("path is not a file", param="path")
+        try:
+            info = read_gguf_info(real)
+        except GGUFError as e:
+            raise InvalidRequest(f"not a GGUF model: {e.message}", param="path") from e
+        overrides = {k: v for k, v in (("context", body.context), ("parallel", body.parallel),
+                                       ("queue", body.queue)) if v is not None}
+        try:
+            options = engine_options(self.options.defaults, overrides, f"model {body.id!r}")
+        except ConfigError as e:
+            raise InvalidRequest(e.message) from e
+        if info.context_length and options.context > info.context_length:
+            options = replace(options, context=info.context_length)
+        st = real.stat()
+        return CatalogModel(body.id, real, "runtime", info, options, st.st_size,
+                            modified=int(st.st_mtime), pinned=body.pinned, ttl_s=body.ttl)
+
+    def _known(self, request: Request) -> CatalogModel:
+        return self.catalog.get(request.path_params["model_id"])
+
+    async def delete(self, request: Request) -> Response:
+        model = self._known(request)
+        if model.pinned and model.source != "runtime":
+            raise Conflict(f"model {model.id!r} is pinned by the config file")
+
+        def drop() -> None:
+            if model.source == "runtime" and model.id in self.catalog:
+                self.residency.forget(model.id)
+                self.catalog.remove(model.id)
+
+        freed = await self.residency.unload(model.id, "deleted by an operator",
+                                            self.options.drain_grace_s, then=drop,
+                                            retire=model.source == "runtime")
+        return Response(status_code=204 if freed else 202)
+
+    async def action(self, request: Request) -> Response:
+        model = self._known(request)
+        action = request.path_params["action"]
+        if action == "load":
+            self.residency.reset_failure(model.id)
+            (await self.residency.acquire(model)).release()
+        elif action == "unload":
+            freed = await self.residency.unload(model.id, "unloaded by an operator",
+                                                self.options.drain_grace_s)
+            return Response(status_code=204 if freed else 202)
+        elif action in ("pin", "unpin"):
+            self.residency.set_pinned(model.id, action == "pin")
+        else:
+            raise NotFound(f"no action {action!r}; use load, unload, pin or unpin")
+        return JSONResponse(self.describe(model))
