@@ -129,7 +129,7 @@ class _Handler(BaseHTTPRequestHandler):
             chunk = {"object": "chat.completion.chunk", "model": model,
                      "choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
             self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
-            time.sleep(_TOKEN_INTERVAL_S)
+            time.sleep(float(faults.get("token_interval_s", _TOKEN_INTERVAL_S)))
         self._chunk(b"data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
         self.close_connection = True

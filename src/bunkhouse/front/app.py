@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from bunkhouse import __version__
 from bunkhouse.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +37,7 @@ from bunkhouse.errors import (
 from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate, Send, SlotGate, check_fits
 from bunkhouse.front.auth import Keys, Level
+from bunkhouse.front.openapi import openapi
 from bunkhouse.front.proxy import forward
 from bunkhouse.residency.manager import ResidencyManager
 
@@ -150,6 +152,10 @@ class Front:
         })
 
 
+async def _openapi(request: Request) -> Response:
+    return JSONResponse(openapi(__version__))
+
+
 class _Held:
     """What a request holds (lease, slot, compute turn), released once, in reverse order."""
 
@@ -240,6 +246,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         Route("/v1/models/{model_id:path}", control(admin.delete), methods=["DELETE"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/stats", client(front.stats), methods=["GET"]),
+        Route("/openapi.json", _openapi, methods=["GET"]),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         BunkhouseError: _bunkhouse_error,

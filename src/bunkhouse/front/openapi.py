@@ -1,0 +1,64 @@
+"""The front's OpenAPI description (`GET /openapi.json`), built from the edge's own schemas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from bunkhouse.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from bunkhouse.front.admin import RegisterRequest
+
+_REF = "#/components/schemas/{model}"
+_ERROR = {"description": "an OpenAI-style error envelope",
+          "content": {"application/json": {"schema": {"$ref": _REF.format(model="Error")}}}}
+_ERRORS = {str(code): _ERROR for code in (400, 401, 403, 404, 409, 413, 429, 502, 503)}
+_JSON_OBJECT = {"application/json": {"schema": {"type": "object"}}}
+_MODEL_ID = [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+
+
+def _body(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template=_REF)
+    schemas.update(schema.pop("$defs", {}))
+    schemas[model.__name__] = schema
+    return {"required": True,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(
+                model=model.__name__)}}}}
+
+
+def _op(summary: str, ok: str, body: dict[str, Any] | None = None,
+        params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary,
+                          "responses": {ok: {"description": "success",
+                                             "content": _JSON_OBJECT}, **_ERRORS}}
+    if body:
+        op["requestBody"] = body
+    if params:
+        op["parameters"] = params
+    return op
+
+
+def openapi(version: str) -> dict[str, Any]:
+    schemas: dict[str, Any] = {"Error": {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type", "code"]}}}}
+    chat, comp, emb, reg = (_body(m, schemas) for m in (
+        ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RegisterRequest))
+    paths = {
+        "/v1/chat/completions": {"post": _op("chat completion (SSE with stream)", "200", chat)},
+        "/v1/completions": {"post": _op("text completion (SSE with stream)", "200", comp)},
+        "/v1/embeddings": {"post": _op("embeddings", "200", emb)},
+        "/v1/models": {"get": _op("every local model and its state", "200"),
+                       "post": _op("register and load a model by path (admin)", "200", reg)},
+        "/v1/models/{model_id}": {
+            "get": _op("one model", "200", params=_MODEL_ID),
+            "delete": _op("drain and unload; runtime models leave the catalog (admin)", "204",
+                          params=_MODEL_ID)},
+        **{f"/v1/models/{{model_id}}/{action}": {"post": _op(
+            f"{action} a catalog model (admin)", "200", params=_MODEL_ID)}
+           for action in ("load", "unload", "pin", "unpin")},
+        "/health": {"get": _op("liveness and every model's state", "200")},
+        "/stats": {"get": _op("memory budget, models and recent events", "200")},
+    }
+    return {"openapi": "3.1.0", "info": {"title": "bunkhouse", "version": version},
+            "paths": paths, "components": {"schemas": schemas}}
