@@ -70,3 +70,8 @@ def test_an_error_in_the_stream_is_raised() -> None:
     with pytest.raises(StreamError) as info:
         sse_events(["data: {\"error\": {\"message\": \"boom\"}}"])
     assert info.value.body == {"error": {"message": "boom"}}
+
+
+def test_events_that_are_not_objects_are_skipped() -> None:
+    assert sse_events(["data: null", "data: [1, 2]", "data: {\"a\": 1}", "data: [DONE]"]) == [
+        {"a": 1}]

@@ -34,6 +34,8 @@ def sse_events(lines: Iterable[str]) -> list[dict[str, Any]]:
         if payload == "[DONE]":
             break
         event = json.loads(payload)
+        if not isinstance(event, dict):
+            continue  # nothing of an answer in it
         if "error" in event:
             raise StreamError(event)
         events.append(event)

@@ -65,7 +65,7 @@ async def forward(client: httpx.AsyncClient, path: str, body: bytes, *, stream: 
     raises, ``on_done`` may not have run.
     """
     assembler = _ASSEMBLERS.get(path) if data is not None and not stream else None
-    if assembler is not None and data is not None and data.get("n", 1) == 1:
+    if assembler is not None and data is not None and _single(data):
         body = json.dumps({**data, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()
     else:
@@ -132,6 +132,13 @@ async def _relay(resp: httpx.Response, model_id: str) -> AsyncIterator[bytes]:
         yield b"event: error\ndata: " + json.dumps(error_body(err)).encode() + b"\n\n"
     finally:
         await resp.aclose()
+
+
+def _single(data: dict[str, Any]) -> bool:
+    """One answer expected: no ``n`` > 1, no list of several prompts (those pass through)."""
+    prompt = data.get("prompt")
+    several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    return data.get("n", 1) == 1 and not several
 
 
 Assembler = Callable[[list[dict[str, Any]]], dict[str, Any]]

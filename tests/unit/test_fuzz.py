@@ -1,0 +1,96 @@
+"""Schemathesis over the front's own OpenAPI description: no input may produce a 5xx.
+
+Workers are fakes answering like llama.cpp's server (through httpx.MockTransport), so this
+exercises the front's edge (validation, auth, admin, admission, assembly) in seconds. The
+longer run against a real engine is in docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import hypothesis
+import pytest
+import schemathesis
+from schemathesis.checks import not_a_server_error
+
+from bunkhouse.catalog import CatalogModel, build_catalog
+from bunkhouse.config import Settings
+from bunkhouse.front.admin import AdminOptions
+from bunkhouse.front.app import build_app
+from bunkhouse.front.auth import Keys
+from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+from tests.helpers import write_tiny_gguf
+from tests.unit.test_manager import FakeWorker
+
+
+async def _streamed(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def _reply(payload: Any, content_type: str = "application/json") -> httpx.Response:
+    """A response whose body streams, as a real transport's does."""
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return httpx.Response(200, content=_streamed(data), headers={"content-type": content_type})
+
+
+def _engine(request: httpx.Request) -> httpx.Response:
+    path = request.url.path
+    body = json.loads(request.content or b"{}")
+    if path == "/apply-template":
+        return _reply({"prompt": "x"})
+    if path == "/tokenize":
+        return _reply({"tokens": [1]})
+    if path == "/v1/embeddings":
+        return _reply({"object": "list", "data": [
+            {"object": "embedding", "index": 0, "embedding": [1.0]}]})
+    text = "choices" if path == "/v1/completions" else "delta"
+    chunk = ({"choices": [{"index": 0, "text": "hi"}]} if text == "choices"
+             else {"choices": [{"index": 0, "delta": {"content": "hi"}}]})
+    if body.get("stream"):
+        sse = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+        return _reply(sse.encode(), "text/event-stream")
+    return _reply(chunk)
+
+
+class MockWorker(FakeWorker):
+    def __init__(self, model: CatalogModel) -> None:
+        super().__init__(model)
+        self.client = httpx.AsyncClient(transport=httpx.MockTransport(_engine),
+                                        base_url="http://worker")
+
+
+def _app(root: Path) -> Any:
+    write_tiny_gguf(root / "tiny.gguf", context=4096)
+    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False))
+
+    async def start(model: CatalogModel) -> Any:
+        return MockWorker(model)
+
+    residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
+    return build_app(catalog, residency, keys=Keys(admin=["fuzz"]),
+                     admin_options=AdminOptions(allow_runtime_load=True, roots=(root,)))
+
+
+ROOT = Path(tempfile.mkdtemp(prefix="bh-fuzz-"))
+schema = schemathesis.openapi.from_asgi("/openapi.json", _app(ROOT))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cleanup() -> Iterator[None]:
+    yield
+    shutil.rmtree(ROOT, ignore_errors=True)
+
+
+@schema.parametrize()
+@hypothesis.settings(max_examples=25, deadline=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+def test_no_input_gets_a_server_error(case: Any) -> None:
+    case.call_and_validate(headers={"authorization": "Bearer fuzz"},
+                           checks=[not_a_server_error])
