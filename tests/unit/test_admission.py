@@ -12,7 +12,7 @@ import pytest
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
-from bunkhouse.errors import ContextLengthExceeded, QueueFull
+from bunkhouse.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 from bunkhouse.front.admission import ComputeGate, SlotGate, check_fits
 
 INFO = GGUFInfo("qwen2", None, 32768, 24, 896, 14, 2, 64, 64, None, "{{x}}", 15, 0)
@@ -158,3 +158,10 @@ def test_oversize_requests_are_400_naming_the_numbers(path: str, body: dict[str,
 
 def test_embeddings_are_not_checked() -> None:
     run(check_fits(_model(), "/v1/embeddings", {"input": "w " * 5000}, Worker()))
+
+
+def test_more_prompts_than_slots_is_400() -> None:
+    body = {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 4}
+    with pytest.raises(InvalidRequest, match="5 prompts in one request; send at most 4"):
+        run(check_fits(_model(), "/v1/completions", body, Worker()))
+    run(check_fits(_model(), "/v1/completions", {"prompt": ["a", "b"]}, Worker()))

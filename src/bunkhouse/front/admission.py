@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.errors import ContextLengthExceeded, QueueFull
+from bunkhouse.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 from bunkhouse.residency.estimate import kv_cache_bytes
 
 
@@ -141,6 +141,11 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any], send:
     else:
         raw = body.get("prompt", "")
         prompts = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+        if len(prompts) > model.options.parallel:
+            raise InvalidRequest(
+                f"model {model.id!r}: {len(prompts)} prompts in one request; send at most "
+                f"{model.options.parallel} (its slots) and the rest in further requests",
+                param="prompt")
     for prompt in prompts:
         if isinstance(prompt, list):  # already tokens
             tokens = len(prompt)
