@@ -5,12 +5,11 @@ envelope, or an SSE `event: error` at the end of a stream). A request that outli
 timeout is hung; anything else (a truncated stream with no error, a reset) is unclean. After
 the run the front is stopped and every worker process ever seen must be gone.
 
-    python -m benchmarks.chaos [--duration 60] [--clients 4] [--seed 1]
+Run as part of `python -m benchmarks run` (section `reliability`).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import signal
@@ -116,22 +115,3 @@ def run(duration_s: float, clients: int, seed: int) -> dict[str, int]:
         "front_exit_code": front.returncode,
         "orphans": len(alive),
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration", type=float, default=60.0)
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--seed", type=int, default=1)
-    a = p.parse_args(argv)
-    result = run(a.duration, a.clients, a.seed)
-    print("| " + " | ".join(result) + " |")
-    print("|" + " --- |" * len(result))
-    print("| " + " | ".join(str(v) for v in result.values()) + " |")
-    bad = result["hung"] + result["front_restarts"] + result["orphans"] + result["unclean"]
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

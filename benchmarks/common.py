@@ -1,17 +1,82 @@
-"""Helpers the benchmarks share: free ports, child processes with logs, readiness waits."""
+"""Helpers the benchmarks share: workload sizes, child processes with logs, readiness waits,
+memory sampling, and the engine's own server as a peer."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
+
+from bunkhouse.catalog import CatalogModel, build_catalog
+from bunkhouse.config import Settings
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+GEMMA = "gemma-3-270m"
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How much of each workload a run does."""
+
+    name: str
+    overhead_rounds: int
+    overhead_tokens: int
+    throughput_rounds: int
+    throughput_tokens: int
+    gate_off: bool            # also measure two models without the compute gate (slow)
+    swap_runs: int
+    swap_requests: int
+    chaos_runs: int
+    chaos_seconds: float
+    flood_runs: int
+    flood_requests: int
+    flood_concurrency: int
+    fuzz_examples: int
+    fuzz_seconds: int
+
+
+PROFILES = {
+    "full": Profile("full", overhead_rounds=8, overhead_tokens=64, throughput_rounds=5,
+                    throughput_tokens=32, gate_off=True, swap_runs=3, swap_requests=10,
+                    chaos_runs=3, chaos_seconds=60, flood_runs=3, flood_requests=1000,
+                    flood_concurrency=64, fuzz_examples=30, fuzz_seconds=300),
+    "quick": Profile("quick", overhead_rounds=3, overhead_tokens=32, throughput_rounds=3,
+                     throughput_tokens=16, gate_off=True, swap_runs=3, swap_requests=6,
+                     chaos_runs=1, chaos_seconds=30, flood_runs=1, flood_requests=1000,
+                     flood_concurrency=64, fuzz_examples=10, fuzz_seconds=60),
+    # Only for the test suite: checks that every section runs end to end, measures nothing.
+    "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
+                    throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
+                    chaos_runs=1, chaos_seconds=5, flood_runs=1, flood_requests=100,
+                    flood_concurrency=16, fuzz_examples=2, fuzz_seconds=20),
+}
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        if not values:
+            raise ValueError("no values")
+        return cls(statistics.median(values), min(values), max(values))
 
 
 def free_port() -> int:
@@ -24,13 +89,15 @@ def free_port() -> int:
 
 
 def wait_http(client: httpx.Client, url: str, proc: subprocess.Popen[bytes],
-               timeout_s: float = 120) -> None:
+              timeout_s: float = 120, headers: dict[str, str] | None = None) -> None:
+    """Poll URL until it answers 200; fail at once if PROC exits, or at the deadline."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}; see its log in "
+                               f"{LOG_DIR}")
         try:
-            if client.get(url, timeout=2).status_code == 200:
+            if client.get(url, timeout=2, headers=headers).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -38,15 +105,17 @@ def wait_http(client: httpx.Client, url: str, proc: subprocess.Popen[bytes],
     raise RuntimeError(f"{url} not ready in {timeout_s} s")
 
 
-LOG_DIR = Path(__file__).parent / "results"
+LOG_DIR = Path(os.environ.get("BUNKHOUSE_BENCH_LOGS", Path(__file__).parent / "results"))
 
 
 @contextmanager
-def process(argv: list[str], name: str) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``argv`` with its output in benchmarks/results/NAME.log; stop it on exit."""
-    LOG_DIR.mkdir(exist_ok=True)
+def process(argv: list[str], name: str,
+            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``argv`` with its output in LOG_DIR/NAME.log; SIGTERM it on exit (SIGKILL after 30 s)."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
     with (LOG_DIR / f"{name}.log").open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env} if env else None)
     try:
         yield proc
     finally:
@@ -61,3 +130,81 @@ def process(argv: list[str], name: str) -> Iterator[subprocess.Popen[bytes]]:
 def bunkhouse_argv() -> list[str]:
     exe = shutil.which("bunkhouse")
     return [exe] if exe else [sys.executable, "-m", "bunkhouse"]
+
+
+def packaged(model_id: str) -> CatalogModel:
+    return build_catalog(Settings()).get(model_id)
+
+
+@contextmanager
+def bunkhouse(name: str, *args: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`bunkhouse serve ARGS` on a free port, ready; yields its URL and process."""
+    port = free_port()
+    with process([*bunkhouse_argv(), "serve", "--port", str(port), *args], name) as proc, \
+            httpx.Client() as client:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(client, f"{url}/health", proc)
+        yield url, proc
+
+
+@contextmanager
+def engine_server(model_id: str, name: str) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
+    """The engine's own HTTP server on the model's engine options, loopback TCP with an API
+    key; yields its URL, key and process."""
+    model = packaged(model_id)
+    o = model.options
+    port, key = free_port(), secrets.token_hex(16)
+    argv = [
+        sys.executable, "-m", "benchmarks.engine_server", "--model-id", model_id,
+        "--model-path", str(model.path), "--port", str(port), "--api-key", key,
+        "--context", str(o.context), "--parallel", str(o.parallel),
+        "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
+    ]
+    with process(argv, name) as proc, httpx.Client() as client:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(client, f"{url}/health", proc)
+        yield url, key, proc
+
+
+class RssSampler:
+    """Samples, every INTERVAL seconds on a thread, the summed RSS of the processes that
+    PIDS returns; keeps (seconds since start, bytes) pairs."""
+
+    def __init__(self, pids: Callable[[], list[int]], interval_s: float = 0.1) -> None:
+        self._pids = pids
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.samples: list[tuple[float, int]] = []
+        self._t0 = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for pid in self._pids():
+                with suppress(psutil.Error):
+                    total += psutil.Process(pid).memory_info().rss
+            self.samples.append((time.monotonic() - self._t0, total))
+            self._stop.wait(self._interval)
+
+    @property
+    def peak(self) -> int:
+        return max((b for _, b in self.samples), default=0)
+
+    def __enter__(self) -> RssSampler:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def children(pid: int) -> Callable[[], list[int]]:
+    def pids() -> list[int]:
+        try:
+            return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+    return pids

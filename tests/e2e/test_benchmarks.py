@@ -1,0 +1,42 @@
+"""The benchmark harness runs end to end: every section against real servers and models, on
+the tiny profile (a few tokens, one round), and writes the page, the plots and the results.
+
+It measures nothing worth reading and asserts no figure: benchmarks are never assertions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> None:
+    env = {**os.environ, "BUNKHOUSE_BENCH_LOGS": str(tmp_path / "logs")}
+    env.pop("BUNKHOUSE_LLAMA_SERVER", None)  # the router needs a binary CI does not build
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "run", "--profile", "tiny",
+         "--out", str(tmp_path / "docs"), "--llama-server", ""],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+    results = json.loads((tmp_path / "docs" / "benchmarks" / "results.json").read_text())
+    assert results["errors"] == {}
+    assert set(results["sections"]) == {"overhead", "throughput", "swap", "reliability"}
+    flood = results["sections"]["reliability"]["flood"][0]
+    assert sum(flood["statuses"].values()) == flood["requests"]
+
+    page = (tmp_path / "docs" / "benchmarks.md").read_text()
+    for heading in ("## Goals", "## 1. Front overhead", "## 2. Aggregate throughput",
+                    "## 3. Swapping models", "## 4. Memory", "## 5. Reliability"):
+        assert heading in page
+    assert "xllamacpp disabled the router" in page  # the reason the wheel cannot be the peer
+    for png in ("throughput.png", "swap-timeline.png"):
+        assert (tmp_path / "docs" / "benchmarks" / png).read_bytes()[:4] == b"\x89PNG"
