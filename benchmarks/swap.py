@@ -69,25 +69,71 @@ def wheel_router_error() -> str:
 def llama_server_version(binary: str) -> str:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
     lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version")]
-    return lines[0] if lines else "unknown"
+    version = lines[0] if lines else "version unknown"
+    source = Path(binary + ".source")  # written by benchmarks/build-llama-server.sh
+    return f"{version}; {source.read_text().strip()}" if source.exists() else version
 
 
 @contextmanager
 def _router(binary: str, name: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     qwen, gemma = packaged(QWEN), packaged(GEMMA)
-    o = qwen.options
     with tempfile.TemporaryDirectory(prefix="bh-router-") as tmp:
         for model in (qwen, gemma):
             os.symlink(model.path, Path(tmp) / f"{model.id}.gguf")
         port = free_port()
         argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--models-dir", tmp,
-                "--models-max", "1", "-c", str(o.context), "-np", str(o.parallel),
-                "-t", str(o.threads), "-tb", str(o.threads), "--cache-ram", str(o.cache_ram_mib),
-                "-b", "2048", "-ub", "512", "--no-webui"]
+                "--models-max", "1", *_engine_args(qwen)]
         with process(argv, name) as proc, httpx.Client() as client:
             url = f"http://127.0.0.1:{port}"
             wait_http(client, f"{url}/health", proc)
             yield url, proc
+
+
+def _ready_after(argv: list[str], url: str, name: str) -> float:
+    """Seconds from spawning ARGV to its /health answering 200 (polled every 20 ms)."""
+    start = time.perf_counter()
+    with process(argv, name) as proc, httpx.Client() as client:
+        deadline = start + 120
+        while time.perf_counter() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited with {proc.returncode}")
+            try:
+                if client.get(f"{url}/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+    raise RuntimeError(f"{argv[0]} not ready in 120 s")
+
+
+def engine_starts(llama_server: str | None) -> dict[str, dict[str, float]]:
+    """How long each engine build takes to load a model and answer /health, with nothing
+    around it: xllamacpp (a Python process, as a bunkhouse worker is) and llama-server."""
+    out: dict[str, dict[str, float]] = {}
+    for model_id in (QWEN, GEMMA):
+        model = packaged(model_id)
+        o = model.options
+        port = free_port()
+        engine = [sys.executable, "-m", "benchmarks.engine_server", "--model-id", model_id,
+                  "--model-path", str(model.path), "--port", str(port),
+                  "--context", str(o.context), "--parallel", str(o.parallel),
+                  "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads)]
+        out.setdefault("xllamacpp", {})[model_id] = _ready_after(
+            engine, f"http://127.0.0.1:{port}", "swap-engine-start")
+        if llama_server:
+            port = free_port()
+            argv = [llama_server, "-m", str(model.path), "--host", "127.0.0.1",
+                    "--port", str(port), *_engine_args(model)]
+            out.setdefault("llama-server", {})[model_id] = _ready_after(
+                argv, f"http://127.0.0.1:{port}", "swap-llama-server-start")
+    return out
+
+
+def _engine_args(model: Any) -> list[str]:
+    o = model.options
+    return ["-c", str(o.context), "-np", str(o.parallel), "-t", str(o.threads),
+            "-tb", str(o.threads), "--cache-ram", str(o.cache_ram_mib), "-b", "2048",
+            "-ub", "512", "--no-webui"]
 
 
 def one_request(url: str, model: str, t0: float) -> dict[str, Any]:
@@ -146,5 +192,6 @@ def measure(profile: Profile, llama_server: str | None) -> dict[str, Any]:
                 with _router(llama_server, "swap-router") as (url, proc):
                     run = workload(url, children(proc.pid), profile.swap_requests)
             result["runs"].setdefault(target, []).append(run)
+        result.setdefault("engine_starts", []).append(engine_starts(llama_server))
         print(f"swap: run {r + 1}/{profile.swap_runs}", file=sys.stderr)
     return result
