@@ -6,7 +6,7 @@
 Sections, in order: overhead (front vs the engine's own server, 1 and 4 requests at once),
 throughput (1/4/8 concurrent; two models at once; memory estimate vs measured), swap
 (llama.cpp's router vs bunkhouse, two models alternating with room for one), reliability
-(chaos, a 1,000-request flood, schemathesis). A full run takes about 30 minutes on 2 cores,
+(chaos, a 1,000-request flood, schemathesis). A full run takes about 20 minutes on 2 cores,
 --quick under 10. Every process's log goes to benchmarks/results/.
 """
 

@@ -395,7 +395,7 @@ def render(results: dict[str, Any]) -> str:
         + (f", llama-server `{env['llama_server']}`" if env.get("llama_server") else "") + ".",
         f"- Models: {QWEN} (Q4_K_M) and {GEMMA} (Q4_K_M), the packaged ones.",
         "",
-        "Rerun: `pip install -e \".[bench]\"`, then `python -m benchmarks run` (about 30 "
+        "Rerun: `pip install -e \".[bench]\"`, then `python -m benchmarks run` (about 20 "
         "minutes on 2 cores) or `python -m benchmarks run --quick` (under 10); add "
         "`--llama-server PATH` for the router comparison (section 3). Results go to "
         "`docs/benchmarks.md`, `docs/benchmarks/*.png` and `docs/benchmarks/results.json`; "

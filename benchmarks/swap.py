@@ -169,7 +169,7 @@ def workload(url: str, pids: Any, requests: int) -> dict[str, Any]:
         done = [one_request(url, models[i % 2], t0) for i in range(requests)]
         total = time.perf_counter() - t0
     return {"requests": done, "total_s": total, "peak_rss": sampler.peak,
-            "rss": sampler.samples[::5]}
+            "rss": sampler.samples[::2]}
 
 
 def measure(profile: Profile, llama_server: str | None) -> dict[str, Any]:
