@@ -118,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                    default=os.environ.get("BUNKHOUSE_LLAMA_SERVER") or shutil.which("llama-server"),
                    help="a llama-server binary with router mode, for section 3 "
                    "(default: $BUNKHOUSE_LLAMA_SERVER, else llama-server on PATH)")
-    r.add_argument("--out", type=Path, default=ROOT / "docs",
+    r.add_argument("--out", type=Path,
                    help="where benchmarks.md, benchmarks/*.png and benchmarks/results.json go "
-                   "(default: docs/)")
+                   "(default: docs/; with --only, benchmarks/results/partial/, so that a "
+                   "partial run never replaces the published page)")
     d = sub.add_parser("render", help="rewrite the docs from a saved results.json")
     d.add_argument("results", type=Path, nargs="?",
                    default=ROOT / "docs" / "benchmarks" / "results.json")
@@ -132,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     profile = PROFILES[a.profile or ("quick" if a.quick else "full")]
     if a.llama_server and not Path(a.llama_server).is_file():
         p.error(f"--llama-server {a.llama_server}: no such file")
+    out = a.out or (ROOT / "benchmarks" / "results" / "partial" if a.only else ROOT / "docs")
     results = run_sections(profile, a.only or list(SECTIONS), a.llama_server,
-                           a.out / "benchmarks" / "results.json")
-    page = write_docs(results, a.out)
+                           out / "benchmarks" / "results.json")
+    page = write_docs(results, out)
     print(f"wrote {page} in {results['duration_s'] / 60:.1f} minutes", file=sys.stderr)
     return 1 if results["errors"] else 0
 

@@ -132,7 +132,7 @@ def engine_starts(llama_server: str | None) -> dict[str, dict[str, float]]:
 def _engine_args(model: Any) -> list[str]:
     o = model.options
     return ["-c", str(o.context), "-np", str(o.parallel), "-t", str(o.threads),
-            "-tb", str(o.threads), "--cache-ram", str(o.cache_ram_mib), "-b", "2048",
+            "-tb", str(o.threads), "--cache-ram", str(o.cache_ram_mib), "-b", "512",
             "-ub", "512", "--no-webui"]
 
 

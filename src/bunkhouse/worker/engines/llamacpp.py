@@ -25,7 +25,8 @@ def build_params(config: WorkerConfig) -> Any:
     params.n_ctx = config.context  # total context, shared by the slots
     params.n_parallel = config.parallel
     params.cont_batching = True
-    params.n_batch = 2048
+    # With embeddings on, llama.cpp lowers n_batch to n_ubatch anyway (and warns): say so.
+    params.n_batch = 512
     params.n_ubatch = 512  # residency.estimate assumes this micro-batch (SWA cache size)
     params.kv_unified = False  # each slot owns context / parallel tokens: predictable KV need
     params.cache_ram_mib = config.cache_ram_mib
