@@ -399,7 +399,9 @@ def render(results: dict[str, Any]) -> str:
         "minutes on 2 cores) or `python -m benchmarks run --quick` (under 10); add "
         "`--llama-server PATH` for the router comparison (section 3). Results go to "
         "`docs/benchmarks.md`, `docs/benchmarks/*.png` and `docs/benchmarks/results.json`; "
-        "logs of every process to `benchmarks/results/`.",
+        "logs of every process to `benchmarks/results/`. Run it on an otherwise idle "
+        "machine: when another process competes for the cores, llama.cpp's decode threads "
+        "spin-wait and both targets slow down by an order of magnitude.",
         "",
         "## Goals",
         "",

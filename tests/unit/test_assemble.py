@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from bunkhouse.front.assemble import StreamError, assemble_chat, assemble_completion, sse_events
+from bunkhouse.front.assemble import (
+    StreamError,
+    assemble_chat,
+    assemble_completion,
+    sse_events,
+    sse_lines,
+)
 
 
 def _lines(*events: dict[str, Any]) -> list[str]:
@@ -75,3 +81,14 @@ def test_an_error_in_the_stream_is_raised() -> None:
 def test_events_that_are_not_objects_are_skipped() -> None:
     assert sse_events(["data: null", "data: [1, 2]", "data: {\"a\": 1}", "data: [DONE]"]) == [
         {"a": 1}]
+
+
+def test_sse_lines_split_only_at_sse_line_ends() -> None:
+    # U+2028, U+2029 and U+0085 are legal unescaped in JSON strings; str.splitlines (and so
+    # httpx's iter_lines) would cut an event holding one of them in two (found by the fuzz).
+    text = "a\u2028b\u2029c\x85d\x1ce"
+    data = ("data: " + json.dumps({"choices": [{"index": 0, "text": text}]},
+                                  ensure_ascii=False)).encode()
+    lines = sse_lines(data + b"\r\n\r\ndata: [DONE]\r\n")
+    assert assemble_completion(sse_events(lines))["choices"][0]["text"] == text
+    assert sse_lines(b"a\rb\nc\r\nd") == ["a", "b", "c", "d"]

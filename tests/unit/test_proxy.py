@@ -107,3 +107,28 @@ def test_stream_that_breaks_ends_with_an_error_event() -> None:
     assert error.startswith("event: error\ndata: ")
     payload = json.loads(error.split("data: ", 1)[1])
     assert payload["error"]["code"] == "engine_unavailable"
+
+
+def test_plain_answer_holding_unicode_line_separators_is_assembled_whole() -> None:
+    # Found by the fuzz against a real worker: a generated U+2028 split an SSE event in two
+    # and the plain answer became a 500.
+    text = "one\u2028two\x85three"
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        assert json.loads(req.content)["stream"] is True  # sent upstream as a stream
+        event = json.dumps({"choices": [{"index": 0, "delta": {"content": text},
+                                         "finish_reason": "stop"}]}, ensure_ascii=False)
+        return httpx.Response(200, content=f"data: {event}\n\ndata: [DONE]\n\n".encode(),
+                              headers={"content-type": "text/event-stream"})
+
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://w")
+
+    async def route(request: Request) -> Response:
+        body = await request.body()
+        return await forward(upstream, "/v1/chat/completions", body, stream=False,
+                             request=request, model_id="m", data=json.loads(body))
+
+    client = TestClient(Starlette(routes=[Route("/c", route, methods=["POST"])]))
+    resp = client.post("/c", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status_code == 200
+    assert resp.json()["choices"][0]["message"]["content"] == text

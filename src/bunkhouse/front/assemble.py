@@ -10,6 +10,7 @@ into the answer the client asked for.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +23,18 @@ class StreamError(Exception):
     def __init__(self, body: dict[str, Any]) -> None:
         super().__init__(str(body))
         self.body = body
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def sse_lines(data: bytes) -> list[str]:
+    """An event stream's lines, split only where the SSE format ends a line (CRLF, LF, CR).
+
+    Not ``str.splitlines``: it also splits at U+2028, U+2029, U+0085 and other characters
+    that JSON leaves unescaped, so a generated text holding one would break its event apart.
+    """
+    return [line.decode("utf-8", errors="replace") for line in _LINE_END.split(data)]
 
 
 def sse_events(lines: Iterable[str]) -> list[dict[str, Any]]:

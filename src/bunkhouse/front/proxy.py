@@ -25,6 +25,7 @@ from bunkhouse.front.assemble import (
     assemble_chat,
     assemble_completion,
     sse_events,
+    sse_lines,
 )
 
 log = logging.getLogger(__name__)
@@ -164,10 +165,7 @@ async def _call(client: httpx.AsyncClient, upstream: httpx.Request, model_id: st
                 assembler: Assembler | None) -> Response:
     resp = await _send(client, upstream, model_id)
     try:
-        if resp.status_code >= 400 or assembler is None:
-            content = await resp.aread()
-        else:
-            lines = [line async for line in resp.aiter_lines()]
+        content = await resp.aread()
     except httpx.TransportError as e:
         raise EngineUnavailable(f"model {model_id!r}: worker answer broke: {e!r}") from e
     finally:
@@ -177,7 +175,7 @@ async def _call(client: httpx.AsyncClient, upstream: httpx.Request, model_id: st
     if assembler is None:
         return Response(content, status_code=resp.status_code, headers=_JSON)
     try:
-        return JSONResponse(assembler(sse_events(lines)))
+        return JSONResponse(assembler(sse_events(sse_lines(content))))
     except StreamError as e:
         return engine_error(500, json.dumps(e.body).encode())
     except ValueError as e:
