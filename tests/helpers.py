@@ -6,7 +6,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import gguf
 import numpy as np
@@ -60,3 +60,21 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, context: int = 2048,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def app_without_workers(root: Path, **build_app_kwargs: Any) -> Any:
+    """The front over one tiny GGUF in ROOT, whose workers must never be reached: for tests of
+    the HTTP edge (validation, auth, limits) that a request to a worker would defeat."""
+    from bunkhouse.catalog import build_catalog
+    from bunkhouse.config import Settings
+    from bunkhouse.front.app import build_app
+    from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+
+    write_tiny_gguf(root / "tiny.gguf")
+    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False))
+
+    async def no_workers(model: object) -> Any:
+        raise AssertionError("no request here may reach a worker")
+
+    residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**30), no_workers)
+    return build_app(catalog, residency, **build_app_kwargs)

@@ -242,7 +242,8 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     from bunkhouse.front.auth import Keys
     from bunkhouse.residency.estimate import default_budget_bytes
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
-    from bunkhouse.supervisor.launcher import LaunchOptions, LocalLauncher
+    from bunkhouse.supervisor.launcher import LocalLauncher
+    from bunkhouse.supervisor.process import LaunchOptions
 
     for model_id in settings.preload:
         catalog.get(model_id)

@@ -21,7 +21,13 @@ from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.catalog.gguf_meta import read_gguf_info
 from bunkhouse.config import EngineOptions
 from bunkhouse.errors import WorkerLoadFailed
-from bunkhouse.supervisor.process import WorkerLaunch, WorkerProcess, WorkerState, worker_argv
+from bunkhouse.supervisor.process import (
+    LaunchOptions,
+    WorkerLaunch,
+    WorkerProcess,
+    WorkerState,
+    worker_argv,
+)
 from tests.helpers import wait_for, write_tiny_gguf
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
@@ -44,7 +50,7 @@ def qwen_socket(packaged_catalog: Catalog) -> Iterator[Path]:
     model = packaged_catalog.get(QWEN)
     with tempfile.TemporaryDirectory(prefix="bh-test-") as d:
         sock = Path(d) / "w.sock"
-        launch = WorkerLaunch(socket=sock, ready_timeout_s=60, stop_grace_s=5)
+        launch = WorkerLaunch(sock, LaunchOptions(ready_timeout_s=60, stop_grace_s=5))
         proc = subprocess.Popen(worker_argv(model, launch), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         try:
@@ -107,7 +113,7 @@ def _model_at(path: Path) -> CatalogModel:
 def test_supervisor_start_measure_stop(packaged_catalog: Catalog, tmp_path: Path) -> None:
     async def run() -> None:
         model = packaged_catalog.get("gemma-3-270m")
-        worker = WorkerProcess(model, WorkerLaunch(tmp_path / "g.sock", 60, 5))
+        worker = WorkerProcess(model, WorkerLaunch(tmp_path / "g.sock", LaunchOptions(60, 5)))
         await worker.start()
         try:
             assert worker.state is WorkerState.READY and worker.pid
@@ -129,7 +135,8 @@ def test_load_failure_quotes_the_engine(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "broken.gguf")  # metadata only: no real weights
 
     async def run() -> WorkerProcess:
-        worker = WorkerProcess(_model_at(path), WorkerLaunch(tmp_path / "b.sock", 60, 5))
+        launch = WorkerLaunch(tmp_path / "b.sock", LaunchOptions(60, 5))
+        worker = WorkerProcess(_model_at(path), launch)
         with pytest.raises(WorkerLoadFailed) as info:
             await worker.start()
         assert "failed to load" in info.value.message
@@ -144,7 +151,7 @@ def test_load_failure_quotes_the_engine(tmp_path: Path) -> None:
 def test_worker_exits_when_its_parent_is_killed(packaged_catalog: Catalog,
                                                 tmp_path: Path) -> None:
     model = packaged_catalog.get("gemma-3-270m")
-    argv = worker_argv(model, WorkerLaunch(tmp_path / "o.sock", 60, 5))
+    argv = worker_argv(model, WorkerLaunch(tmp_path / "o.sock", LaunchOptions(60, 5)))
     # An intermediate parent that starts the worker (naming itself as parent), then waits.
     script = (
         "import os, subprocess, sys, time\n"

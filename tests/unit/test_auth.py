@@ -4,34 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
-from bunkhouse.catalog import build_catalog
-from bunkhouse.config import Settings
 from bunkhouse.errors import Forbidden, Unauthorized
-from bunkhouse.front.app import build_app
 from bunkhouse.front.auth import Keys, Level
-from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
-from tests.helpers import write_tiny_gguf
+from tests.helpers import app_without_workers
 
 KEYS = Keys(client=["client-secret"], admin=["admin-secret"])
 
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    write_tiny_gguf(tmp_path / "tiny.gguf")
-    catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False))
-
-    async def no_workers(model: object) -> Any:
-        raise AssertionError("no request here may reach a worker")
-
-    residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**30), no_workers)
-    app = build_app(catalog, residency, keys=KEYS, max_body_bytes=1000)
-    with TestClient(app) as c:
+    with TestClient(app_without_workers(tmp_path, keys=KEYS, max_body_bytes=1000)) as c:
         yield c
 
 

@@ -9,22 +9,12 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from bunkhouse.catalog import build_catalog
-from bunkhouse.config import Settings
-from bunkhouse.front.app import build_app
-from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
-from tests.helpers import write_tiny_gguf
+from tests.helpers import app_without_workers
 
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    write_tiny_gguf(tmp_path / "tiny.gguf")
-    catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False))
-    async def no_workers(model: object) -> Any:
-        raise AssertionError("no request here may reach a worker")
-
-    residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**30), no_workers)
-    with TestClient(build_app(catalog, residency)) as c:
+    with TestClient(app_without_workers(tmp_path)) as c:
         yield c
 
 

@@ -5,26 +5,18 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.supervisor.process import (
+    LaunchOptions,
     Spawner,
     WorkerLaunch,
     WorkerProcess,
     spawn_local,
 )
-from bunkhouse.worker.engine import DEFAULT_ENGINE
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchOptions:
-    ready_timeout_s: float = 120.0
-    stop_grace_s: float = 10.0
-    engine: str = DEFAULT_ENGINE
 
 
 class LocalLauncher:
@@ -45,8 +37,7 @@ class LocalLauncher:
         o = model.options
         log.info("model %s: starting worker (context %d, %d slots, %d threads)",
                  model.id, o.context, o.parallel, o.threads)
-        launch = WorkerLaunch(self._next_socket(), self.options.ready_timeout_s,
-                              self.options.stop_grace_s, self.options.engine)
+        launch = WorkerLaunch(self._next_socket(), self.options)
         worker = WorkerProcess(model, launch, self._spawner)
         await worker.start()
         return worker

@@ -73,13 +73,20 @@ async def spawn_local(argv: Sequence[str]) -> asyncio.subprocess.Process:
 
 
 @dataclass(frozen=True, slots=True)
+class LaunchOptions:
+    """How every worker is started: its deadlines and its engine."""
+
+    ready_timeout_s: float = 120.0
+    stop_grace_s: float = 10.0
+    engine: str = DEFAULT_ENGINE
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLaunch:
     """Everything needed to start one worker, besides the model."""
 
     socket: Path
-    ready_timeout_s: float
-    stop_grace_s: float
-    engine: str = DEFAULT_ENGINE
+    options: LaunchOptions = LaunchOptions()
 
 
 def worker_argv(model: CatalogModel, launch: WorkerLaunch) -> list[str]:
@@ -103,7 +110,7 @@ def worker_argv(model: CatalogModel, launch: WorkerLaunch) -> list[str]:
         "--threads",
         str(o.threads),
         "--engine",
-        launch.engine,
+        launch.options.engine,
         "--parent-pid",
         str(os.getpid()),
     ]
@@ -191,7 +198,7 @@ class WorkerProcess:
         self._tasks.append(asyncio.create_task(self._watch_exit(self._proc)))
 
     async def _health_gate(self, proc: asyncio.subprocess.Process) -> None:
-        deadline = time.monotonic() + self.launch.ready_timeout_s
+        deadline = time.monotonic() + self.launch.options.ready_timeout_s
         while time.monotonic() < deadline:
             if await self._healthy():
                 return
@@ -204,7 +211,8 @@ class WorkerProcess:
                     f"{proc.returncode}). Last lines of its output:\n{self.stderr_tail()}"
                 )
         raise WorkerLoadFailed(
-            f"model {self.model.id!r} was not ready within {self.launch.ready_timeout_s:.0f} s. "
+            f"model {self.model.id!r} was not ready within "
+            f"{self.launch.options.ready_timeout_s:.0f} s. "
             f"Last lines of its output:\n{self.stderr_tail()}"
         )
 
@@ -263,7 +271,7 @@ class WorkerProcess:
         self._set_state(WorkerState.STOPPING, "stop requested")
         proc = self._proc
         if proc is not None and proc.returncode is None:
-            await _terminate(proc, self.launch.stop_grace_s, self.model.id)
+            await _terminate(proc, self.launch.options.stop_grace_s, self.model.id)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
