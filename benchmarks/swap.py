@@ -34,6 +34,7 @@ from benchmarks.common import (
     RssSampler,
     bunkhouse,
     children,
+    engine_server_argv,
     free_port,
     packaged,
     process,
@@ -93,17 +94,8 @@ def _ready_after(argv: list[str], url: str, name: str) -> float:
     """Seconds from spawning ARGV to its /health answering 200 (polled every 20 ms)."""
     start = time.perf_counter()
     with process(argv, name) as proc, httpx.Client() as client:
-        deadline = start + 120
-        while time.perf_counter() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited with {proc.returncode}")
-            try:
-                if client.get(f"{url}/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - start
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
-    raise RuntimeError(f"{argv[0]} not ready in 120 s")
+        wait_http(client, f"{url}/health", proc, poll_s=0.02)
+        return time.perf_counter() - start
 
 
 def engine_starts(llama_server: str | None) -> dict[str, dict[str, float]]:
@@ -112,14 +104,9 @@ def engine_starts(llama_server: str | None) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for model_id in (QWEN, GEMMA):
         model = packaged(model_id)
-        o = model.options
         port = free_port()
-        engine = [sys.executable, "-m", "benchmarks.engine_server", "--model-id", model_id,
-                  "--model-path", str(model.path), "--port", str(port),
-                  "--context", str(o.context), "--parallel", str(o.parallel),
-                  "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads)]
         out.setdefault("xllamacpp", {})[model_id] = _ready_after(
-            engine, f"http://127.0.0.1:{port}", "swap-engine-start")
+            engine_server_argv(model_id, port), f"http://127.0.0.1:{port}", "swap-engine-start")
         if llama_server:
             port = free_port()
             argv = [llama_server, "-m", str(model.path), "--host", "127.0.0.1",
@@ -178,8 +165,6 @@ def measure(profile: Profile, llama_server: str | None) -> dict[str, Any]:
                               "wheel_router_error": wheel_router_error(), "runs": {}}
     targets = ["bunkhouse"]
     if llama_server:
-        result["llama_server"] = llama_server
-        result["llama_server_version"] = llama_server_version(llama_server)
         targets.append("router")
     for r in range(profile.swap_runs):
         for target in targets if r % 2 == 0 else targets[::-1]:
