@@ -22,6 +22,7 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     ├── InsufficientMemory              503 server_error / insufficient_memory (+ Retry-After)
     ├── ModelTooLarge                   503 server_error / model_too_large
     ├── ModelFailed                     503 server_error / model_failed (+ Retry-After)
+    ├── ShuttingDown                    503 server_error / shutting_down
     └── EngineUnavailable               502 server_error / engine_unavailable
 
 Lower layers raise these with ``raise ... from`` the original exception; the HTTP edge turns
@@ -162,6 +163,13 @@ class ModelTooLarge(BunkhouseError):
 
     status = 503
     code = "model_too_large"
+
+
+class ShuttingDown(BunkhouseError):
+    """The front is stopping: it starts no worker and takes no new lease."""
+
+    status = 503
+    code = "shutting_down"
 
 
 class EngineUnavailable(BunkhouseError):

@@ -236,11 +236,11 @@ def test_ttl_unloads_idle_models_but_not_pinned_or_leased() -> None:
         await h.use("c")
         held = await h.manager.acquire(h.models["c"])
         h.clock.now += 61
-        await h.manager.expire_idle()
+        await asyncio.gather(*h.manager.expire_idle())
         assert (h.state("a"), h.state("b"), h.state("c")) == ("absent", "ready", "ready")
         held.release()
         h.clock.now += 2000
-        await h.manager.expire_idle()
+        await asyncio.gather(*h.manager.expire_idle())
         assert h.state("c") == "absent"
 
     run(go())

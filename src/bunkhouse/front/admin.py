@@ -98,13 +98,11 @@ class Admin:
         if body.id in self.catalog:
             raise Conflict(f"model id {body.id!r} is already in use", param="id")
         model = self._model(body)
-        self.catalog.add(model)
-        self.residency.register(model)
+        self.residency.add(model)
         try:
             (await self.residency.acquire(model)).release()
         except BaseException as e:
-            self.residency.forget(model.id)
-            self.catalog.remove(model.id)
+            self.residency.discard(model.id)  # catalog entry, residency entry, slot gate
             if isinstance(e, WorkerLoadFailed):
                 raise InvalidRequest(f"{body.path} is not a loadable model: {e.message}",
                                      param="path") from e
@@ -147,8 +145,7 @@ class Admin:
 
         def drop() -> None:
             if model.source == "runtime" and model.id in self.catalog:
-                self.residency.forget(model.id)
-                self.catalog.remove(model.id)
+                self.residency.remove(model.id)
 
         freed = await self.residency.unload(model.id, "deleted by an operator",
                                             self.options.drain_grace_s, then=drop,

@@ -1,8 +1,8 @@
 """Admission: who may run now, who waits, who is turned away.
 
-- :class:`SlotGate`, one per model: as many requests run as the worker has slots; at most
-  ``queue`` more wait; past that, 429 ``queue_full``. Models never wait behind each other's
-  queues.
+- :class:`SlotGate` (residency/slots.py), one per model, owned by its residency entry: as
+  many requests run as the worker has slots; at most ``queue`` more wait; past that, 429
+  ``queue_full``.
 - :class:`ComputeGate`, one per host: on a CPU host two workers decoding at once
   oversubscribe the cores and both collapse (DESIGN.md "Compute contention"), so one model
   computes at a time. The model holding the gate keeps admitting its own requests (they batch
@@ -22,39 +22,28 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from bunkhouse.errors import ContextLengthExceeded, InvalidRequest
 from bunkhouse.residency.estimate import kv_cache_bytes
+from bunkhouse.residency.slots import SlotGate
+
+__all__ = ["ComputeGate", "SlotGate", "check_fits"]
 
 
-class SlotGate:
-    """``slots`` requests at once, ``queue`` more waiting, the rest refused."""
+class _Turn:
+    """One model's place in the compute gate's line: released to all its waiters at once."""
 
-    def __init__(self, model_id: str, slots: int, queue: int) -> None:
-        self.model_id = model_id
-        self.queue = queue
-        self.slots = slots
-        self._free = asyncio.Semaphore(slots)
-        self.waiting = 0
-        self.running = 0
-
-    async def enter(self) -> None:
-        if self._free.locked() and self.waiting >= self.queue:
-            raise QueueFull(f"model {self.model_id!r}: every slot is busy and {self.waiting} "
-                            "requests are queued; retry shortly")
-        self.waiting += 1
-        try:
-            await self._free.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-
-    def leave(self) -> None:
-        self.running -= 1
-        self._free.release()
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self.future = future
+        self.waiting = 0  # requests of the model awaiting this turn, cancelled ones not counted
 
 
 class ComputeGate:
-    """One model computes at a time; the others wait their turn (FIFO by model)."""
+    """One model computes at a time; the others wait their turn (FIFO by model).
+
+    A waiter cancelled at any moment (before or after its turn came) leaves the gate as if it
+    had never asked: a turn whose every waiter is gone is dropped, or passed on at once if it
+    had already come, so the gate is never left with an owner that nobody will hand over.
+    """
 
     def __init__(self, enabled: bool = True, batch_window_s: float = 0.25) -> None:
         self.enabled = enabled
@@ -62,8 +51,7 @@ class ComputeGate:
         self.owner: str | None = None
         self.active = 0
         self._turn_started = 0.0
-        self._turns: collections.OrderedDict[str, asyncio.Future[None]] = (
-            collections.OrderedDict())
+        self._turns: collections.OrderedDict[str, _Turn] = collections.OrderedDict()
 
     async def enter(self, model_id: str) -> None:
         if not self.enabled:
@@ -77,9 +65,25 @@ class ComputeGate:
             return
         turn = self._turns.get(model_id)
         if turn is None:
-            turn = self._turns[model_id] = asyncio.get_running_loop().create_future()
-        await asyncio.shield(turn)
+            turn = self._turns[model_id] = _Turn(asyncio.get_running_loop().create_future())
+        turn.waiting += 1
+        try:
+            await asyncio.shield(turn.future)
+        except asyncio.CancelledError:
+            turn.waiting -= 1
+            self._abandoned(model_id, turn)
+            raise
+        turn.waiting -= 1
         self.active += 1
+
+    def _abandoned(self, model_id: str, turn: _Turn) -> None:
+        if turn.waiting:
+            return
+        if not turn.future.done():  # still in line: nobody wants it any more
+            if self._turns.get(model_id) is turn:
+                del self._turns[model_id]
+        elif self.owner == model_id and self.active == 0:  # it came, and nobody took it
+            self._pass_on()
 
     def leave(self, model_id: str) -> None:
         if not self.enabled:
@@ -94,7 +98,7 @@ class ComputeGate:
             return
         model_id, turn = self._turns.popitem(last=False)
         self.owner, self._turn_started = model_id, asyncio.get_running_loop().time()
-        turn.set_result(None)  # every request of that model that waited goes in together
+        turn.future.set_result(None)  # every request of that model that waited goes in together
 
 
 Send = Callable[[str, dict[str, Any]], Awaitable[Any]]

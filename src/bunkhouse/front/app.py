@@ -35,7 +35,7 @@ from bunkhouse.errors import (
     error_body,
 )
 from bunkhouse.front.admin import Admin, AdminOptions
-from bunkhouse.front.admission import ComputeGate, Send, SlotGate, check_fits
+from bunkhouse.front.admission import ComputeGate, Send, check_fits
 from bunkhouse.front.auth import Keys, Level
 from bunkhouse.front.openapi import openapi
 from bunkhouse.front.proxy import forward
@@ -57,14 +57,6 @@ class Front:
         self.residency = residency
         self.compute = compute
         self.max_body_bytes = max_body_bytes
-        self._slots: dict[str, SlotGate] = {}
-
-    def slot_gate(self, model: CatalogModel) -> SlotGate:
-        gate = self._slots.get(model.id)
-        if gate is None:
-            o = model.options
-            gate = self._slots[model.id] = SlotGate(model.id, o.parallel, o.queue)
-        return gate
 
     def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
@@ -76,7 +68,7 @@ class Front:
             held = _Held(lease.release)
             try:
                 await check_fits(model, path, data, _asker(lease.worker.client, model.id))
-                slots = self.slot_gate(model)
+                slots = lease.slots
                 await slots.enter()
                 held.push(slots.leave)
                 await self.compute.enter(model.id)
@@ -117,8 +109,8 @@ class Front:
             "default": model.id == self.catalog.default_id,
             "pinned": status.pinned,
             "leases": status.leases,
-            "running": self.slot_gate(model).running,
-            "queued": self.slot_gate(model).waiting,
+            "running": self.residency.slots(model.id).running,
+            "queued": self.residency.slots(model.id).waiting,
             "queue": model.options.queue,
             "last_used": status.last_used,
             "estimated_bytes": status.estimated_bytes,
@@ -219,6 +211,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        residency.open()
         background = asyncio.create_task(residency.run_background())
         try:
             for model_id in preload:

@@ -1,17 +1,29 @@
 """The residency manager: which models are resident, within one memory budget.
 
-It is the one writer of residency state. Everything runs on the event loop; state changes
-happen in ``_set_state`` only, which checks the transition table and emits an event.
+It is the single writer of residency state. Everything runs on one event loop, and every
+change to a model's entry (state, leases, waiters, worker, failures, measured bytes) happens in
+one of the synchronous *commit* methods at the bottom of the class: each checks what it needs
+and changes what it must in one step, with no await in between, so no decision is ever made
+on state that an await let go stale. The async methods only orchestrate: commit, await an
+effect (start or stop a process), commit again; a plan is made again after every await.
 
 - ``acquire(model)`` returns a :class:`Lease` on a ready worker, loading the model first if
-  needed. Concurrent acquires of a cold model share one load; one cold start runs at a time
-  across the host. A leased model is never evicted; the lease ends with the response.
-- To make room, :func:`policy.plan` picks least recently used, unpinned, unleased models; each
-  is drained (no new leases; in-flight work finishes within a grace) and its worker stopped
-  and reaped before the next model starts.
+  needed. A request that must wait registers as a *waiter*; when the load commits ``ready`` it
+  hands a lease to every waiter in the same step, so a model loaded for waiting requests
+  serves them before it can be chosen for eviction (no swap loop). A model with a lease or a
+  waiter is never drained to make room.
+- Concurrent acquires of a cold model share one load; one cold start runs at a time across
+  the host.
+- To make room, :func:`policy.plan` picks least recently used, unpinned, unleased models; the
+  drains of all of them begin in the step that made the plan (each re-checked), the manager
+  waits for their workers to be reaped, then plans again.
 - If the model fits only once leased models let go, the load waits up to
   ``admission_wait_s``, then fails with 503 ``insufficient_memory`` and ``Retry-After``. If it
   can never fit, it fails at once with both sizes.
+- A worker that dies is handled by one path (:meth:`ResidencyManager._worker_died`), whoever
+  notices first (its exit watcher, an acquire, a drain), and counted once against the restart
+  budget.
+- ``close()`` stops every worker in every state (loading, ready, draining), concurrently.
 """
 
 from __future__ import annotations
@@ -27,11 +39,19 @@ from typing import Any, Protocol
 
 import httpx
 
-from bunkhouse.catalog import CatalogModel
-from bunkhouse.errors import InsufficientMemory, ModelFailed, ModelNotFound, ModelTooLarge
+from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.errors import (
+    BunkhouseError,
+    InsufficientMemory,
+    ModelFailed,
+    ModelNotFound,
+    ModelTooLarge,
+    ShuttingDown,
+)
 from bunkhouse.residency import policy
 from bunkhouse.residency.estimate import MemoryEstimate, estimate
 from bunkhouse.residency.events import EventLog
+from bunkhouse.residency.slots import SlotGate
 from bunkhouse.supervisor import restart
 from bunkhouse.supervisor.restart import RestartPolicy
 
@@ -41,9 +61,10 @@ MIB = 1024 * 1024
 
 
 class WorkerHandle(Protocol):
-    """What the manager needs of a started worker."""
+    """What the manager needs of a started worker. ``alive`` turns false the moment its
+    process is known to have exited; ``on_exit`` is called once after that."""
 
-    on_exit: Callable[[], None] | None  # called once if it dies while ready
+    on_exit: Callable[[], None] | None
     exit_cause: str | None
 
     @property
@@ -77,9 +98,9 @@ class State(enum.Enum):
 
 _TRANSITIONS: dict[State, frozenset[State]] = {
     State.ABSENT: frozenset({State.LOADING, State.FAILED}),  # failed: a crash loop gave up
-    State.LOADING: frozenset({State.READY, State.FAILED}),
+    State.LOADING: frozenset({State.READY, State.FAILED, State.ABSENT}),  # absent: cancelled
     State.READY: frozenset({State.DRAINING}),
-    State.DRAINING: frozenset({State.ABSENT}),
+    State.DRAINING: frozenset({State.ABSENT, State.FAILED}),  # failed: it crashed, gave up
     State.FAILED: frozenset({State.LOADING}),
 }
 
@@ -98,8 +119,12 @@ class ResidencyOptions:
     generation_failures: int = 3  # consecutive 5xx/broken requests before it is replaced
 
 
+# What a waiter's future resolves to: a lease, or None for "the state changed: look again".
+_Waiter = asyncio.Future["Lease | None"]
+
+
 class _Entry:
-    """Residency state of one model. Mutated by the manager only."""
+    """Residency state of one model. Written by the manager's commit methods only."""
 
     def __init__(self, model: CatalogModel) -> None:
         self.model = model
@@ -107,18 +132,25 @@ class _Entry:
         self.estimate: MemoryEstimate = estimate(model)
         self.measured: int | None = None
         self.worker: WorkerHandle | None = None
+        self.slots = SlotGate(model.id, model.options.parallel, model.options.queue)
         self.leases = 0
+        self.waiters: list[_Waiter] = []
         self.last_used = 0.0
         self.pinned = model.pinned
         self.loading: asyncio.Task[None] | None = None
+        self.stopping: asyncio.Task[None] | None = None  # the drain under way
+        self.on_absent: list[Callable[[], None]] = []
         self.last_error: str | None = None
         self.retired = False  # being deleted: admits nothing new, ever
         # supervision
         self.spawned_at = 0.0
+        self.ready_at = 0.0
         self.failures: list[float] = []  # when workers died or failed to load
         self.quick_deaths = 0
         self.next_delay_s = 0.0  # backoff before the next spawn
         self.failed_until: float | None = None
+        self.died: WorkerHandle | None = None  # the worker whose death was last counted
+        self.respawn = False  # load again once the dead worker is reaped
         self.probe_failures = 0
         self.probing = False
         self.last_probe = 0.0
@@ -129,6 +161,11 @@ class _Entry:
         """What the model holds: measured once ready, else the estimate."""
         return self.measured if self.measured is not None else self.estimate.total
 
+    @property
+    def busy(self) -> bool:
+        """Someone holds it or waits for it: it may not be drained to make room."""
+        return self.leases > 0 or bool(self.waiters)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelStatus:
@@ -138,6 +175,7 @@ class ModelStatus:
     measured_bytes: int | None
     pinned: bool
     leases: int
+    waiting: int  # requests waiting for it to be ready
     last_used: float | None  # wall clock, None if never used
     pid: int | None
     last_error: str | None
@@ -150,6 +188,7 @@ class Lease:
         self._manager = manager
         self._entry = entry
         self.worker = worker
+        self.slots = entry.slots
         self.model_id = entry.model.id
         self._released = False
 
@@ -164,18 +203,21 @@ class Lease:
 
 
 class ResidencyManager:
-    def __init__(self, models: Iterable[CatalogModel], options: ResidencyOptions,
+    def __init__(self, catalog: Catalog | Iterable[CatalogModel], options: ResidencyOptions,
                  start_worker: StartWorker, clock: Callable[[], float] = time.monotonic,
                  events: EventLog | None = None) -> None:
+        self.catalog = catalog if isinstance(catalog, Catalog) else Catalog(catalog, None)
         self.options = options
         self._start_worker = start_worker
         self._clock = clock
         self._wall_offset = time.time() - clock()
         self.events = events or EventLog()
-        self._entries = {m.id: _Entry(m) for m in models}
+        self._entries = {m.id: _Entry(m) for m in self.catalog}
         self._cold_start = asyncio.Lock()
         self._changed = asyncio.Event()
         self._paused = 0
+        self.closing = False
+        self._closed: asyncio.Task[None] | None = None
         self.peak_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -189,6 +231,7 @@ class ResidencyManager:
         return ModelStatus(
             id=model_id, state=e.state.value, estimated_bytes=e.estimate.total,
             measured_bytes=e.measured, pinned=e.pinned, leases=e.leases,
+            waiting=len(e.waiters),
             last_used=e.last_used + self._wall_offset if e.last_used else None,
             pid=e.worker.pid if e.worker else None, last_error=e.last_error,
         )
@@ -196,84 +239,95 @@ class ResidencyManager:
     def statuses(self) -> list[ModelStatus]:
         return [self.status(model_id) for model_id in self._entries]
 
+    def slots(self, model_id: str) -> SlotGate:
+        """The model's slot gate (created and removed with its entry)."""
+        return self._entries[model_id].slots
+
+    # -- the registry: catalog entry, residency entry and slot gate together ----------------
+
+    def add(self, model: CatalogModel) -> None:
+        """Track a model added at runtime (absent until first used or loaded)."""
+        self.catalog.add(model)
+        self._entries[model.id] = _Entry(model)
+
+    def remove(self, model_id: str) -> None:
+        """Forget a model that holds nothing (absent or failed, no lease, nobody waiting)."""
+        entry = self._entries[model_id]
+        if entry.state not in (State.ABSENT, State.FAILED) or entry.busy or entry.loading:
+            raise RuntimeError(f"model {model_id!r} is {entry.state.value}; unload it first")
+        del self._entries[model_id]
+        if model_id in self.catalog:
+            self.catalog.remove(model_id)
+
+    def discard(self, model_id: str) -> None:
+        """Remove a model whatever it holds: requests waiting for it get 404 at once, its
+        worker (loading or ready) is stopped, and it is forgotten once it holds nothing."""
+        entry = self._entries.get(model_id)
+        if entry is None:
+            return
+        self._retire(entry)
+        if entry.state in (State.ABSENT, State.FAILED) and entry.loading is None:
+            self.remove(model_id)
+            return
+        self._spawn_task(self._discard(model_id))
+
+    async def _discard(self, model_id: str) -> None:
+        await self.unload(model_id, "removed", 0.0, then=lambda: self.remove(model_id),
+                          retire=True)
+
     # -- acquire / release -----------------------------------------------------------------
 
     async def acquire(self, model: CatalogModel) -> Lease:
-        """A lease on a ready worker for ``model``, loading it (once, whoever asks) if needed."""
+        """A lease on a ready worker for ``model``, loading it (once, whoever asks) if needed.
+
+        Raises ModelNotFound (being removed), ModelFailed (cooling down after a crash loop),
+        ModelTooLarge, InsufficientMemory, WorkerLoadFailed, ShuttingDown."""
         entry = self._entries[model.id]
         while True:
-            if entry.retired:
-                raise ModelNotFound(f"model {model.id!r} is being removed", param="model")
-            while self._paused:
-                await self._wait_changed(None)
-            if entry.state is State.READY and entry.worker is not None:
-                if entry.worker.alive:
-                    return self._lease(entry, entry.worker)
-                await self._evict(entry, "worker exited")
-                continue
-            if entry.state is State.DRAINING:
-                await self._wait_changed(None)
-                continue
-            if entry.state is State.FAILED and entry.failed_until is not None:
-                remaining = entry.failed_until - self._clock()
-                if remaining > 0:
-                    raise ModelFailed(
-                        f"model {entry.model.id!r} is failed: {entry.last_error}; it will be "
-                        f"tried again in {remaining:.0f} s", retry_after_s=max(1, int(remaining)))
-                entry.failures.clear()
-                entry.quick_deaths = 0
-                entry.failed_until = None
-            task = entry.loading
-            if task is None or task.done():  # a finished load that did not stick: load again
-                task = entry.loading = asyncio.create_task(self._load(entry))
-            await asyncio.shield(task)  # every waiter gets the load's error, if any
+            ticket = self._ask(entry)
+            if isinstance(ticket, Lease):
+                return ticket
+            try:
+                lease = await ticket
+            except asyncio.CancelledError:
+                self._abandon(entry, ticket)
+                raise
+            if lease is not None:
+                return lease
 
-    def _lease(self, entry: _Entry, worker: WorkerHandle) -> Lease:
-        entry.leases += 1
-        entry.last_used = self._clock()
-        return Lease(self, entry, worker)
-
-    def _release(self, entry: _Entry) -> None:
-        entry.leases -= 1
-        entry.last_used = self._clock()
-        self._notify()
-
-    # -- load and evict --------------------------------------------------------------------
+    # -- load and evict (orchestration: commit, await an effect, commit) --------------------
 
     async def _load(self, entry: _Entry) -> None:
-        if entry.next_delay_s:
-            log.info("model %s: waiting %.0f s before the next start (crash-loop backoff)",
-                     entry.model.id, entry.next_delay_s)
-            await asyncio.sleep(entry.next_delay_s)
-        deadline = self._clock() + self.options.admission_wait_s
-        async with self._cold_start:
-            if entry.state is State.READY:
-                return
-            await self._make_room(entry, deadline)
-            self._set_state(entry, State.LOADING, f"estimated {entry.estimate.total // MIB} MiB")
-            entry.spawned_at = self._clock()
-            try:
+        """Make room, start the worker, commit ready (leasing every waiter). Never raises but
+        CancelledError: an error goes to the waiters."""
+        try:
+            if entry.next_delay_s:
+                log.info("model %s: waiting %.0f s before the next start (crash-loop backoff)",
+                         entry.model.id, entry.next_delay_s)
+                await asyncio.sleep(entry.next_delay_s)
+            deadline = self._clock() + self.options.admission_wait_s
+            async with self._cold_start:
+                await self._make_room(entry, deadline)
+                self._begin_load(entry)
                 worker = await self._start_worker(entry.model)
-            except asyncio.CancelledError:
-                self._set_state(entry, State.FAILED, "cancelled")
-                raise
-            except Exception as e:
-                self._after_failure(entry, str(e), mark_failed=True)
-                raise
-            worker.on_exit = lambda: self._worker_exited(entry, worker)
-            entry.worker = worker
-            entry.measured = worker.memory_bytes()
-            entry.last_error = None
-            entry.next_delay_s = 0.0
-            entry.probe_failures = entry.failed_requests = 0
-            measured = f"{entry.measured // MIB} MiB" if entry.measured else "unknown"
-            self._set_state(entry, State.READY,
-                            f"pid {worker.pid}, measured {measured}, "
-                            f"estimated {entry.estimate.total // MIB} MiB")
-            self._note_peak()
+        except asyncio.CancelledError:
+            self._load_failed(entry, ShuttingDown(f"model {entry.model.id!r}: load cancelled"),
+                              count=False)
+            raise
+        except BunkhouseError as e:
+            self._load_failed(entry, e, count=entry.state is State.LOADING)
+            return
+        except Exception as e:
+            log.exception("model %s: load failed", entry.model.id)
+            self._load_failed(entry, BunkhouseError(f"model {entry.model.id!r}: {e}"),
+                              count=entry.state is State.LOADING)
+            return
+        self._loaded(entry, worker)
 
     async def _make_room(self, entry: _Entry, deadline: float) -> None:
         while True:
+            if self.closing:
+                raise ShuttingDown("the server is shutting down")
             decision = policy.plan(self._residents(), self.options.budget_bytes,
                                    entry.model.id, entry.estimate.total)
             if isinstance(decision, policy.NeverFits):
@@ -281,8 +335,8 @@ class ResidencyManager:
             if isinstance(decision, policy.Fits):
                 if not decision.evict:
                     return
-                for victim in decision.evict:
-                    await self._evict(self._entries[victim], f"making room for {entry.model.id}")
+                drains = self._begin_drains(decision.evict, f"making room for {entry.model.id}")
+                await asyncio.gather(*(asyncio.shield(t) for t in drains))
                 continue
             remaining = deadline - self._clock()
             if remaining <= 0:
@@ -292,115 +346,50 @@ class ResidencyManager:
 
     def _residents(self) -> list[policy.Resident]:
         return [
-            policy.Resident(e.model.id, e.bytes, e.last_used, e.pinned, e.leases,
-                            evictable_state=e.state is State.READY)
+            policy.Resident(e.model.id, e.bytes, e.last_used, e.pinned,
+                            e.leases + len(e.waiters), evictable_state=e.state is State.READY)
             for e in self._entries.values() if e.state in _HOLDING
         ]
 
-    async def _evict(self, entry: _Entry, reason: str) -> None:
-        """Drain (no new leases, in-flight work finishes within the grace), stop, reap."""
-        self._set_state(entry, State.DRAINING, reason)
-        if not await self._drained(entry, self.options.drain_grace_s):
-            log.warning("model %s: %d request(s) still running after the %.0f s drain grace",
-                        entry.model.id, entry.leases, self.options.drain_grace_s)
-        await self._stop(entry, reason)
-
-    async def _drained(self, entry: _Entry, grace_s: float | None) -> bool:
-        """Wait until no request holds the model, or the grace passes (None: no limit)."""
-        deadline = None if grace_s is None else self._clock() + grace_s
-        while entry.leases and (deadline is None or self._clock() < deadline):
-            await self._wait_changed(None if deadline is None else deadline - self._clock())
-        return entry.leases == 0
-
-    async def _stop(self, entry: _Entry, reason: str) -> None:
-        worker, entry.worker = entry.worker, None
+    async def _finish_drain(self, entry: _Entry, reason: str, *, crashed: bool = False) -> None:
+        """Wait for the model's leases to end (or the front to close), then stop its worker.
+        A crashed worker is reaped at once: its requests are failing already."""
+        while entry.leases and not self.closing and not crashed:
+            await self._wait_changed(None)
+        worker = entry.worker
         if worker is not None:
             await worker.stop()  # returns once the process is reaped: its memory is free
-        entry.measured = None
-        self._set_state(entry, State.ABSENT, f"stopped ({reason})")
+        self._stopped(entry, worker, reason)
 
     async def unload(self, model_id: str, reason: str, grace_s: float | None = None,
                      then: Callable[[], None] | None = None, retire: bool = False) -> bool:
         """Drain and stop the model. True once it is freed; False if requests still ran after
         ``grace_s``: it then accepts nothing new and is freed when they end. ``then`` runs
-        once the model is freed (or at once if it was not resident). ``retire``: it is being
+        once the model is freed (or at once if it holds nothing). ``retire``: it is being
         deleted, so requests waiting for it, or coming, get 404 instead of a reload."""
         entry = self._entries[model_id]
-        entry.retired = entry.retired or retire
-        done = then or (lambda: None)
-        if entry.loading is not None and not entry.loading.done():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(entry.loading)
-        if entry.state is State.DRAINING:
-            return False
-        if entry.state is not State.READY:
-            done()
+        if retire:
+            self._retire(entry)
+        while entry.state is State.LOADING:  # the load settles first: ready or failed
+            await self._wait_changed(None)
+        drain = self._begin_unload(entry, reason, then)
+        if drain is None:
             return True
-        self._set_state(entry, State.DRAINING, reason)
         grace = self.options.drain_grace_s if grace_s is None else grace_s
-        if await self._drained(entry, grace):
-            await self._stop(entry, reason)
-            done()
-            return True
-
-        async def later() -> None:
-            await self._drained(entry, None)
-            await self._stop(entry, reason)
-            done()
-
-        self._spawn_task(later())
-        return False
-
-    def register(self, model: CatalogModel) -> None:
-        """Track a model added at runtime (absent until first used or loaded)."""
-        self._entries[model.id] = _Entry(model)
-
-    def forget(self, model_id: str) -> None:
-        """Stop tracking an absent model (a runtime-registered one being removed)."""
-        if self._entries[model_id].state is State.ABSENT:
-            del self._entries[model_id]
+        deadline = self._clock() + grace
+        while entry.leases and not drain.done() and self._clock() < deadline:
+            await self._wait_changed(deadline - self._clock())
+        if entry.leases and not drain.done():
+            return False  # it is freed when they end
+        await asyncio.shield(drain)
+        return True
 
     # -- supervision: crashes, restart budget, liveness ------------------------------------
 
-    def _worker_exited(self, entry: _Entry, worker: WorkerHandle) -> None:
-        if entry.worker is worker and entry.state is State.READY:
-            self._spawn_task(self._recover(entry, worker.exit_cause or "worker exited"))
-
-    async def _recover(self, entry: _Entry, cause: str) -> None:
-        """A ready worker died: clear it out, then respawn it under the restart budget."""
-        self.events.emit(entry.model.id, "crashed", cause)
-        await self._evict(entry, "crashed")
-        if self._after_failure(entry, cause, mark_failed=False):
-            self.events.emit(entry.model.id, "respawning",
-                             f"after {entry.next_delay_s:.0f} s backoff")
+    async def _respawn(self, entry: _Entry) -> None:
+        self.events.emit(entry.model.id, "respawning", f"after {entry.next_delay_s:.0f} s backoff")
+        with contextlib.suppress(BunkhouseError):
             (await self.acquire(entry.model)).release()
-
-    def _after_failure(self, entry: _Entry, cause: str, *, mark_failed: bool) -> bool:
-        """Count a failure; give up past the restart budget. True: it may be tried again."""
-        now = self._clock()
-        entry.failures.append(now)
-        quick = now - entry.spawned_at < self.options.restart.quick_death_s
-        entry.quick_deaths = entry.quick_deaths + 1 if quick else 0
-        entry.last_error = cause
-        decision = restart.decide(self.options.restart, entry.failures, entry.quick_deaths, now)
-        if isinstance(decision, restart.GiveUp):
-            entry.failed_until = now + self.options.restart.cooldown_s
-            entry.next_delay_s = 0.0
-            self._set_state(entry, State.FAILED,
-                            f"{decision.failures} failures in {decision.window_s:.0f} s; "
-                            f"cooling down {self.options.restart.cooldown_s:.0f} s: {cause}")
-            return False
-        entry.next_delay_s = decision.delay_s
-        if mark_failed:
-            self._set_state(entry, State.FAILED, cause)
-        return True
-
-    def _report(self, entry: _Entry, worker: WorkerHandle, ok: bool) -> None:
-        if entry.worker is not worker:
-            return
-        entry.failed_requests = 0 if ok else entry.failed_requests + 1
-        self._replace_if_failing(entry, worker, entry.failed_requests,
-                                 self.options.generation_failures, "requests in a row failed")
 
     def _probe_due(self) -> None:
         now = self._clock()
@@ -415,6 +404,291 @@ class ResidencyManager:
             ok = await worker.probe(self.options.probe_timeout_s)
         finally:
             entry.probing = False
+        self._probed(entry, worker, ok)
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background residency task failed", exc_info=task.exception())
+
+    # -- background: ttl and measurements --------------------------------------------------
+
+    def expire_idle(self) -> list[asyncio.Task[None]]:
+        """Begin draining every ready, unpinned, unleased model idle for longer than its ttl.
+        Returns the drains (they run in the background: one slow stop delays nobody)."""
+        now = self._clock()
+        drains = []
+        for entry in list(self._entries.values()):
+            ttl = entry.model.ttl_s if entry.model.ttl_s is not None else self.options.ttl_s
+            idle = now - entry.last_used
+            if ttl > 0 and idle >= ttl:
+                drain = self._begin_drain(entry, f"idle for {idle:.0f} s (ttl {ttl:.0f} s)")
+                if drain is not None:
+                    drains.append(drain)
+        return drains
+
+    async def run_background(self, interval_s: float = 1.0) -> None:
+        """Refresh measured memory, probe workers and apply ttls, every ``interval_s``,
+        until cancelled. Nothing here awaits a worker: a slow one delays no other."""
+        while True:
+            self.refresh_measurements()
+            self._probe_due()
+            self.expire_idle()
+            await asyncio.sleep(interval_s)
+
+    # -- pause, shutdown -------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def pause_all(self) -> AsyncIterator[None]:
+        """Hold new leases, wait for every in-flight one to end, and release them together."""
+        self._set_paused(+1)
+        try:
+            while any(e.leases for e in self._entries.values()):
+                await self._wait_changed(None)
+            yield
+        finally:
+            self._set_paused(-1)
+
+    def open(self) -> None:
+        """Accept work (again, after a close: an app whose lifespan runs more than once)."""
+        if self._closed is not None and self._closed.done():
+            self._closed = None
+            self.closing = False
+
+    async def close(self) -> None:
+        """Stop every worker, in every state, concurrently; refuse everything after. Safe to
+        call more than once (and from several places): every call waits for the one close."""
+        if self._closed is None:
+            self._closed = asyncio.create_task(self._close())
+        await asyncio.shield(self._closed)
+
+    async def _close(self) -> None:
+        self._begin_close()
+        loads = [e.loading for e in self._entries.values() if e.loading is not None]
+        background = [*loads, *(t for t in self._tasks if t is not asyncio.current_task())]
+        background = [t for t in background if t not in self._drains()]
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        drains = [self._begin_drain(e, "shutdown", force=True) for e in self._entries.values()]
+        await asyncio.gather(*self._drains(), *(d for d in drains if d is not None),
+                             return_exceptions=True)
+
+    def _drains(self) -> list[asyncio.Task[None]]:
+        return [e.stopping for e in self._entries.values() if e.stopping is not None]
+
+    # -- commits: every write to an entry happens below, each in one step -------------------
+
+    def _ask(self, entry: _Entry) -> Lease | _Waiter:
+        """A lease now if the model is ready, else a waiter (starting its load if needed)."""
+        if entry.retired:
+            raise ModelNotFound(f"model {entry.model.id!r} is being removed", param="model")
+        if self.closing:
+            raise ShuttingDown("the server is shutting down; retry once it is back")
+        if entry.state is State.READY and entry.worker is not None and not entry.worker.alive:
+            self._worker_died(entry, entry.worker)
+        if entry.state is State.READY and entry.worker is not None and not self._paused:
+            return self._lease(entry, entry.worker)
+        if entry.state is State.FAILED and entry.failed_until is not None:
+            remaining = entry.failed_until - self._clock()
+            if remaining > 0:
+                raise ModelFailed(
+                    f"model {entry.model.id!r} is failed: {entry.last_error}; it will be "
+                    f"tried again in {remaining:.0f} s", retry_after_s=max(1, int(remaining)))
+            entry.failures.clear()
+            entry.quick_deaths = 0
+            entry.failed_until = None
+        waiter: _Waiter = asyncio.get_running_loop().create_future()
+        entry.waiters.append(waiter)
+        if entry.state in (State.ABSENT, State.FAILED) and entry.loading is None:
+            entry.loading = asyncio.create_task(self._load(entry))
+        return waiter
+
+    def _abandon(self, entry: _Entry, waiter: _Waiter) -> None:
+        """A waiting request went away: drop its place, or give back the lease it was handed."""
+        if waiter in entry.waiters:
+            entry.waiters.remove(waiter)
+            self._notify()
+        elif waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            lease = waiter.result()
+            if lease is not None:
+                lease.release()
+
+    def _lease(self, entry: _Entry, worker: WorkerHandle) -> Lease:
+        entry.leases += 1
+        entry.last_used = self._clock()
+        return Lease(self, entry, worker)
+
+    def _release(self, entry: _Entry) -> None:
+        entry.leases -= 1
+        entry.last_used = self._clock()
+        self._notify()
+
+    def _wake(self, entry: _Entry, error: BaseException | None = None) -> None:
+        """Hand each waiter a lease (ready, not paused), the error, or None: look again."""
+        waiters, entry.waiters = entry.waiters, []
+        for waiter in waiters:
+            if waiter.done():
+                continue
+            if error is not None:
+                waiter.set_exception(error)
+            elif entry.state is State.READY and entry.worker is not None and not self._paused:
+                waiter.set_result(self._lease(entry, entry.worker))
+            else:
+                waiter.set_result(None)
+        self._notify()
+
+    def _begin_load(self, entry: _Entry) -> None:
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
+        if entry.retired:
+            raise ModelNotFound(f"model {entry.model.id!r} was removed", param="model")
+        self._set_state(entry, State.LOADING, f"estimated {entry.estimate.total // MIB} MiB")
+        entry.spawned_at = self._clock()
+
+    def _loaded(self, entry: _Entry, worker: WorkerHandle) -> None:
+        entry.loading = None
+        worker.on_exit = lambda: self._worker_died(entry, worker)
+        entry.worker = worker
+        entry.measured = worker.memory_bytes()
+        entry.last_error = None
+        entry.next_delay_s = 0.0
+        entry.probe_failures = entry.failed_requests = 0
+        entry.ready_at = self._clock()
+        measured = f"{entry.measured // MIB} MiB" if entry.measured else "unknown"
+        self._set_state(entry, State.READY, f"pid {worker.pid}, measured {measured}, "
+                                            f"estimated {entry.estimate.total // MIB} MiB")
+        self._note_peak()
+        self._wake(entry)  # every waiting request gets its lease in this same step
+        if not worker.alive:  # it died before anyone could see it ready
+            self._worker_died(entry, worker)
+
+    def _load_failed(self, entry: _Entry, error: BunkhouseError, *, count: bool) -> None:
+        """The load did not end ready: refused before it started (no room, too large),
+        failed to start, or was cancelled. Every waiter gets ``error``."""
+        entry.loading = None
+        if count:
+            self._count_failure(entry, error.message)
+            if entry.state is State.LOADING:
+                self._set_state(entry, State.FAILED, error.message)
+        elif entry.state is State.LOADING:
+            self._set_state(entry, State.ABSENT, error.message)
+        self._wake(entry, error)
+
+    def _begin_drains(self, victims: Iterable[str], reason: str) -> list[asyncio.Task[None]]:
+        drains = [self._begin_drain(self._entries[v], reason) for v in victims]
+        return [d for d in drains if d is not None]
+
+    def _begin_drain(self, entry: _Entry, reason: str, *,
+                     force: bool = False) -> asyncio.Task[None] | None:
+        """Mark the model draining and start stopping it, if it is ready, unleased, nobody
+        waits for it and it is not pinned (``force``: whatever holds it). The one way a drain
+        begins. Returns the drain, or None if the model may not be drained now."""
+        if entry.state is not State.READY:
+            return entry.stopping if force and entry.state is State.DRAINING else None
+        if not force and (entry.busy or entry.pinned):
+            return None
+        self._set_state(entry, State.DRAINING, reason)
+        entry.stopping = self._spawn_task(self._finish_drain(entry, reason))
+        return entry.stopping
+
+    def _begin_unload(self, entry: _Entry, reason: str,
+                      then: Callable[[], None] | None) -> asyncio.Task[None] | None:
+        """An operator's unload: drain whatever holds it. None if it holds nothing."""
+        drain = self._begin_drain(entry, reason, force=True)
+        if drain is None:
+            if then is not None:
+                then()
+            return None
+        if then is not None:
+            entry.on_absent.append(then)
+        return drain
+
+    def _stopped(self, entry: _Entry, worker: WorkerHandle | None, reason: str) -> None:
+        """The drained worker is reaped: its memory is free."""
+        if entry.worker is worker:
+            entry.worker = None
+            entry.measured = None
+        entry.stopping = None
+        if entry.state is State.DRAINING:
+            self._set_state(entry, State.ABSENT, f"stopped ({reason})")
+        callbacks, entry.on_absent = entry.on_absent, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("model %s: a callback after its unload failed", entry.model.id)
+        respawn, entry.respawn = entry.respawn, False
+        if entry.retired:
+            self._wake(entry, ModelNotFound(f"model {entry.model.id!r} was removed",
+                                            param="model"))
+        elif respawn and not self.closing and entry.loading is None:
+            self._spawn_task(self._respawn(entry))
+            self._wake(entry)
+        else:
+            self._wake(entry)  # waiters look again: one of them starts the next load
+
+    def _worker_died(self, entry: _Entry, worker: WorkerHandle) -> None:
+        """A worker's process exited on its own. Called by whoever notices first (its exit
+        watcher, an acquire, a drain); counted once."""
+        if entry.worker is not worker:
+            return
+        cause = worker.exit_cause or f"worker pid {worker.pid} exited"
+        if entry.died is worker:  # already counted: only a better cause may come later
+            entry.last_error = cause
+            return
+        entry.died = worker
+        self.events.emit(entry.model.id, "crashed", cause)
+        if entry.state is State.DRAINING:  # it was being stopped anyway: no respawn
+            entry.last_error = cause
+            return
+        served_s = self._clock() - entry.ready_at
+        may_retry = self._count_failure(entry, cause, served_s=served_s)
+        self._set_state(entry, State.DRAINING, "crashed")
+        entry.respawn = may_retry
+        entry.stopping = self._spawn_task(self._finish_drain(entry, "crashed", crashed=True))
+
+    def _count_failure(self, entry: _Entry, cause: str, served_s: float = 0.0) -> bool:
+        """Count a failure against the restart budget; True: it may be tried again. A worker
+        that served for at least the budget's window ends a crash loop: earlier failures are
+        forgotten. Past the budget the model is failed for the cool-down (it goes to
+        ``failed`` once its worker is reaped)."""
+        now = self._clock()
+        if served_s >= self.options.restart.window_s:
+            entry.failures.clear()
+        entry.failures.append(now)
+        quick = now - entry.spawned_at < self.options.restart.quick_death_s
+        entry.quick_deaths = entry.quick_deaths + 1 if quick else 0
+        entry.last_error = cause
+        decision = restart.decide(self.options.restart, entry.failures, entry.quick_deaths, now)
+        if isinstance(decision, restart.GiveUp):
+            entry.failed_until = now + self.options.restart.cooldown_s
+            entry.next_delay_s = 0.0
+            self.events.emit(entry.model.id, "gave_up",
+                             f"{decision.failures} failures in {decision.window_s:.0f} s; "
+                             f"cooling down {self.options.restart.cooldown_s:.0f} s: {cause}")
+            return False
+        entry.next_delay_s = decision.delay_s
+        return True
+
+    def _retire(self, entry: _Entry) -> None:
+        entry.retired = True
+        self._wake(entry, ModelNotFound(f"model {entry.model.id!r} was removed", param="model"))
+
+    def _report(self, entry: _Entry, worker: WorkerHandle, ok: bool) -> None:
+        if entry.worker is not worker:
+            return
+        entry.failed_requests = 0 if ok else entry.failed_requests + 1
+        self._replace_if_failing(entry, worker, entry.failed_requests,
+                                 self.options.generation_failures, "requests in a row failed")
+
+    def _probed(self, entry: _Entry, worker: WorkerHandle, ok: bool) -> None:
         if entry.worker is not worker:
             return
         entry.probe_failures = 0 if ok else entry.probe_failures + 1
@@ -430,16 +704,6 @@ class ResidencyManager:
                       entry.model.id, failures, what, worker.pid)
             worker.kill()
 
-    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("background residency task failed: %s", task.exception())
-
     def reset_failure(self, model_id: str) -> None:
         """An operator's reload: forget the model's failures and let it load again."""
         entry = self._entries[model_id]
@@ -447,18 +711,6 @@ class ResidencyManager:
         entry.quick_deaths = 0
         entry.failed_until = None
         entry.next_delay_s = 0.0
-
-    # -- background: ttl and measurements --------------------------------------------------
-
-    async def expire_idle(self) -> None:
-        """Unload every ready, unpinned, unleased model idle for longer than its ttl."""
-        now = self._clock()
-        for entry in list(self._entries.values()):
-            ttl = entry.model.ttl_s if entry.model.ttl_s is not None else self.options.ttl_s
-            idle = now - entry.last_used
-            if (entry.state is State.READY and ttl > 0 and not entry.pinned
-                    and entry.leases == 0 and idle >= ttl):
-                await self._evict(entry, f"idle for {idle:.0f} s (ttl {ttl:.0f} s)")
 
     def refresh_measurements(self) -> None:
         for entry in self._entries.values():
@@ -468,18 +720,8 @@ class ResidencyManager:
                     entry.measured = measured
         self._note_peak()
 
-    async def run_background(self, interval_s: float = 1.0) -> None:
-        """Refresh measured memory and apply ttls, every ``interval_s``, until cancelled."""
-        while True:
-            self.refresh_measurements()
-            self._probe_due()
-            await self.expire_idle()
-            await asyncio.sleep(interval_s)
-
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes())
-
-    # -- pins, pause, shutdown -------------------------------------------------------------
 
     def set_pinned(self, model_id: str, pinned: bool) -> None:
         entry = self._entries[model_id]
@@ -488,34 +730,24 @@ class ResidencyManager:
             self.events.emit(model_id, "pinned" if pinned else "unpinned", "operator")
             self._notify()
 
-    @contextlib.asynccontextmanager
-    async def pause_all(self) -> AsyncIterator[None]:
-        """Hold new leases, wait for every in-flight one to end, and release them together."""
-        self._paused += 1
-        try:
-            while any(e.leases for e in self._entries.values()):
-                await self._wait_changed(None)
-            yield
-        finally:
-            self._paused -= 1
-            self._notify()
+    def _set_paused(self, delta: int) -> None:
+        self._paused += delta
+        if not self._paused:
+            for entry in self._entries.values():
+                self._wake(entry)
+        self._notify()
 
-    async def close(self) -> None:
-        """Stop every worker (concurrently)."""
-        loads = [e.loading for e in self._entries.values() if e.loading and not e.loading.done()]
-        background = [*loads, *self._tasks]
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        ready = [e for e in self._entries.values() if e.state is State.READY]
-        await asyncio.gather(*(self._evict(e, "shutdown") for e in ready),
-                             return_exceptions=True)
-
-    # -- the one writer ----------------------------------------------------------------------
+    def _begin_close(self) -> None:
+        self.closing = True
+        for entry in self._entries.values():
+            self._wake(entry, ShuttingDown("the server is shutting down; retry once it is back"))
 
     def _set_state(self, entry: _Entry, new: State, reason: str) -> None:
         if new not in _TRANSITIONS[entry.state]:
             raise RuntimeError(f"{entry.model.id}: illegal {entry.state.value} -> {new.value}")
+        if new is State.ABSENT and entry.failed_until is not None and not self.closing:
+            new = State.FAILED  # its crash loop gave up: it rests until the cool-down passes
+            reason = f"{reason}; {entry.last_error}"
         entry.state = new
         self.events.emit(entry.model.id, new.value, reason)
         self._notify()

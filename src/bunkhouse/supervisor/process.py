@@ -44,7 +44,7 @@ class WorkerState(enum.Enum):
 
 
 _TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.NEW: frozenset({WorkerState.STARTING}),
+    WorkerState.NEW: frozenset({WorkerState.STARTING, WorkerState.STOPPING}),
     WorkerState.STARTING: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.STOPPING}),
     WorkerState.READY: frozenset({WorkerState.STOPPING, WorkerState.EXITED}),
     WorkerState.STOPPING: frozenset({WorkerState.STOPPED}),
@@ -131,6 +131,7 @@ class WorkerProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._stderr: deque[str] = deque(maxlen=_STDERR_LINES)
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping: asyncio.Future[None] | None = None
         self.client = httpx.AsyncClient(
             # A fresh connection per request: llama.cpp's server may close a kept-alive
             # connection after a stream without saying so, and the next request on it fails
@@ -239,16 +240,17 @@ class WorkerProcess:
 
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
-        if self.state is WorkerState.READY:
-            await self._drain_output()
-            self.exit_cause = f"worker exited with code {code}"
-            if self.stderr_tail(1):
-                self.exit_cause += f"; its last output: {self.stderr_tail(3)}"
-            log.error("model %s: worker pid %d exited unexpectedly with code %s; last output:\n%s",
-                      self.model.id, proc.pid, code, self.stderr_tail())
-            self._set_state(WorkerState.EXITED, f"exit code {code}")
-            if self.on_exit is not None:
-                self.on_exit()
+        if self.state is not WorkerState.READY:
+            return
+        self._set_state(WorkerState.EXITED, f"exit code {code}")  # not alive from now on
+        await self._drain_output()  # its last words make the cause
+        self.exit_cause = f"worker exited with code {code}"
+        if self.stderr_tail(1):
+            self.exit_cause += f"; its last output: {self.stderr_tail(3)}"
+        log.error("model %s: worker pid %d exited unexpectedly with code %s; last output:\n%s",
+                  self.model.id, proc.pid, code, self.stderr_tail())
+        if self.on_exit is not None:
+            self.on_exit()
 
     async def probe(self, timeout_s: float) -> bool:
         """Whether the engine's main loop answers: /slots is served by it, /health is not."""
@@ -265,9 +267,13 @@ class WorkerProcess:
                 self._proc.kill()
 
     async def stop(self) -> None:
-        """SIGTERM, wait up to the grace period, then SIGKILL. Idempotent."""
-        if self.state in (WorkerState.STOPPING, WorkerState.STOPPED):
-            return
+        """SIGTERM, wait up to the grace period, then SIGKILL; returns once the process is
+        reaped. Idempotent: every caller waits for the same stop."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         self._set_state(WorkerState.STOPPING, "stop requested")
         proc = self._proc
         if proc is not None and proc.returncode is None:
