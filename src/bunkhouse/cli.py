@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -279,23 +282,56 @@ def serve(settings: Settings, catalog: Catalog) -> int:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
-        timeout_graceful_shutdown=int(settings.stop_grace_s) or 1,
+        # Only a last resort: _Server cuts every stream cleanly after the grace, by then.
+        timeout_graceful_shutdown=int(2 * settings.stop_grace_s) + 10,
         log_config=None,
     )
-    _Server(config).run()
+
+    async def stop_workers() -> None:
+        await residency.close()
+        launcher.close()
+
+    _Server(config, stop_workers, settings.stop_grace_s).run()
     return 0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, but a requested stop (SIGINT/SIGTERM) exits 0 once shut down.
+    """uvicorn's server with bunkhouse's stop (SIGINT/SIGTERM):
 
-    uvicorn re-raises the captured signal after its shutdown, which makes the exit status
-    look like a crash to supervisors (systemd, tests) that asked for the stop.
+    - it stops accepting and gives running requests ``grace_s`` to finish; then it stops every
+      worker, which ends each stream still running with an SSE error event (no stream is
+      left truncated, and nothing is cancelled under a request);
+    - every worker is stopped even on a forced exit (a second ^C), when uvicorn skips the
+      app's shutdown;
+    - a requested stop exits 0: uvicorn re-raises the captured signal after its shutdown,
+      which makes the exit status look like a crash to supervisors (systemd, tests).
     """
+
+    def __init__(self, config: uvicorn.Config, stop_workers: Callable[[], Awaitable[None]],
+                 grace_s: float) -> None:
+        super().__init__(config)
+        self._stop_workers = stop_workers
+        self._grace_s = grace_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        cut: list[asyncio.Future[None]] = []
+        timer = loop.call_later(self._grace_s,
+                                lambda: cut.append(asyncio.ensure_future(self._cut())))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+            await self._stop_workers()
+
+    async def _cut(self) -> None:
+        log.info("stop grace of %.0f s passed; stopping workers, which ends running streams",
+                 self._grace_s)
+        await self._stop_workers()
 
 
 def ps(url: str, key: str | None = None) -> int:

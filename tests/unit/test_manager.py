@@ -29,10 +29,14 @@ def model(id: str, gib: float = 4, *, pinned: bool = False,
 
 
 class FakeWorker:
-    def __init__(self, m: CatalogModel) -> None:
+    def __init__(self, m: CatalogModel, stop_gate: asyncio.Event | None = None,
+                 leases: Callable[[], int] | None = None) -> None:
         self.model = m
         self.pid = 1000 + len(m.id)
         self.stopped = False
+        self.stop_gate = stop_gate  # a stop waits for it: a worker slow to exit
+        self.leases_at_stop: list[int] = []
+        self._leases = leases
         self.client = httpx.AsyncClient()
         self.on_exit: Callable[[], None] | None = None
         self.exit_cause: str | None = None
@@ -59,6 +63,10 @@ class FakeWorker:
         return self.model.size_bytes
 
     async def stop(self) -> None:
+        if self._leases is not None:
+            self.leases_at_stop.append(self._leases())
+        if self.stop_gate is not None:
+            await self.stop_gate.wait()
         self.stopped = True
         await self.client.aclose()
 
@@ -87,6 +95,7 @@ class Host:
         self.workers: list[FakeWorker] = []
         self.fail: set[str] = set()
         self.gate: asyncio.Event | None = None
+        self.stop_gate: asyncio.Event | None = None
         options = ResidencyOptions(budget_bytes=int(budget_gib * GIB), ttl_s=ttl_s,
                                    admission_wait_s=admission_wait_s, drain_grace_s=1,
                                    restart=restart, probe_interval_s=0)
@@ -105,7 +114,7 @@ class Host:
                 raise WorkerLoadFailed(f"model {m.id!r} failed to load")
         finally:
             self.running -= 1
-        w = FakeWorker(m)
+        w = FakeWorker(m, self.stop_gate, lambda: self.manager.status(m.id).leases)
         self.workers.append(w)
         return w
 

@@ -32,14 +32,15 @@ from bunkhouse.errors import (
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
+    ShuttingDown,
     error_body,
 )
 from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate, Send, check_fits
 from bunkhouse.front.auth import Keys, Level
 from bunkhouse.front.openapi import openapi
-from bunkhouse.front.proxy import forward
-from bunkhouse.residency.manager import ResidencyManager
+from bunkhouse.front.proxy import forward, stream_broke
+from bunkhouse.residency.manager import Lease, ResidencyManager
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Front:
                 response = await forward(lease.worker.client, path, body,
                                          stream=parsed.stream, request=request,
                                          model_id=model.id, on_done=held.close,
-                                         data=data)
+                                         data=data, on_broken=self._broken(lease))
             except EngineUnavailable:
                 lease.report(False)
                 held.close()
@@ -91,6 +92,18 @@ class Front:
             return response
 
         return handler
+
+    def _broken(self, lease: Lease) -> Callable[[Exception], BunkhouseError]:
+        """A stream cut by the front's shutdown says so; one the worker cut counts against
+        the worker's health, like a failed request."""
+        def broken(error: Exception) -> BunkhouseError:
+            if self.residency.closing:
+                return ShuttingDown(f"model {lease.model_id!r}: the server is shutting down; "
+                                    "the stream was cut after the stop grace")
+            lease.report(False)
+            return stream_broke(lease.model_id, error)
+
+        return broken
 
     def model_object(self, model: CatalogModel) -> dict[str, Any]:
         status = self.residency.status(model.id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from bunkhouse.errors import EngineUnavailable, envelope, error_body
+from bunkhouse.errors import BunkhouseError, EngineUnavailable, envelope, error_body
 from bunkhouse.front.assemble import (
     StreamError,
     assemble_chat,
@@ -47,6 +48,11 @@ def _nothing() -> None:
     pass
 
 
+def stream_broke(model_id: str, error: Exception) -> BunkhouseError:
+    """What a client is told when the worker's stream breaks (the default ``on_broken``)."""
+    return EngineUnavailable(f"model {model_id!r}: worker stream broke: {error!r}")
+
+
 _ASSEMBLERS: dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]] = {
     "/v1/chat/completions": assemble_chat,
     "/v1/completions": assemble_completion,
@@ -56,14 +62,17 @@ _ASSEMBLERS: dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]] = {
 async def forward(client: httpx.AsyncClient, path: str, body: bytes, *, stream: bool,
                   request: Request, model_id: str,
                   on_done: Callable[[], None] = _nothing,
-                  data: dict[str, Any] | None = None) -> Response:
+                  data: dict[str, Any] | None = None,
+                  on_broken: Callable[[Exception], BunkhouseError] | None = None) -> Response:
     """Send ``body`` to the worker behind ``client`` and relay its answer.
 
     A plain generation request (``data``, its parsed body, given) is sent upstream as a stream
     and its answer assembled here (see front/assemble.py: so that a disconnect frees the slot).
     ``on_done`` runs once the upstream exchange is over: for a stream, when the relay ends
     (completed, broken or the client gone), else before the answer is returned. If this
-    raises, ``on_done`` may not have run.
+    raises, ``on_done`` may not have run. ``on_broken(error)`` is called once if a stream the
+    worker was sending breaks, and returns the error the client gets as the stream's last
+    event (default: 502 ``engine_unavailable``).
     """
     assembler = _ASSEMBLERS.get(path) if data is not None and not stream else None
     if assembler is not None and data is not None and _single(data):
@@ -73,7 +82,8 @@ async def forward(client: httpx.AsyncClient, path: str, body: bytes, *, stream: 
         assembler = None
     upstream = client.build_request("POST", path, content=body, headers=_JSON)
     if stream:
-        return await _forward_stream(client, upstream, model_id, on_done)
+        broken = on_broken or functools.partial(stream_broke, model_id)
+        return await _forward_stream(client, upstream, model_id, on_done, broken)
     try:
         return await _forward_once(client, upstream, request, model_id, assembler)
     finally:
@@ -89,7 +99,8 @@ async def _send(client: httpx.AsyncClient, upstream: httpx.Request,
 
 
 async def _forward_stream(client: httpx.AsyncClient, upstream: httpx.Request, model_id: str,
-                          on_done: Callable[[], None]) -> Response:
+                          on_done: Callable[[], None],
+                          on_broken: Callable[[Exception], BunkhouseError]) -> Response:
     resp = await _send(client, upstream, model_id)
     if resp.status_code >= 400:
         try:
@@ -97,17 +108,17 @@ async def _forward_stream(client: httpx.AsyncClient, upstream: httpx.Request, mo
         finally:
             await resp.aclose()
             on_done()
-    return _Relay(resp, model_id, on_done)
+    return _Relay(resp, model_id, on_done, on_broken)
 
 
 class _Relay(StreamingResponse):
     """Streams the worker's answer; closes it and calls ``on_done`` however the send ends,
     even when the client is gone before the first byte (the body iterator never starts)."""
 
-    def __init__(self, upstream: httpx.Response, model_id: str,
-                 on_done: Callable[[], None]) -> None:
+    def __init__(self, upstream: httpx.Response, model_id: str, on_done: Callable[[], None],
+                 on_broken: Callable[[Exception], BunkhouseError]) -> None:
         super().__init__(
-            _relay(upstream, model_id),
+            _relay(upstream, model_id, on_broken),
             status_code=upstream.status_code,
             media_type=upstream.headers.get("content-type", "text/event-stream"),
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
@@ -123,13 +134,14 @@ class _Relay(StreamingResponse):
             self._on_done()
 
 
-async def _relay(resp: httpx.Response, model_id: str) -> AsyncIterator[bytes]:
+async def _relay(resp: httpx.Response, model_id: str,
+                 on_broken: Callable[[Exception], BunkhouseError]) -> AsyncIterator[bytes]:
     try:
         async for chunk in resp.aiter_raw():
             yield chunk
     except httpx.TransportError as e:
         log.warning("model %s: stream from worker broke: %r", model_id, e)
-        err = EngineUnavailable(f"model {model_id!r}: worker stream broke: {e!r}")
+        err = on_broken(e)
         yield b"event: error\ndata: " + json.dumps(error_body(err)).encode() + b"\n\n"
     finally:
         await resp.aclose()
