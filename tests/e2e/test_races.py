@@ -1,0 +1,166 @@
+"""Residency under contention and shutdown, through `bunkhouse serve` with real workers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from bunkhouse.catalog import Catalog
+from tests.e2e.server import Server, running, serve
+from tests.e2e.test_faults import ENGINE, ROOT
+from tests.helpers import wait_for, write_tiny_gguf
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+GEMMA = "gemma-3-270m"
+
+
+def _stream(url: str, path: str, body: dict[str, Any], first: threading.Event | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """POST a streamed request; every SSE line, in order. Raises if the body is truncated."""
+    lines: list[str] = []
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True},
+                      headers=headers, timeout=300) as resp:
+        for line in resp.iter_lines():
+            if line:
+                lines.append(line)
+                if first is not None:
+                    first.set()
+    return resp.status_code, lines
+
+
+def _usage(lines: list[str]) -> dict[str, Any]:
+    for line in reversed(lines):
+        if line.startswith("data: {") and '"usage"' in line:
+            usage: dict[str, Any] | None = json.loads(line[6:]).get("usage")
+            if usage:
+                return usage
+    raise AssertionError(f"no usage in the stream: {lines[-3:]}")
+
+
+def _stale_plan_config(tmp_path: Path, catalog: Catalog) -> Path:
+    gemma, qwen = catalog.get(GEMMA).path, catalog.get(QWEN).path
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text(f"""
+include_packaged = false
+
+[defaults]
+context = 2048
+parallel = 1
+
+[[models]]
+id = "g1"
+path = "{gemma}"
+
+[[models]]
+id = "g2"
+path = "{gemma}"
+
+[[models]]
+id = "q"
+path = "{qwen}"
+""")
+    return config
+
+
+@pytest.mark.slow
+def test_stale_plan_steps_end_to_end(tmp_path: Path, packaged_catalog: Catalog) -> None:
+    """g1 and g2 fit together, q fits with neither. A stream to q makes room; while g1 is
+    stopped, a 1,500-token stream starts on g2: it arrives whole; q is answered before or
+    after it, or gets a clean 503; the models never swap in a loop."""
+    config = _stale_plan_config(tmp_path, packaged_catalog)
+    with serve(tmp_path, "--config", str(config), "--budget", "950000000") as server:
+        for model in ("g1", "g2"):
+            warm = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                              json={"model": model, "prompt": "Hi", "max_tokens": 1})
+            assert warm.status_code == 200, warm.text
+        chat = {"model": "q", "max_tokens": 16,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        long = {"model": "g2", "prompt": "Once upon a time", "max_tokens": 1500,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        with ThreadPoolExecutor(2) as pool:
+            q: Future[tuple[int, list[str]]] = pool.submit(
+                _stream, server.url, "/v1/chat/completions", chat)
+            wait_for(lambda: server.model("g1")["state"] != "ready", 60, "g1 to be stopped")
+            g2 = pool.submit(_stream, server.url, "/v1/completions", long)
+            g2_status, g2_lines = g2.result(timeout=600)
+            q_status, q_lines = q.result(timeout=600)
+        assert g2_status == 200 and g2_lines[-1] == "data: [DONE]", g2_lines[-3:]
+        assert "event: error" not in g2_lines
+        assert _usage(g2_lines)["completion_tokens"] == 1500
+        if q_status == 200:
+            assert q_lines[-1] == "data: [DONE]" and "event: error" not in q_lines
+        else:
+            assert q_status == 503 and "insufficient_memory" in q_lines[0], q_lines
+        loads = [e for e in server.stats()["events"] if e["kind"] == "loading"]
+        assert len(loads) <= 5, f"swap loop: {[e['model'] for e in loads]}"
+
+
+@pytest.mark.slow
+def test_shutdown_ends_a_running_stream_with_an_error_event(tmp_path: Path) -> None:
+    with running(tmp_path, "--stop-grace", "2") as server:
+        first = threading.Event()
+        body = {"model": QWEN, "max_tokens": 2000, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Tell me about ships."}]}
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream, server.url, "/v1/chat/completions", body, first)
+            assert first.wait(120)
+            workers = server.workers()
+            assert workers
+            server.proc.send_signal(signal.SIGTERM)
+            status, lines = stream.result(timeout=120)  # no truncated body: it would raise
+        assert status == 200
+        assert lines[-2] == "event: error", lines[-3:]
+        assert json.loads(lines[-1][6:])["error"]["code"] == "shutting_down"
+        assert server.proc.wait(timeout=60) == 0
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers left running: {alive}"
+    log = server.log.read_text()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+
+
+def test_sigterm_while_one_model_drains_and_another_loads(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    for model_id in ("busy", "slow"):
+        write_tiny_gguf(models / f"{model_id}.gguf")
+    faults = {"busy": {"token_interval_s": 0.05}, "slow": {"load_delay_s": 60}}
+    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(ROOT)}
+    admin = {"authorization": "Bearer adm"}
+    with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--engine", ENGINE,
+               "--admin-key", "adm", "--stop-grace", "2", env=env) as server:
+        first = threading.Event()
+        body = {"model": "busy", "max_tokens": 400,
+                "messages": [{"role": "user", "content": "hi"}]}
+        with ThreadPoolExecutor(3) as pool:
+            stream = pool.submit(_stream, server.url, "/v1/chat/completions", body, first,
+                                 admin)
+            assert first.wait(60)
+            unload = pool.submit(httpx.post, f"{server.url}/v1/models/busy/unload",
+                                 headers=admin, timeout=120)
+            wait_for(lambda: _state(server, "busy") == "draining", 30, "busy to drain")
+            loading = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", timeout=120,
+                                  headers=admin, json={**body, "model": "slow"})
+            wait_for(lambda: _state(server, "slow") == "loading", 30, "slow to load")
+            wait_for(lambda: len(server.workers()) >= 2, 30, "both workers to be running")
+            workers = server.workers()
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(timeout=60) == 0
+            _, alive = psutil.wait_procs(workers, timeout=10)
+            assert not alive, f"workers left running: {alive}"
+            status, lines = stream.result(timeout=30)
+            assert status == 200 and lines[-2] == "event: error", lines[-3:]
+            assert unload.result(timeout=30).status_code in (202, 204)
+            assert loading.result(timeout=30).status_code == 503
+
+
+def _state(server: Server, model_id: str) -> str:
+    state: str = httpx.get(f"{server.url}/v1/models/{model_id}",
+                           headers={"authorization": "Bearer adm"}).json()["state"]
+    return state
