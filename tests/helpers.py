@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import gguf
+import httpx
 import numpy as np
 
 T = TypeVar("T")
@@ -78,3 +83,35 @@ def app_without_workers(root: Path, **build_app_kwargs: Any) -> Any:
 
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**30), no_workers)
     return build_app(catalog, residency, **build_app_kwargs)
+
+
+def healthy_socket(sock: Path) -> bool:
+    """Whether a worker answers /health 200 on the Unix socket ``sock``."""
+    if not sock.exists():
+        return False
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as c:
+            return c.get("http://w/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextmanager
+def worker_socket(model: Any) -> Iterator[Path]:
+    """`python -m bunkhouse.worker` serving ``model`` (a CatalogModel) on a socket in a
+    private directory; SIGTERMed on exit, which must end it with code 0."""
+    from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, worker_argv
+
+    with tempfile.TemporaryDirectory(prefix="bh-test-") as d:
+        sock = Path(d) / "w.sock"
+        launch = WorkerLaunch(sock, LaunchOptions(ready_timeout_s=60, stop_grace_s=5))
+        proc = subprocess.Popen(worker_argv(model, launch), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: proc.poll() is not None or healthy_socket(sock), 120, "worker health")
+            assert proc.poll() is None, "worker exited during load"
+            yield sock
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        assert not sock.exists()

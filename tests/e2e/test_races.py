@@ -164,3 +164,25 @@ def _state(server: Server, model_id: str) -> str:
     state: str = httpx.get(f"{server.url}/v1/models/{model_id}",
                            headers={"authorization": "Bearer adm"}).json()["state"]
     return state
+
+
+@pytest.mark.slow
+def test_a_prompt_that_can_never_fit_is_refused_before_its_model_loads(tmp_path: Path) -> None:
+    """Loading the model would evict the resident one: the 400 comes first, nothing moves."""
+    prose = (ROOT / "README.md").read_text() * 6  # tens of thousands of tokens
+    with serve(tmp_path, "--budget", "800MiB") as server:
+        warm = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                          json={"model": GEMMA, "prompt": "Hi", "max_tokens": 1})
+        assert warm.status_code == 200
+        for path, body in (
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": prose}]}),
+                ("/v1/completions", {"prompt": prose})):
+            resp = httpx.post(f"{server.url}{path}", timeout=120,
+                              json={"model": QWEN, "max_tokens": 16, **body})
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert err["code"] == "context_length_exceeded" and "at least" in err["message"]
+            assert err["param"] == ("messages" if "messages" in body else "prompt")
+        assert server.model(GEMMA)["state"] == "ready"
+        assert server.model(QWEN)["state"] == "absent"
+        assert not [e for e in server.stats()["events"] if e["model"] == QWEN]

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,39 +27,17 @@ from bunkhouse.supervisor.process import (
     WorkerState,
     worker_argv,
 )
-from tests.helpers import wait_for, write_tiny_gguf
+from tests.helpers import healthy_socket, wait_for, worker_socket, write_tiny_gguf
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _healthy(sock: Path) -> bool:
-    if not sock.exists():
-        return False
-    try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as c:
-            return c.get("http://w/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def qwen_socket(packaged_catalog: Catalog) -> Iterator[Path]:
     """`python -m bunkhouse.worker` serving Qwen on a socket in a private directory."""
-    model = packaged_catalog.get(QWEN)
-    with tempfile.TemporaryDirectory(prefix="bh-test-") as d:
-        sock = Path(d) / "w.sock"
-        launch = WorkerLaunch(sock, LaunchOptions(ready_timeout_s=60, stop_grace_s=5))
-        proc = subprocess.Popen(worker_argv(model, launch), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        try:
-            wait_for(lambda: proc.poll() is not None or _healthy(sock), 60, "worker health")
-            assert proc.poll() is None, "worker exited during load"
-            yield sock
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=10) == 0
-        assert not sock.exists()
+    with worker_socket(packaged_catalog.get(QWEN)) as sock:
+        yield sock
 
 
 def _sdk(sock: Path) -> openai.OpenAI:
@@ -165,7 +142,7 @@ def test_worker_exits_when_its_parent_is_killed(packaged_catalog: Catalog,
     assert parent.stdout is not None
     worker_pid = int(parent.stdout.readline())
     try:
-        wait_for(lambda: _healthy(tmp_path / "o.sock"), 60, "worker health")
+        wait_for(lambda: healthy_socket(tmp_path / "o.sock"), 60, "worker health")
         parent.kill()
         parent.wait()
         wait_for(lambda: not psutil.pid_exists(worker_pid)

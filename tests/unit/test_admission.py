@@ -13,7 +13,7 @@ from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest, QueueFull
-from bunkhouse.front.admission import ComputeGate, SlotGate, check_fits
+from bunkhouse.front.admission import ComputeGate, SlotGate, check_fits, refuse_before_load
 
 INFO = GGUFInfo("qwen2", None, 32768, 24, 896, 14, 2, 64, 64, None, "{{x}}", 15, 0)
 
@@ -144,7 +144,7 @@ def test_large_prompts_are_templated_and_tokenized_exactly() -> None:
         ("/v1/chat/completions", _chat(1000, 100), "max_tokens"),  # 1100 > 1024
         ("/v1/chat/completions", _chat(1100, None), "messages"),  # the prompt alone
         ("/v1/completions", {"prompt": "w " * 1000, "max_tokens": 500}, "max_tokens"),
-        ("/v1/completions", {"prompt": list(range(1030))}, "messages"),
+        ("/v1/completions", {"prompt": list(range(1030))}, "prompt"),
     ],
 )
 def test_oversize_requests_are_400_naming_the_numbers(path: str, body: dict[str, Any],
@@ -165,3 +165,54 @@ def test_more_prompts_than_slots_is_400() -> None:
     with pytest.raises(InvalidRequest, match="5 prompts in one request; send at most 4"):
         run(check_fits(_model(), "/v1/completions", body, Worker()))
     run(check_fits(_model(), "/v1/completions", {"prompt": ["a", "b"]}, Worker()))
+
+
+def _tiny_table(tmp_path: Path) -> Any:
+    from bunkhouse.catalog.vocab import pair_table
+    from tests.helpers import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")  # tokens tok0 ... tok299, no spaces
+    return pair_table(path, path.stat().st_mtime_ns)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "tok " * 3000}]}),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "tok " * 3000}]}]}),
+    ("/v1/completions", {"prompt": "tok " * 3000}),
+    ("/v1/completions", {"prompt": ["tok", "tok " * 3000]}),
+    ("/v1/completions", {"prompt": list(range(2100))}),
+])
+def test_a_prompt_certainly_too_long_is_refused_before_its_model_loads(
+        tmp_path: Path, path: str, body: dict[str, Any]) -> None:
+    table = _tiny_table(tmp_path)
+
+    async def pairs() -> Any:
+        return table
+
+    async def go() -> None:
+        with pytest.raises(ContextLengthExceeded) as info:
+            await refuse_before_load(_model(context=8192, parallel=4), path, body, pairs)
+        assert info.value.param == ("messages" if "messages" in body else "prompt")
+        assert "2048 tokens" in info.value.message
+
+    run(go())
+
+
+def test_the_vocabulary_is_read_only_for_prompts_that_might_not_fit(tmp_path: Path) -> None:
+    asked: list[bool] = []
+    table = _tiny_table(tmp_path)
+
+    async def pairs() -> Any:
+        asked.append(True)
+        return table
+
+    async def go() -> None:
+        model = _model(context=8192, parallel=4)
+        await refuse_before_load(model, "/v1/completions", {"prompt": "tok " * 100}, pairs)
+        assert not asked  # 400 bytes can never be more than 2,048 tokens
+        await refuse_before_load(model, "/v1/completions", {"prompt": "tok" * 1000}, pairs)
+        assert asked  # 3,000 bytes might be: the bound (1,000 tokens) lets it through
+        await refuse_before_load(model, "/v1/embeddings", {"input": "tok " * 3000}, pairs)
+
+    run(go())

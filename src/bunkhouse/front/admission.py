@@ -10,8 +10,11 @@
   then its new requests wait, its running ones finish, and the gate passes to the waiting
   model in arrival order, with all of its waiting requests. The window lets requests that
   arrive together batch together instead of being split across turns.
+- :func:`refuse_before_load`: a request whose prompt is *certainly* too long for one slot
+  (a lower bound on its tokens from the model's vocabulary, catalog/vocab.py) gets 400 before
+  its model is loaded, so it never evicts other models.
 - :func:`check_fits`: a request whose prompt plus ``max_tokens`` can never fit one slot gets
-  400 before any generation.
+  400 before any generation (exact, counted by the worker when a byte bound cannot decide).
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bunkhouse.catalog import CatalogModel
+from bunkhouse.catalog.vocab import PairTable
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest
 from bunkhouse.residency.estimate import kv_cache_bytes
 from bunkhouse.residency.slots import SlotGate
 
-__all__ = ["ComputeGate", "SlotGate", "check_fits"]
+__all__ = ["ComputeGate", "SlotGate", "check_fits", "refuse_before_load"]
 
 
 class _Turn:
@@ -160,17 +164,61 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any], send:
                                                   "parse_special": True}))["tokens"])
         need = tokens + max(max_tokens, 1)
         if need > limit:
-            raise _too_long(model, tokens, max_tokens, need, limit)
+            raise _too_long(model, path, tokens, max_tokens, need, limit)
 
 
-def _too_long(model: CatalogModel, tokens: int, max_tokens: int, need: int,
-              limit: int) -> ContextLengthExceeded:
+def _prompt_texts(path: str, body: dict[str, Any]) -> list[list[str] | int]:
+    """Per prompt of the request: its texts, or its length when it is given as token ids."""
+    if path == "/v1/chat/completions":
+        texts: list[str] = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts += [p["text"] for p in content
+                          if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return [texts]
+    raw = body.get("prompt", "")
+    prompts = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+    return [[p] if isinstance(p, str) else len(p) if isinstance(p, list) else [] for p in prompts]
+
+
+async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any],
+                             table: Callable[[], Awaitable[PairTable | None]]) -> None:
+    """Raise ContextLengthExceeded, before the model is loaded, if a prompt's lower bound on
+    tokens (catalog/vocab.py) plus max_tokens cannot fit one slot. ``table()`` gives the
+    model's pair table (None: no bound); it is only asked for prompts long enough."""
+    if path == "/v1/embeddings":
+        return
+    limit = slot_context(model)
+    given = body.get("max_tokens")
+    max_tokens = given if isinstance(given, int) else 0
+    for prompt in _prompt_texts(path, body):
+        if isinstance(prompt, int):
+            tokens = prompt
+        else:
+            if sum(len(t.encode()) for t in prompt) + max(max_tokens, 1) <= limit:
+                continue  # a token is at least one byte: it may fit
+            pairs = await table()
+            if pairs is None:
+                return
+            tokens = sum(pairs.min_tokens(t) for t in prompt)
+        need = tokens + max(max_tokens, 1)
+        if need > limit:
+            raise _too_long(model, path, tokens, max_tokens, need, limit, at_least=True)
+
+
+def _too_long(model: CatalogModel, path: str, tokens: int, max_tokens: int, need: int,
+              limit: int, *, at_least: bool = False) -> ContextLengthExceeded:
     o = model.options
     kv_need = kv_cache_bytes(model.info, need, 1)
     kv_slot = kv_cache_bytes(model.info, limit, 1)
+    prompt = "messages" if path == "/v1/chat/completions" else "prompt"
     return ContextLengthExceeded(
-        f"model {model.id!r}: the prompt is {tokens} tokens and max_tokens is {max_tokens}: "
-        f"{need} tokens ({kv_need // 1024} KiB of KV cache) do not fit one slot of {limit} "
-        f"tokens ({kv_slot // 1024} KiB; context {o.context} shared by {o.parallel} slots). "
-        "Shorten the prompt, lower max_tokens, or serve the model with a larger context or "
-        "fewer slots.", param="messages" if tokens > limit else "max_tokens")
+        f"model {model.id!r}: the prompt is {'at least ' if at_least else ''}{tokens} tokens "
+        f"and max_tokens is {max_tokens}: {need} tokens ({kv_need // 1024} KiB of KV cache) "
+        f"do not fit one slot of {limit} tokens ({kv_slot // 1024} KiB; context {o.context} "
+        f"shared by {o.parallel} slots). Shorten the prompt, lower max_tokens, or serve the "
+        "model with a larger context or fewer slots.",
+        param=prompt if tokens >= limit else "max_tokens")

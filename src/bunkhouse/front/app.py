@@ -26,9 +26,11 @@ from bunkhouse.api.schemas import (
     validate,
 )
 from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.catalog.vocab import PairTable, pair_table
 from bunkhouse.errors import (
     BunkhouseError,
     EngineUnavailable,
+    GGUFError,
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
@@ -36,7 +38,7 @@ from bunkhouse.errors import (
     error_body,
 )
 from bunkhouse.front.admin import Admin, AdminOptions
-from bunkhouse.front.admission import ComputeGate, Send, check_fits
+from bunkhouse.front.admission import ComputeGate, Send, check_fits, refuse_before_load
 from bunkhouse.front.auth import Keys, Level
 from bunkhouse.front.openapi import openapi
 from bunkhouse.front.proxy import forward, stream_broke
@@ -65,6 +67,7 @@ class Front:
             data = parse_json_object(body)
             parsed = validate(schema, data)
             model = self.catalog.get(parsed.model)
+            await refuse_before_load(model, path, data, functools.partial(_pair_table, model))
             lease = await self.residency.acquire(model)
             held = _Held(lease.release)
             try:
@@ -155,6 +158,16 @@ class Front:
             "event_counts": r.events.counts,
             "events": [e.as_dict() for e in r.events.recent(100)],
         })
+
+
+async def _pair_table(model: CatalogModel) -> PairTable | None:
+    """The model's vocabulary pair table, read off the event loop once per file version."""
+    try:
+        mtime_ns = model.path.stat().st_mtime_ns
+        return await asyncio.to_thread(pair_table, model.path, mtime_ns)
+    except (OSError, GGUFError) as e:
+        log.warning("model %s: no token bound from its vocabulary: %s", model.id, e)
+        return None
 
 
 async def _openapi(request: Request) -> Response:

@@ -1,0 +1,61 @@
+"""The vocabulary's lower bound on tokens, against each packaged model's real tokenizer."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bunkhouse.catalog import Catalog
+from bunkhouse.catalog.vocab import PairTable, pair_table
+from tests.helpers import worker_socket
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _texts() -> list[str]:
+    rng = random.Random(7)
+    alphabet = "abc XYZ 012 ,.;!? \n\t é ü ß 中文 日本語 🙂 ∑ ▁ <|im_start|> <start_of_turn>"
+    noise = ["".join(rng.choice(alphabet) for _ in range(400)) for _ in range(5)]
+    return [
+        (ROOT / "README.md").read_text(),
+        (ROOT / "src/bunkhouse/residency/manager.py").read_text(),
+        "The capital of France is Paris. " * 40,
+        "a" * 3000, " " * 500, "\n\n\n" * 100, "-=" * 300, "1234567890" * 50,
+        "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+        "<start_of_turn>user\nHello<end_of_turn>\n",
+        "人工智能正在改变世界。" * 30, "🙂🙃" * 100, "naïve café déjà vu " * 30,
+        *noise,
+    ]
+
+
+def _worker(catalog: Catalog, model_id: str) -> Iterator[httpx.Client]:
+    with worker_socket(catalog.get(model_id)) as sock, httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://w",
+            timeout=60) as client:
+        yield client
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_id", ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m"])
+def test_the_bound_never_exceeds_the_real_count(packaged_catalog: Catalog,
+                                                model_id: str) -> None:
+    path = packaged_catalog.get(model_id).path
+    table = pair_table(path, path.stat().st_mtime_ns)
+    assert isinstance(table, PairTable)
+    for client in _worker(packaged_catalog, model_id):
+        for add_special in (False, True):
+            for text in _texts():
+                real = len(client.post("/tokenize", json={
+                    "content": text, "add_special": add_special,
+                    "parse_special": True}).json()["tokens"])
+                bound = table.min_tokens(text)
+                assert bound <= real, f"{model_id}: bound {bound} > {real} for {text[:60]!r}"
+        prose = (ROOT / "README.md").read_text()
+        real = len(client.post("/tokenize", json={"content": prose}).json()["tokens"])
+        ratio = table.min_tokens(prose) / real
+        print(f"{model_id}: the bound is {ratio:.2f} of the real count on the README")
+        assert ratio > 0.4  # strong enough to refuse a prompt far over the slot
