@@ -220,7 +220,7 @@ def print_catalog(catalog: Catalog) -> None:
                 f"{m.size_bytes / 2**20:.0f} MiB",
                 m.info.architecture,
                 f"{m.options.context}/{m.info.context_length or '?'}",
-                "yes" if m.info.has_chat_template else "no",
+                "yes" if m.has_chat_template else "no",
                 m.source,
                 str(m.path),
             )

@@ -21,6 +21,8 @@ The TOML file (``--config FILE``) looks like::
     path = "~/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     context = 4096                  # any key of [defaults] may be set per model
     pinned = true                   # never evicted
+    chat_template = "chatml"        # for a GGUF without one: a name llama.cpp knows, or a
+                                    # .jinja file (relative paths: to this file)
 
 Unknown keys are errors, so that a typo never silently does nothing.
 """
@@ -75,6 +77,7 @@ class ModelEntry:
     options: dict[str, int]
     pinned: bool = False
     ttl_s: float | None = None  # None: the global ttl
+    chat_template: str | None = None  # a template name llama.cpp knows, or a .jinja file
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +170,7 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: must be a table")
-    options = _options(table, where, frozenset({"id", "path", "pinned"}))
+    options = _options(table, where, frozenset({"id", "path", "pinned", "chat_template"}))
     model_id, path = table.get("id"), table.get("path")
     if not isinstance(model_id, str) or not isinstance(path, str):
         raise ConfigError(f"{where}: needs string keys 'id' and 'path'")
@@ -180,7 +183,23 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
     if not isinstance(pinned, bool):
         raise ConfigError(f"{where}: pinned must be true or false")
     ttl = _ttl(table["ttl"], where) if "ttl" in table else None
-    return ModelEntry(model_id, resolved, options, pinned, ttl)
+    template = _chat_template(table.get("chat_template"), base_dir, where)
+    return ModelEntry(model_id, resolved, options, pinned, ttl, template)
+
+
+def _chat_template(value: object, base_dir: Path, where: str) -> str | None:
+    """A template name (``"chatml"``), or the absolute path of a ``.jinja`` file that exists."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: chat_template must be a template name or a .jinja file")
+    if not value.endswith((".jinja", ".j2")) and "/" not in value:
+        return value
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if not path.is_file():
+        raise ConfigError(f"{where}: chat_template file {path} does not exist")
+    return str(path.resolve())
 
 
 def load_config_file(path: Path, settings: Settings) -> Settings:

@@ -156,8 +156,24 @@ def test_oversize_requests_are_400_naming_the_numbers(path: str, body: dict[str,
     assert "slot of 1024 tokens" in err.message and "context 4096 shared by 4 slots" in err.message
 
 
-def test_embeddings_are_not_checked() -> None:
-    run(check_fits(_model(), "/v1/embeddings", {"input": "w " * 5000}, Worker()))
+@pytest.mark.parametrize("body,which", [
+    ({"input": "w " * 600}, "the input"),
+    ({"input": ["short", "w " * 600]}, "input 1"),
+    ({"input": list(range(513))}, "the input"),
+    ({"input": [[1, 2], list(range(600))]}, "input 1"),
+])
+def test_embeddings_inputs_longer_than_the_engine_takes_are_400_naming_the_limit(
+        body: dict[str, Any], which: str) -> None:
+    with pytest.raises(ContextLengthExceeded) as info:
+        run(check_fits(_model(), "/v1/embeddings", body, Worker()))
+    assert info.value.param == "input" and "at most 512 tokens per input" in info.value.message
+    assert which in info.value.message
+
+
+def test_embeddings_inputs_within_the_limit_pass() -> None:
+    worker = Worker()
+    run(check_fits(_model(), "/v1/embeddings", {"input": ["w " * 500, "x"]}, worker))
+    assert worker.calls == ["/tokenize"]  # only the input whose bytes left it open
 
 
 def test_more_prompts_than_slots_is_400() -> None:
@@ -213,6 +229,7 @@ def test_the_vocabulary_is_read_only_for_prompts_that_might_not_fit(tmp_path: Pa
         assert not asked  # 400 bytes can never be more than 2,048 tokens
         await refuse_before_load(model, "/v1/completions", {"prompt": "tok" * 1000}, pairs)
         assert asked  # 3,000 bytes might be: the bound (1,000 tokens) lets it through
-        await refuse_before_load(model, "/v1/embeddings", {"input": "tok " * 3000}, pairs)
+        with pytest.raises(ContextLengthExceeded):
+            await refuse_before_load(model, "/v1/embeddings", {"input": "tok " * 3000}, pairs)
 
     run(go())

@@ -79,3 +79,64 @@ def test_models_listing_without_workers(client: TestClient) -> None:
     assert client.get("/v1/models/tiny").json()["id"] == "tiny"
     _assert_envelope(client.get("/v1/models/nope"), 404, "model_not_found")
     assert client.get("/health").json() == {"status": "ok", "models": {"tiny": "absent"}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+         "messages.0.content.0.type"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "input_audio"}]}]},
+         "messages.0.content.1.type"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "x"}]}]},
+         "messages.0.content"),
+        ("/v1/chat/completions", {"messages": MSGS, "temperature": "hot"}, "temperature"),
+        ("/v1/chat/completions", {"messages": MSGS, "temperature": 2.5}, "temperature"),
+        ("/v1/chat/completions", {"messages": MSGS, "top_p": -1}, "top_p"),
+        ("/v1/chat/completions", {"messages": MSGS, "top_logprobs": 300000}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": MSGS, "n": 0}, "n"),
+        ("/v1/chat/completions", {"messages": MSGS, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
+         "messages.0.role"),
+        ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 5,
+                                  "max_completion_tokens": 6}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": -1},
+         "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 9}, "logprobs"),
+        ("/v1/embeddings", {"input": ""}, "input"),
+        ("/v1/embeddings", {"input": []}, "input"),
+        ("/v1/embeddings", {"input": ["ok", ""]}, "input"),
+        ("/v1/embeddings", {"input": "x", "encoding_format": "hex"}, "encoding_format"),
+    ],
+)
+def test_what_the_front_can_know_is_wrong_is_400_naming_the_field(
+        client: TestClient, path: str, body: dict[str, Any], param: str) -> None:
+    err = _assert_envelope(client.post(path, json=body), 400, "invalid_request")
+    assert err["param"] == param, err
+
+
+def test_chat_on_a_model_without_a_template_is_400_saying_how_to_fix_it(tmp_path: Path) -> None:
+    from tests.helpers import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "base.gguf", chat_template=None)
+    with TestClient(app_without_workers(tmp_path)) as c:
+        err = _assert_envelope(c.post("/v1/chat/completions", json={
+            "model": "base", "messages": MSGS}), 400, "invalid_request")
+    assert err["param"] == "messages" and "chat_template" in str(err["message"])
+
+
+def test_only_openai_and_engine_extension_fields_are_forwarded(tmp_path: Path) -> None:
+    from bunkhouse.api.schemas import ChatCompletionRequest
+    from bunkhouse.catalog import build_catalog
+    from bunkhouse.config import Settings
+    from bunkhouse.front.edge import prepare
+    from tests.helpers import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False)).get("tiny")
+    body = prepare("/v1/chat/completions", ChatCompletionRequest, model, {
+        "messages": MSGS, "max_completion_tokens": 7, "ignore_eos": True, "n_probs": 2,
+        "temprature": 0.5, "secret_debug": 1})
+    assert body == {"messages": MSGS, "max_tokens": 7, "ignore_eos": True, "n_probs": 2}

@@ -72,8 +72,27 @@ def test_engine_errors_become_envelopes(stream: bool) -> None:
 
     resp = _front(handler).post("/c", json={"stream": stream})
     assert resp.status_code == 400
-    assert resp.json() == {"error": {"message": "context too long", "code": "engine_error",
-                                     "type": "exceed_context_size_error", "param": None}}
+    assert resp.json() == {"error": {
+        "message": "the engine refused the request: context too long",
+        "code": "invalid_request", "type": "invalid_request_error", "param": None}}
+
+
+@pytest.mark.parametrize("message", [
+    "image input is not supported - hint: if this is unexpected, you may need to provide the "
+    "mmproj",
+    "input (702 tokens) is too large to process. increase the physical batch size (current "
+    "batch size: 512)",
+    "[json.exception.type_error.302] type must be number, but is string",
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_refusals_answered_with_a_500_are_400(stream: bool, message: str) -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"error": {"code": 500, "message": message,
+                                                   "type": "server_error"}})
+
+    resp = _front(handler).post("/c", json={"stream": stream})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "invalid_request"
 
 
 def test_non_json_engine_error_keeps_its_text() -> None:

@@ -7,42 +7,130 @@ OpenAI clients expect. Types are strict: ``"stream": "yes"`` is a 400, not a gue
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 from starlette.requests import Request
 
 from bunkhouse.errors import InvalidRequest, RequestTooLarge
 
 
+def _number(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be a number")
+    return value
+
+
+def _text(value: Any) -> Any:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    return value
+
+
+def Number(lo: float, hi: float) -> Any:
+    """A JSON number (not a string, not a boolean) within ``[lo, hi]``."""
+    return Annotated[float, BeforeValidator(_number), Field(ge=lo, le=hi)]
+
+
+Text = Annotated[str, BeforeValidator(_text)]
+Stop = Text | Annotated[list[Text], Field(max_length=4)] | None  # OpenAI: up to 4 sequences
+
+
 class _Request(BaseModel):
+    """Fields every generation route shares (OpenAI API reference); others are ignored here
+    and filtered at forwarding (:func:`forwarded`)."""
+
     model_config = ConfigDict(extra="allow", frozen=True)
 
     model: StrictStr | None = None
     stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=0)
+    temperature: Number(0, 2) | None = None  # type: ignore[valid-type]
+    top_p: Number(0, 1) | None = None  # type: ignore[valid-type]
+    n: StrictInt | None = Field(default=None, ge=1, le=128)
+    stop: Stop = None
+    presence_penalty: Number(-2, 2) | None = None  # type: ignore[valid-type]
+    frequency_penalty: Number(-2, 2) | None = None  # type: ignore[valid-type]
+    seed: StrictInt | None = None
+    logit_bias: dict[str, Number(-100, 100)] | None = None  # type: ignore[valid-type]
+    user: StrictStr | None = None
 
 
 T = TypeVar("T", bound=BaseModel)
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
+    text: StrictStr | None = None
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    role: StrictStr
-    content: StrictStr | list[dict[str, Any]] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: StrictStr | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class CompletionRequest(_Request):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = Field(default=None, ge=1, le=20)
+    suffix: StrictStr | None = None
+
+
+NonEmptyText = Annotated[StrictStr, Field(min_length=1)]
+Tokens = Annotated[list[StrictInt], Field(min_length=1)]
 
 
 class EmbeddingRequest(_Request):
-    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    input: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | Tokens
+            | Annotated[list[Tokens], Field(min_length=1)])
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: StrictInt | None = Field(default=None, ge=1)
+
+
+# A union's first error names one branch (``input.str``); these say what is accepted instead.
+_UNION_MESSAGES = {
+    "input": "must be a non-empty string, a non-empty list of non-empty strings, a list of "
+             "token ids, or a list of such lists",
+    "prompt": "must be a string, a list of strings, a list of token ids, or a list of such "
+              "lists",
+    "stop": "must be a string or a list of at most 4 strings",
+    "content": "must be a string, null, or a list of content parts, each an object whose "
+               "type is one of " + ", ".join(PART_TYPES),
+}
+
+
+def known_fields(schema: type[BaseModel]) -> frozenset[str]:
+    """The OpenAI fields a request schema knows (the rest are extensions or ignored)."""
+    return frozenset(schema.model_fields)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -82,9 +170,13 @@ def validate(schema: type[T], data: dict[str, Any]) -> T:
     except ValidationError as e:
         first = e.errors()[0]
         param = _param(data, first["loc"], missing=first["type"] == "missing")
-        raise InvalidRequest(
-            f"{param}: {first['msg']}" if param else first["msg"], param=param
-        ) from e
+        message = first["msg"]
+        key = "content" if param and param.endswith(".content") else param
+        if key in _UNION_MESSAGES and first["type"] != "missing":
+            message = _UNION_MESSAGES[key]
+        elif first["type"] == "value_error":
+            message = str(first["ctx"]["error"]) if "ctx" in first else message
+        raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from e
 
 
 def _param(data: Any, loc: tuple[int | str, ...], *, missing: bool) -> str | None:

@@ -37,6 +37,12 @@ class CatalogModel:
     modified: int = 0  # the file's mtime, seconds since the epoch ("created" in the API)
     pinned: bool = False  # never evicted
     ttl_s: float | None = None  # idle unload; None: the global ttl
+    chat_template: str | None = None  # configured: a template name or a .jinja file's path
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat can be templated: configured, or carried by the GGUF."""
+        return self.chat_template is not None or self.info.has_chat_template
 
 
 class Catalog:
@@ -110,7 +116,8 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
     st = path.stat()
     return CatalogModel(model_id, path, source, info, options, st.st_size,
                         modified=int(st.st_mtime), pinned=entry.pinned if entry else False,
-                        ttl_s=entry.ttl_s if entry else None)
+                        ttl_s=entry.ttl_s if entry else None,
+                        chat_template=entry.chat_template if entry else None)
 
 
 def _from_config(settings: Settings) -> Iterator[CatalogModel]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.vocab import PairTable
+from bunkhouse.engines import llamacpp
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest
 from bunkhouse.residency.estimate import kv_cache_bytes
 from bunkhouse.residency.slots import SlotGate
@@ -135,6 +136,7 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any], send:
     only called when a cheap byte bound cannot prove that the request fits.
     """
     if path == "/v1/embeddings":
+        await _check_inputs(model, body, _exact_count(send))
         return
     limit = slot_context(model)
     max_tokens = body.get("max_tokens") or 0  # missing: the rest of the slot's context
@@ -167,6 +169,49 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any], send:
             raise _too_long(model, path, tokens, max_tokens, need, limit)
 
 
+def embedding_limit(model: CatalogModel) -> int:
+    """The longest embeddings input in tokens: one slot, and one engine batch."""
+    return min(slot_context(model), llamacpp.EMBEDDING_BATCH)
+
+
+Count = Callable[[str], Awaitable[int]]
+
+
+def _exact_count(send: Send) -> Count:
+    async def count(text: str) -> int:
+        reply = await send("/tokenize", {"content": text, "add_special": True,
+                                         "parse_special": True})
+        return len(reply["tokens"])
+
+    return count
+
+
+async def _check_inputs(model: CatalogModel, body: dict[str, Any], count: Count,
+                        at_least: bool = False) -> None:
+    """Raise ContextLengthExceeded naming the limit if an embeddings input is too long.
+    ``count(text)`` counts its tokens (exactly, or a lower bound: ``at_least``); it is only
+    asked for inputs whose bytes leave the question open."""
+    limit = embedding_limit(model)
+    raw = body.get("input")
+    single = isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int))
+    inputs: list[Any] = [raw] if single else list(raw or [])
+    for i, item in enumerate(inputs):
+        if isinstance(item, list):
+            tokens = len(item)
+        elif len(item.encode()) + 2 <= limit:  # a token is at least one byte; 2 specials
+            continue
+        else:
+            tokens = await count(item)
+        if tokens > limit:
+            which = "the input" if single else f"input {i}"
+            raise ContextLengthExceeded(
+                f"model {model.id!r}: {which} is {'at least ' if at_least else ''}{tokens} "
+                f"tokens; this model embeds at most {limit} tokens per input (one slot of "
+                f"{slot_context(model)} tokens, one engine batch of "
+                f"{llamacpp.EMBEDDING_BATCH}). Split the text into shorter inputs.",
+                param="input")
+
+
 def _prompt_texts(path: str, body: dict[str, Any]) -> list[list[str] | int]:
     """Per prompt of the request: its texts, or its length when it is given as token ids."""
     if path == "/v1/chat/completions":
@@ -190,6 +235,11 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
     tokens (catalog/vocab.py) plus max_tokens cannot fit one slot. ``table()`` gives the
     model's pair table (None: no bound); it is only asked for prompts long enough."""
     if path == "/v1/embeddings":
+        async def bound(text: str) -> int:
+            pairs = await table()
+            return 0 if pairs is None else pairs.min_tokens(text)
+
+        await _check_inputs(model, body, bound, at_least=True)
         return
     limit = slot_context(model)
     given = body.get("max_tokens")

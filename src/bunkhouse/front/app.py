@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from bunkhouse.errors import (
 from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate, Send, check_fits, refuse_before_load
 from bunkhouse.front.auth import Keys, Level
+from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
 from bunkhouse.front.proxy import forward, stream_broke
 from bunkhouse.residency.manager import Lease, ResidencyManager
@@ -67,6 +69,8 @@ class Front:
             data = parse_json_object(body)
             parsed = validate(schema, data)
             model = self.catalog.get(parsed.model)
+            data = prepare(path, schema, model, data)
+            body = json.dumps(data).encode()
             await refuse_before_load(model, path, data, functools.partial(_pair_table, model))
             lease = await self.residency.acquire(model)
             held = _Held(lease.release)
@@ -91,7 +95,7 @@ class Front:
             except BaseException:
                 held.close()  # idempotent: forward may have closed it already
                 raise
-            lease.report(response.status_code < 500)
+            lease.report(True)  # it answered: whatever it said, it is alive
             return response
 
         return handler
@@ -121,7 +125,7 @@ class Front:
             "size_bytes": model.size_bytes,
             "context": model.options.context,
             "parallel": model.options.parallel,
-            "chat_template": model.info.has_chat_template,
+            "chat_template": model.has_chat_template,
             "default": model.id == self.catalog.default_id,
             "pinned": status.pinned,
             "leases": status.leases,

@@ -120,14 +120,18 @@ def _chat_choice(index: int, c: dict[str, Any]) -> dict[str, Any]:
 def assemble_completion(events: list[dict[str, Any]]) -> dict[str, Any]:
     """One ``text_completion`` from streamed completion events."""
     texts: dict[int, list[str]] = {}
+    logprobs: dict[int, list[Any]] = {}
     finish: dict[int, str | None] = {}
     for event in events:
         for ch in event.get("choices") or []:
             i = ch.get("index", 0)
             texts.setdefault(i, []).append(ch.get("text") or "")
+            if (ch.get("logprobs") or {}).get("content"):
+                logprobs.setdefault(i, []).extend(ch["logprobs"]["content"])
             if ch.get("finish_reason"):
                 finish[i] = ch["finish_reason"]
     out = _top(events, "text_completion")
-    out["choices"] = [{"index": i, "text": "".join(t), "logprobs": None,
+    out["choices"] = [{"index": i, "text": "".join(t),
+                       "logprobs": {"content": logprobs[i]} if i in logprobs else None,
                        "finish_reason": finish.get(i)} for i, t in sorted(texts.items())]
     return out

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from bunkhouse.engines import llamacpp
 from bunkhouse.errors import BunkhouseError, EngineUnavailable, envelope, error_body
 from bunkhouse.front.assemble import (
     StreamError,
@@ -35,12 +36,19 @@ _JSON = {"content-type": "application/json"}
 
 
 def engine_error(status: int, body: bytes) -> JSONResponse:
-    """An engine's error answer, re-shaped into the OpenAI envelope (code ``engine_error``)."""
+    """An engine's error answer, re-shaped into the OpenAI envelope: a refusal of the
+    request's input (engines/llamacpp.py tells them apart) is a 400 ``invalid_request``,
+    whatever status the engine gave it; anything else keeps its status, code
+    ``engine_error``."""
     message, type_ = body.decode("utf-8", errors="replace")[:2000], "server_error"
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
         err: Any = json.loads(body)["error"]
         message = str(err.get("message", message))
         type_ = str(err.get("type", type_))
+    if llamacpp.refusal(status, message):
+        return JSONResponse(envelope(f"the engine refused the request: {message}",
+                                     "invalid_request_error", "invalid_request"),
+                            status_code=400 if status >= 500 else status)
     return JSONResponse(envelope(message, type_, "engine_error"), status_code=status)
 
 

@@ -24,11 +24,12 @@ import psutil
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
+from bunkhouse.engines.llamacpp import EMBEDDING_BATCH
 
 MIB = 1024 * 1024
 FIXED_BYTES = 145 * MIB
 KV_ELEMENT_BYTES = 2  # f16 K and V caches, llama.cpp's default
-N_UBATCH = 512  # the engine's micro-batch, set explicitly on every worker
+N_UBATCH = EMBEDDING_BATCH  # the engine's micro-batch, set explicitly on every worker
 _SWA_PAD = 256
 
 # Every Nth layer uses full attention, the others a sliding window (llama.cpp's patterns).

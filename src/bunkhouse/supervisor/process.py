@@ -91,6 +91,7 @@ class WorkerLaunch:
 
 def worker_argv(model: CatalogModel, launch: WorkerLaunch) -> list[str]:
     o = model.options
+    template = ["--chat-template", model.chat_template] if model.chat_template else []
     return [
         sys.executable,
         "-m",
@@ -113,6 +114,7 @@ def worker_argv(model: CatalogModel, launch: WorkerLaunch) -> list[str]:
         launch.options.engine,
         "--parent-pid",
         str(os.getpid()),
+        *template,
     ]
 
 

@@ -26,6 +26,7 @@ class WorkerConfig:
     parallel: int
     cache_ram_mib: int
     threads: int
+    chat_template: str | None = None  # a template name the engine knows, or a file's path
 
 
 class Engine(Protocol):

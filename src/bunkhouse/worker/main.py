@@ -38,13 +38,16 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
     p.add_argument("--parallel", type=int, default=4)
     p.add_argument("--cache-ram-mib", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template name the engine knows, or a .jinja file")
     p.add_argument("--engine", default=DEFAULT_ENGINE, help="module:Class of the engine")
     p.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process stops being our parent"
     )
     a = p.parse_args(argv)
     config = WorkerConfig(
-        a.model_id, a.model_path, a.socket, a.context, a.parallel, a.cache_ram_mib, a.threads
+        a.model_id, a.model_path, a.socket, a.context, a.parallel, a.cache_ram_mib, a.threads,
+        a.chat_template,
     )
     return config, a.engine, a.parent_pid
 
@@ -53,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     config, engine_path, parent_pid = parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
+import httpx
 import xllamacpp
 
+from bunkhouse.engines.llamacpp import EMBEDDING_BATCH
 from bunkhouse.worker.engine import EngineLoadError, WorkerConfig
 
 log = logging.getLogger(__name__)
 
 
-def build_params(config: WorkerConfig) -> Any:
+def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:
     """Engine parameters, every memory-relevant one set explicitly.
 
     xllamacpp's defaults (the model's full trained context, one slot, an 8 GiB RAM prompt
@@ -21,13 +25,13 @@ def build_params(config: WorkerConfig) -> Any:
     params = xllamacpp.CommonParams()
     params.model.path = str(config.model_path)
     params.model_alias = {config.model_id}
-    params.hostnames = [str(config.socket)]  # a path ending in .sock: a Unix socket
+    params.hostnames = [str(socket or config.socket)]  # a path ending in .sock: a Unix socket
     params.n_ctx = config.context  # total context, shared by the slots
     params.n_parallel = config.parallel
     params.cont_batching = True
     # With embeddings on, llama.cpp lowers n_batch to n_ubatch anyway (and warns): say so.
-    params.n_batch = 512
-    params.n_ubatch = 512  # residency.estimate assumes this micro-batch (SWA cache size)
+    params.n_batch = EMBEDDING_BATCH
+    params.n_ubatch = EMBEDDING_BATCH  # residency.estimate assumes it (SWA cache size)
     params.kv_unified = False  # each slot owns context / parallel tokens: predictable KV need
     params.cache_ram_mib = config.cache_ram_mib
     params.cpuparams.n_threads = config.threads
@@ -37,7 +41,24 @@ def build_params(config: WorkerConfig) -> Any:
     params.endpoint_metrics = True
     params.endpoint_slots = True
     params.n_threads_http = max(2, config.parallel + 1)
+    if config.chat_template:
+        _set_template(params, config.chat_template)
     return params
+
+
+def _set_template(params: Any, value: str) -> None:
+    """A configured chat template: a .jinja file's text (rendered by llama.cpp's Jinja engine),
+    or the name of one of llama.cpp's built-in templates (``chatml``, ``gemma``, ``llama3``
+    ...), which only its non-Jinja path knows by name."""
+    path = Path(value)
+    if not path.is_absolute():
+        params.use_jinja = False
+        params.chat_template = value
+        return
+    try:
+        params.chat_template = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise EngineLoadError(f"cannot read chat template {path}: {e.strerror}") from e
 
 
 class LlamaCppEngine:
@@ -48,10 +69,34 @@ class LlamaCppEngine:
     def start(self) -> None:
         if not self.config.model_path.is_file():
             raise EngineLoadError(f"model file not found: {self.config.model_path}")
+        # A configured chat template is checked before the socket appears where the front
+        # looks for it: the server listens on a staging path until then.
+        final = self.config.socket
+        staging = final.with_name(f"{final.stem}t.sock") if self.config.chat_template else final
+        staging.unlink(missing_ok=True)
         try:
-            self._server = xllamacpp.Server(build_params(self.config))
+            self._server = xllamacpp.Server(build_params(self.config, staging))
         except Exception as e:
             raise EngineLoadError(f"llama.cpp failed to load {self.config.model_path}: {e}") from e
+        if self.config.chat_template:
+            try:
+                self._check_template(self.config.chat_template, staging)
+            except EngineLoadError:
+                staging.unlink(missing_ok=True)
+                raise
+            os.replace(staging, final)
+
+    def _check_template(self, template: str, socket: Path) -> None:
+        """Render one message, so that a template name llama.cpp does not know fails the load
+        (the engine accepts any name and fails at the first chat otherwise)."""
+        transport = httpx.HTTPTransport(uds=str(socket), retries=20)
+        with httpx.Client(transport=transport, base_url="http://worker", timeout=30) as client:
+            resp = client.post("/apply-template",
+                               json={"messages": [{"role": "user", "content": "hi"}]})
+        if resp.status_code != 200:
+            raise EngineLoadError(
+                f"chat template {template!r} does not render: {resp.text[:300]}; use a name "
+                "llama.cpp knows (chatml, gemma, llama3, mistral-v7, phi4, ...) or a .jinja file")
 
     def stop(self) -> None:
         self._server = None

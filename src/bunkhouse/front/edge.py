@@ -1,0 +1,79 @@
+"""What the front can know is wrong with a request, refused before any engine sees it.
+
+After the schema (api/schemas.py) has checked types, ranges and enums, :func:`prepare` applies
+what depends on the model and on field aliases, and builds the body the worker gets:
+
+- ``max_tokens`` and ``max_completion_tokens`` are one limit (OpenAI renamed it); both given
+  and different is a 400; the worker and every check see ``max_tokens``.
+- Content parts the model cannot take (every model served today takes text only) are a 400
+  naming the part, instead of an engine error.
+- Chat on a model without a chat template is a 400 that says how to give it one.
+- Only OpenAI's fields and the engine adapter's extension fields are forwarded; anything else
+  unknown is dropped, so a typo never reaches the engine as a raw parse error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from bunkhouse.api.schemas import known_fields
+from bunkhouse.catalog import CatalogModel
+from bunkhouse.engines import llamacpp
+from bunkhouse.errors import InvalidRequest
+
+_TEXT_PARTS = frozenset({"text"})
+
+
+def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
+            data: dict[str, Any]) -> dict[str, Any]:
+    """The body to send to ``model``'s worker, or InvalidRequest (400) naming the field."""
+    body = _merge_token_limits(data)
+    if path == "/v1/chat/completions":
+        _check_template(model)
+        _check_parts(model, body.get("messages") or [])
+    allowed = known_fields(schema) | llamacpp.EXTENSION_FIELDS
+    return {k: v for k, v in body.items() if k in allowed}
+
+
+def _merge_token_limits(data: dict[str, Any]) -> dict[str, Any]:
+    if "max_completion_tokens" not in data:
+        return data
+    body = dict(data)
+    newer = body.pop("max_completion_tokens")
+    older = body.get("max_tokens")
+    if older is not None and newer is not None and older != newer:
+        raise InvalidRequest(
+            f"max_tokens ({older}) and max_completion_tokens ({newer}) disagree; they are "
+            "the same limit: send one of them", param="max_completion_tokens")
+    if newer is not None:
+        body["max_tokens"] = newer
+    return body
+
+
+def _check_template(model: CatalogModel) -> None:
+    if not model.has_chat_template:
+        raise InvalidRequest(
+            f"model {model.id!r} has no chat template (its GGUF carries none), so it cannot "
+            "answer chat messages; use /v1/completions with a prompt, or give it one with "
+            'chat_template = "NAME" (a template llama.cpp knows, e.g. "gemma" or "chatml") '
+            'or chat_template = "path/to/template.jinja" in its [[models]] entry of the '
+            "config file", param="messages")
+
+
+def _check_parts(model: CatalogModel, messages: list[Any]) -> None:
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in _TEXT_PARTS:
+                raise InvalidRequest(
+                    f"model {model.id!r} takes text only: content part type {kind!r} is not "
+                    "supported; send the content as text parts",
+                    param=f"messages.{i}.content.{j}.type")
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequest("a text content part needs a string field 'text'",
+                                     param=f"messages.{i}.content.{j}.text")
