@@ -76,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
-    serve.add_argument("--port", type=int, default=8080, help="port to listen on (%(default)s)")
+    serve.add_argument("--port", type=_port, default=8080,
+                       help="port to listen on, 1-65535 (%(default)s)")
     serve.add_argument(
         "--preload",
         action="append",
@@ -165,6 +166,16 @@ def _keys(given: list[str], files: list[Path], env: str) -> tuple[str, ...]:
         keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     keys += [k.strip() for k in os.environ.get(env, "").split(",") if k.strip()]
     return tuple(keys)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; use 1-65535")
+    return port
 
 
 def _size(text: str) -> int:
@@ -274,8 +285,9 @@ def serve(settings: Settings, catalog: Catalog) -> int:
         log.warning("--allow-runtime-load has no effect without an --admin-key")
     if settings.api_keys:
         log.info("inference endpoints need one of %d client key(s)", len(settings.api_keys))
-    log.info("serving %d model(s) on http://%s:%d (default: %s), memory budget %d MiB",
-             len(catalog), settings.host, settings.port, catalog.default_id, budget // 2**20)
+    _warn_never_fit(catalog, budget)
+    serving = (f"serving {len(catalog)} model(s) on http://{settings.host}:{settings.port} "
+               f"(default: {catalog.default_id}), memory budget {budget // 2**20} MiB")
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -291,8 +303,25 @@ def serve(settings: Settings, catalog: Catalog) -> int:
         await residency.close()
         launcher.close()
 
-    _Server(config, stop_workers, settings.stop_grace_s).run()
-    return 0
+    server = _Server(config, stop_workers, settings.stop_grace_s, serving)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's exit when it cannot listen; it logged the OS error
+        log.error("cannot listen on %s:%d; is another server using that port? Pick another "
+                  "with --port", settings.host, settings.port)
+        return 2
+    return 0 if server.started else 1
+
+
+def _warn_never_fit(catalog: Catalog, budget: int) -> None:
+    """Say at start which models the budget can never hold (each would answer 503)."""
+    from bunkhouse.residency.estimate import estimate
+
+    too_large = [(m.id, estimate(m).total) for m in catalog if estimate(m).total > budget]
+    for model_id, need in too_large:
+        log.warning("model %s needs about %d MiB, more than the whole memory budget of %d "
+                    "MiB: every request for it will fail; raise --budget or lower its "
+                    "context", model_id, need // 2**20, budget // 2**20)
 
 
 class _Server(uvicorn.Server):
@@ -308,10 +337,16 @@ class _Server(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, stop_workers: Callable[[], Awaitable[None]],
-                 grace_s: float) -> None:
+                 grace_s: float, serving: str) -> None:
         super().__init__(config)
         self._stop_workers = stop_workers
         self._grace_s = grace_s
+        self._serving = serving
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # bound: only now is "serving" true (a port in use exits before)
+            log.info("%s", self._serving)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

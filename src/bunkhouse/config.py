@@ -129,18 +129,25 @@ def check_model_id(model_id: str, where: str) -> str:
 _OPTION_KEYS = frozenset({"context", "parallel", "cache_ram_mib", "threads", "queue"})
 _TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models",
                        "budget"})
+# Binary and decimal units as written; a bare K/M/G/T (Docker's and Ollama's "8G") is binary.
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4,
+          "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``"8GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"1000000"``."""
+    """Bytes from ``"8GiB"``, ``"8G"`` (binary), ``"512 MiB"``, ``"1.5GB"`` (decimal) or
+    ``"1000000"``. Raises ConfigError for anything else, and for a size of 0."""
     m = _SIZE_RE.match(text)
     unit = _UNITS.get(m.group(2).lower()) if m else None
     if m is None or unit is None:
-        raise ConfigError(f"{text!r} is not a size; write e.g. 8GiB, 512MiB or 2000000000")
-    return int(float(m.group(1)) * unit)
+        raise ConfigError(f"{text!r} is not a size; write e.g. 8GiB, 8G, 512MiB or 2000000000")
+    size = int(float(m.group(1)) * unit)
+    if size <= 0:
+        raise ConfigError(f"{text!r}: a size must be more than 0 bytes")
+    return size
 
 
 def _ttl(value: object, where: str) -> float:

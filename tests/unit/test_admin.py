@@ -172,3 +172,10 @@ def test_a_failed_registration_leaves_no_ghost_and_a_new_one_gets_a_fresh_slot_g
     assert admin.client.delete("/v1/models/rt", headers=ADMIN).status_code == 204
     assert _register(admin, str(admin.root / "ok.gguf"), parallel=2).status_code == 200
     assert admin.residency is not None and admin.residency.slots("rt").slots == 2
+
+
+def test_a_config_pinned_model_can_be_deleted_once_unpinned(admin: Setup) -> None:
+    resp = admin.client.delete("/v1/models/conf", headers=ADMIN)
+    assert resp.status_code == 409 and "unpin it first" in resp.json()["error"]["message"]
+    assert admin.client.post("/v1/models/conf/unpin", headers=ADMIN).status_code == 200
+    assert admin.client.delete("/v1/models/conf", headers=ADMIN).status_code == 204

@@ -56,8 +56,10 @@ def test_without_client_keys_inference_is_open_but_admin_is_not() -> None:
     keys.check(_request({}), Level.CLIENT)
     with pytest.raises(Unauthorized):
         keys.check(_request({}), Level.ADMIN)
-    with pytest.raises(Unauthorized):
+    with pytest.raises(Forbidden, match=r"admin endpoints are off.*--admin-key"):
         Keys().check(_request({"x-api-key": "anything"}), Level.ADMIN)
+    with pytest.raises(Forbidden, match="restart it with --admin-key"):
+        Keys(client=["c"]).check(_request({"x-api-key": "c"}), Level.ADMIN)
 
 
 def test_inference_endpoints_need_a_key(client: TestClient) -> None:

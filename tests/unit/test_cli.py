@@ -59,3 +59,58 @@ def test_ps_without_a_server_says_what_to_do(capsys: pytest.CaptureFixture[str])
 
     assert main(["ps", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "is `bunkhouse serve` running" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1", "http"])
+def test_a_port_out_of_range_is_refused(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--port", port])
+    assert info.value.code == 2
+    assert "is not a port; use 1-65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", ["0", "0MiB"])
+def test_a_zero_budget_is_refused(budget: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--budget", budget])
+    assert info.value.code == 2
+    assert "more than 0 bytes" in capsys.readouterr().err
+
+
+def test_a_budget_smaller_than_a_model_is_warned_about(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from bunkhouse.catalog import build_catalog
+    from bunkhouse.cli import _warn_never_fit
+    from bunkhouse.config import Settings
+
+    write_tiny_gguf(tmp_path / "a.gguf")
+    catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False))
+    _warn_never_fit(catalog, 10 * 2**20)
+    assert "model a needs about" in caplog.text and "raise --budget" in caplog.text
+
+
+def test_socket_dirs_of_fronts_that_are_gone_are_removed(tmp_path: Path) -> None:
+    import psutil
+
+    from bunkhouse.supervisor.launcher import LocalLauncher
+    from bunkhouse.supervisor.process import LaunchOptions
+
+    dead = tmp_path / "bunkhouse-dead"
+    dead.mkdir()
+    (dead / "owner").write_text("999999999 1.0")
+    (dead / "w1.sock").write_text("")
+    me = psutil.Process()
+    alive = tmp_path / "bunkhouse-alive"
+    alive.mkdir()
+    (alive / "owner").write_text(f"{me.pid} {me.create_time()}")
+    reused = tmp_path / "bunkhouse-reused"  # a live pid, but started at another time
+    reused.mkdir()
+    (reused / "owner").write_text(f"{me.pid} 12.0")
+    other = tmp_path / "bunkhouse-other"  # no owner file: not ours to judge
+    other.mkdir()
+    launcher = LocalLauncher(LaunchOptions(), tmp_dir=tmp_path)
+    try:
+        assert not dead.exists() and not reused.exists()
+        assert alive.exists() and other.exists() and launcher.socket_dir.exists()
+    finally:
+        launcher.close()

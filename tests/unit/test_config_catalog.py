@@ -146,7 +146,14 @@ def test_residency_config_errors(tmp_path: Path, text: str, match: str) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("8GiB", 8 * 2**30), ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
-     ("1000", 1000), ("2kib", 2048)],
+     ("1000", 1000), ("2kib", 2048), ("8G", 8 * 2**30), ("8g", 8 * 2**30),
+     ("512M", 512 * 2**20), ("8gb", 8 * 10**9), ("4Gi", 4 * 2**30)],
 )
 def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "0GiB", "0.0", "lots", "8 X", "-1G"])
+def test_sizes_that_mean_nothing_are_refused(text: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(text)

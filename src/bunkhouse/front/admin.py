@@ -140,8 +140,9 @@ class Admin:
 
     async def delete(self, request: Request) -> Response:
         model = self._known(request)
-        if model.pinned and model.source != "runtime":
-            raise Conflict(f"model {model.id!r} is pinned by the config file")
+        if self.residency.status(model.id).pinned and model.source != "runtime":
+            raise Conflict(f"model {model.id!r} is pinned; unpin it first "
+                           f"(POST /v1/models/{model.id}/unpin)")
 
         def drop() -> None:
             if model.source == "runtime" and model.id in self.catalog:

@@ -51,6 +51,10 @@ class Keys:
         """Raise Unauthorized (401) or Forbidden (403) unless the request may go on."""
         if level is Level.OPEN or (level is Level.CLIENT and not self.client):
             return
+        if level is Level.ADMIN and not self.admin:
+            raise Forbidden("admin endpoints are off: this server was started without an "
+                            "admin key, so no key can open them; restart it with --admin-key "
+                            "KEY (or --admin-key-file FILE, or $BUNKHOUSE_ADMIN_KEYS)")
         key = presented_key(request)
         if key is None:
             raise Unauthorized("this endpoint needs an API key: send 'Authorization: Bearer "

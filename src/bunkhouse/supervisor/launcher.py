@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
+
+import psutil
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.supervisor.process import (
@@ -19,13 +22,25 @@ from bunkhouse.supervisor.process import (
 log = logging.getLogger(__name__)
 
 
-class LocalLauncher:
-    """Starts one worker process per call, each on its own socket in a private directory."""
+_PREFIX = "bunkhouse-"
+_OWNER = "owner"  # in each socket directory: "PID START_TIME" of the front that made it
 
-    def __init__(self, options: LaunchOptions, spawner: Spawner = spawn_local) -> None:
+
+class LocalLauncher:
+    """Starts one worker process per call, each on its own socket in a private directory.
+
+    A front that was SIGKILLed cannot remove its directory; the next front removes every
+    such directory whose owner is gone (:func:`remove_orphaned_socket_dirs`)."""
+
+    def __init__(self, options: LaunchOptions, spawner: Spawner = spawn_local,
+                 tmp_dir: Path | None = None) -> None:
         self.options = options
         self._spawner = spawner
-        self.socket_dir = Path(tempfile.mkdtemp(prefix="bunkhouse-"))  # mode 0700
+        root = tmp_dir or Path(tempfile.gettempdir())
+        remove_orphaned_socket_dirs(root)
+        self.socket_dir = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=root))  # mode 0700
+        me = psutil.Process()
+        (self.socket_dir / _OWNER).write_text(f"{me.pid} {me.create_time()}")
         self._count = 0
 
     def _next_socket(self) -> Path:
@@ -44,3 +59,29 @@ class LocalLauncher:
 
     def close(self) -> None:
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def remove_orphaned_socket_dirs(root: Path) -> list[Path]:
+    """Remove this user's socket directories under ``root`` whose front is no longer running
+    (its pid gone, or reused by another process). Returns what was removed."""
+    removed = []
+    for path in root.glob(f"{_PREFIX}*"):
+        try:
+            if not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            pid, started = (path / _OWNER).read_text().split()
+        except (OSError, ValueError):
+            continue  # not one of ours, or being created right now
+        if _running(int(pid), float(started)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed the socket directory %s of a front that is gone (pid %s)", path, pid)
+        removed.append(path)
+    return removed
+
+
+def _running(pid: int, started: float) -> bool:
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 0.01
+    except psutil.Error:
+        return False
