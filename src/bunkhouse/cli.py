@@ -362,6 +362,8 @@ class _Server(uvicorn.Server):
         finally:
             timer.cancel()
             await self._stop_workers()
+            if self.force_exit:  # uvicorn skipped the app's shutdown: let it end cleanly
+                await self.lifespan.shutdown()
 
     async def _cut(self) -> None:
         log.info("stop grace of %.0f s passed; stopping workers, which ends running streams",

@@ -104,26 +104,87 @@ def test_stale_plan_steps_end_to_end(tmp_path: Path, packaged_catalog: Catalog) 
 
 
 @pytest.mark.slow
-def test_shutdown_ends_a_running_stream_with_an_error_event(tmp_path: Path) -> None:
+def test_shutdown_ends_running_requests_with_shutting_down(tmp_path: Path) -> None:
+    """A stream ends with an SSE error event, a plain request gets a 503, both saying the
+    server is shutting down; the busy worker stops at its SIGTERM (no SIGKILL needed)."""
     with running(tmp_path, "--stop-grace", "2") as server:
         first = threading.Event()
         body = {"model": QWEN, "max_tokens": 2000, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "Tell me about ships."}]}
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
             stream = pool.submit(_stream, server.url, "/v1/chat/completions", body, first)
             assert first.wait(120)
+            plain = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body,
+                                timeout=120)
+            wait_for(lambda: server.model(QWEN)["running"] == 2, 60, "both requests running")
             workers = server.workers()
             assert workers
             server.proc.send_signal(signal.SIGTERM)
             status, lines = stream.result(timeout=120)  # no truncated body: it would raise
+            cut = plain.result(timeout=120)
         assert status == 200
         assert lines[-2] == "event: error", lines[-3:]
         assert json.loads(lines[-1][6:])["error"]["code"] == "shutting_down"
+        assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutting_down"
         assert server.proc.wait(timeout=60) == 0
         _, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive, f"workers left running: {alive}"
     log = server.log.read_text()
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert "ignored SIGTERM" not in log
+
+
+def test_requests_queued_at_shutdown_get_shutting_down(tmp_path: Path) -> None:
+    """Requests waiting for a slot when the front stops are never sent to a stopped worker."""
+    models = tmp_path / "models"
+    write_tiny_gguf(models / "one.gguf")
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text(f'include_packaged = false\nmodels_dirs = ["{models}"]\n'
+                      "[defaults]\nparallel = 1\nqueue = 2\n")
+    env = {"BUNKHOUSE_FAULTS": json.dumps({"one": {"token_interval_s": 0.05}}),
+           "PYTHONPATH": str(ROOT)}
+    body = {"model": "one", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}
+    with running(tmp_path, "--config", str(config), "--engine", ENGINE, "--stop-grace", "1",
+                 env=env) as server:
+        first = threading.Event()
+        with ThreadPoolExecutor(3) as pool:
+            stream = pool.submit(_stream, server.url, "/v1/chat/completions", body, first)
+            assert first.wait(60)
+            queued = [pool.submit(_stream, server.url, "/v1/chat/completions", body),
+                      pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body,
+                                  timeout=60)]
+            wait_for(lambda: server.model("one")["queued"] == 2, 30, "two queued requests")
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(timeout=60) == 0
+            assert stream.result(timeout=30)[1][-2] == "event: error"
+            status, lines = queued[0].result(timeout=30)
+            plain = queued[1].result(timeout=30)
+        assert status == 503 and "shutting_down" in lines[0]
+        assert plain.status_code == 503 and plain.json()["error"]["code"] == "shutting_down"
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_a_second_interrupt_still_stops_cleanly(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    write_tiny_gguf(models / "one.gguf")
+    env = {"BUNKHOUSE_FAULTS": json.dumps({"one": {"token_interval_s": 0.05}}),
+           "PYTHONPATH": str(ROOT)}
+    body = {"model": "one", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}
+    with running(tmp_path, "--no-packaged", "--models-dir", str(models), "--engine", ENGINE,
+                 "--stop-grace", "2", env=env) as server:
+        first = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream, server.url, "/v1/chat/completions", body, first)
+            assert first.wait(60)
+            workers = server.workers()
+            server.proc.send_signal(signal.SIGINT)
+            wait_for(lambda: "Shutting down" in server.log.read_text(), 30, "the shutdown")
+            server.proc.send_signal(signal.SIGINT)
+            assert server.proc.wait(timeout=60) == 0
+            stream.result(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive
+    assert "Traceback" not in server.log.read_text(), server.log.read_text()[-3000:]
 
 
 def test_sigterm_while_one_model_drains_and_another_loads(tmp_path: Path) -> None:

@@ -84,13 +84,17 @@ class Front:
                 if await request.is_disconnected():  # gone while it waited: never started
                     held.close()
                     return Response(status_code=499)
+                self._check_still_served(lease)
                 response = await forward(lease.worker.client, path, body,
                                          stream=parsed.stream, request=request,
                                          model_id=model.id, on_done=held.close,
                                          data=data, on_broken=self._broken(lease))
-            except EngineUnavailable:
-                lease.report(False)
+            except EngineUnavailable as e:
                 held.close()
+                if self.residency.closing:  # the front's shutdown cut it, not the worker
+                    raise ShuttingDown(f"model {model.id!r}: the server is shutting down; "
+                                       "retry once it is back") from e
+                lease.report(False)
                 raise
             except BaseException:
                 held.close()  # idempotent: forward may have closed it already
@@ -99,6 +103,16 @@ class Front:
             return response
 
         return handler
+
+    def _check_still_served(self, lease: Lease) -> None:
+        """After waiting for a slot and a compute turn: the front may have begun stopping, or
+        the worker died meanwhile; then this request never starts."""
+        if self.residency.closing:
+            raise ShuttingDown(f"model {lease.model_id!r}: the server is shutting down; "
+                               "retry once it is back")
+        if not lease.worker.alive:
+            raise EngineUnavailable(f"model {lease.model_id!r}: its worker exited while this "
+                                    "request waited; retry")
 
     def _broken(self, lease: Lease) -> Callable[[Exception], BunkhouseError]:
         """A stream cut by the front's shutdown says so; one the worker cut counts against

@@ -277,13 +277,16 @@ class WorkerProcess:
 
     async def _stop(self) -> None:
         self._set_state(WorkerState.STOPPING, "stop requested")
+        # Close our connections first: a stream still running ends now (its relay sends the
+        # client an error event), and the engine, seeing the socket closed, frees the slot and
+        # can honour SIGTERM at once instead of finishing the generation.
+        await self.client.aclose()
         proc = self._proc
         if proc is not None and proc.returncode is None:
             await _terminate(proc, self.launch.options.stop_grace_s, self.model.id)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.client.aclose()
         self.launch.socket.unlink(missing_ok=True)
         self._set_state(WorkerState.STOPPED, "stopped")
 
