@@ -77,9 +77,8 @@ def test_a_flood_gets_only_complete_answers_and_429s(host: Server) -> None:
 
 def test_oversize_request_is_400_before_reaching_the_engine(host: Server) -> None:
     before = _metrics(host, B)
-    resp = httpx.post(f"{host.url}/v1/chat/completions", timeout=60, json={
-        "model": B, "max_tokens": 100,
-        "messages": [{"role": "user", "content": "hello " * 1200}]})
+    resp = httpx.post(f"{host.url}/v1/completions", timeout=60, json={
+        "model": B, "max_tokens": 100, "prompt": "hello " * 1200})  # a base model: no chat
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert err["code"] == "context_length_exceeded"
