@@ -62,7 +62,8 @@ class _Request(BaseModel):
     presence_penalty: Number(-2, 2) | None = None  # type: ignore[valid-type]
     frequency_penalty: Number(-2, 2) | None = None  # type: ignore[valid-type]
     seed: StrictInt | None = None
-    logit_bias: dict[str, Number(-100, 100)] | None = None  # type: ignore[valid-type]
+    # OpenAI's map of token id to bias, or llama.cpp's list of [token or text, bias] pairs.
+    logit_bias: dict[str, Number(-100, 100)] | list[Any] | None = None  # type: ignore[valid-type]
     user: StrictStr | None = None
 
 
