@@ -261,6 +261,7 @@ def serve(settings: Settings, catalog: Catalog) -> int:
 
     for model_id in settings.preload:
         catalog.get(model_id)
+    _check_port_free(settings.host, settings.port)
     budget = settings.budget_bytes or default_budget_bytes()
     launcher = LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
                                            settings.engine))
@@ -313,10 +314,34 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     return 0 if server.started else 1
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before any model loads if the address is taken (uvicorn binds only after the
+    app's startup, which may preload models)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e}") from e
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; is another "
+                              "server using that port? Pick another with --port") from e
+
+
 def _warn_never_fit(catalog: Catalog, budget: int) -> None:
     """Say at start which models the budget can never hold (each would answer 503)."""
+    import psutil
+
     from bunkhouse.residency.estimate import estimate
 
+    ram = psutil.virtual_memory().total
+    if budget > ram:
+        log.warning("the memory budget of %d MiB is more than this machine's %d MiB of RAM: "
+                    "models may be loaded until the system runs out of memory",
+                    budget // 2**20, ram // 2**20)
     too_large = [(m.id, estimate(m).total) for m in catalog if estimate(m).total > budget]
     for model_id, need in too_large:
         log.warning("model %s needs about %d MiB, more than the whole memory budget of %d "

@@ -109,6 +109,32 @@ def test_models_listing_without_workers(client: TestClient) -> None:
         ("/v1/embeddings", {"input": []}, "input"),
         ("/v1/embeddings", {"input": ["ok", ""]}, "input"),
         ("/v1/embeddings", {"input": "x", "encoding_format": "hex"}, "encoding_format"),
+        ("/v1/chat/completions", {"messages": MSGS, "tools": [{"type": "function"}]},
+         "tools.0.function"),
+        ("/v1/chat/completions", {"messages": MSGS, "tools": [{"type": "x"}]}, "tools.0.type"),
+        ("/v1/chat/completions", {"messages": MSGS, "tools": [
+            {"type": "function", "function": {"name": 5}}]}, "tools.0.function.name"),
+        ("/v1/chat/completions", {"messages": [*MSGS, {"role": "assistant", "tool_calls": [
+            {"id": "1"}]}]}, "messages.1.tool_calls.0.type"),
+        ("/v1/chat/completions", {"messages": [*MSGS, {"role": "assistant",
+                                                       "tool_calls": "x"}]},
+         "messages.1.tool_calls"),
+        ("/v1/chat/completions", {"messages": MSGS, "tool_choice": "bogus"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "bogus"}},
+         "response_format.type"),
+        ("/v1/chat/completions", {"messages": MSGS, "stream_options": {"include_usage": "x"}},
+         "stream_options.include_usage"),
+        ("/v1/chat/completions", {"messages": MSGS, "n": 100}, "n"),
+        ("/v1/chat/completions", {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"messages": MSGS, "ignore_eos": "x"}, "ignore_eos"),
+        ("/v1/chat/completions", {"messages": MSGS, "n_probs": True}, "n_probs"),
+        ("/v1/chat/completions", {"messages": MSGS, "grammar": 5}, "grammar"),
+        ("/v1/chat/completions", {"messages": MSGS, "json_schema": "x"}, "json_schema"),
+        ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": [-1]}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/embeddings", {"input": [-5]}, "input"),
     ],
 )
 def test_what_the_front_can_know_is_wrong_is_400_naming_the_field(
@@ -140,3 +166,16 @@ def test_only_openai_and_engine_extension_fields_are_forwarded(tmp_path: Path) -
         "messages": MSGS, "max_completion_tokens": 7, "ignore_eos": True, "n_probs": 2,
         "temprature": 0.5, "secret_debug": 1})
     assert body == {"messages": MSGS, "max_tokens": 7, "ignore_eos": True, "n_probs": 2}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+    (b'{"prompt": "\\udfff x"}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1' + b"0" * 5000 + b"}",
+     None),
+])
+def test_text_that_cannot_be_encoded_and_huge_numbers_are_400(client: TestClient, body: bytes,
+                                                              param: str | None) -> None:
+    path = "/v1/completions" if b"prompt" in body else "/v1/chat/completions"
+    err = _assert_envelope(client.post(path, content=body), 400, "invalid_request")
+    assert err["param"] == param and len(str(err["message"])) < 400

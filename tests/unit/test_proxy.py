@@ -95,6 +95,16 @@ def test_engine_refusals_answered_with_a_500_are_400(stream: bool, message: str)
     assert resp.json()["error"]["code"] == "invalid_request"
 
 
+def test_an_engine_refusal_naming_a_field_names_it_as_param() -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {
+            "code": 400, "message": "Field 'n': Value must be between 1 <= value <= 4",
+            "type": "invalid_request_error"}})
+
+    resp = _front(handler).post("/c", json={})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+
+
 def test_non_json_engine_error_keeps_its_text() -> None:
     resp = _front(lambda req: httpx.Response(500, text="boom")).post("/c", json={})
     assert resp.status_code == 500

@@ -53,7 +53,7 @@ class _Request(BaseModel):
 
     model: StrictStr | None = None
     stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=0)
     temperature: Number(0, 2) | None = None  # type: ignore[valid-type]
     top_p: Number(0, 1) | None = None  # type: ignore[valid-type]
@@ -63,7 +63,8 @@ class _Request(BaseModel):
     frequency_penalty: Number(-2, 2) | None = None  # type: ignore[valid-type]
     seed: StrictInt | None = None
     # OpenAI's map of token id to bias, or llama.cpp's list of [token or text, bias] pairs.
-    logit_bias: dict[str, Number(-100, 100)] | list[Any] | None = None  # type: ignore[valid-type]
+    logit_bias: (dict[Annotated[str, Field(pattern=r"^\d{1,10}$")], Number(-100, 100)]  # type: ignore[valid-type]
+                 | list[Any] | None) = None
     user: StrictStr | None = None
 
 
@@ -80,11 +81,58 @@ class ContentPart(BaseModel):
     text: StrictStr | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: StrictStr
+    arguments: StrictStr | None = None
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    id: StrictStr | None = None
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    name: StrictStr | None = None
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: Annotated[StrictStr, Field(min_length=1)]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    include_usage: StrictBool | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -92,14 +140,19 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
 
 
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
 class CompletionRequest(_Request):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     echo: StrictBool | None = None
     best_of: StrictInt | None = Field(default=None, ge=1, le=20)
@@ -107,7 +160,7 @@ class CompletionRequest(_Request):
 
 
 NonEmptyText = Annotated[StrictStr, Field(min_length=1)]
-Tokens = Annotated[list[StrictInt], Field(min_length=1)]
+Tokens = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class EmbeddingRequest(_Request):
@@ -119,11 +172,13 @@ class EmbeddingRequest(_Request):
 
 # A union's first error names one branch (``input.str``); these say what is accepted instead.
 _UNION_MESSAGES = {
-    "input": "must be a non-empty string, a non-empty list of non-empty strings, a list of "
-             "token ids, or a list of such lists",
-    "prompt": "must be a string, a list of strings, a list of token ids, or a list of such "
-              "lists",
+    "input": "must be a non-empty string, a non-empty list of non-empty strings, a "
+             "non-empty list of token ids (>= 0), or a list of such lists",
+    "prompt": "must be a string, a non-empty list of strings, a non-empty list of token ids "
+              "(>= 0), or a list of such lists",
     "stop": "must be a string or a list of at most 4 strings",
+    "logit_bias": "must map token ids to biases from -100 to 100 (or be llama.cpp's list of "
+                  "[token, bias] pairs)",
     "content": "must be a string, null, or a list of content parts, each an object whose "
                "type is one of " + ", ".join(PART_TYPES),
 }
@@ -140,13 +195,41 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequest("request body is empty; send a JSON object")
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # ValueError: also an integer of 4,300+ digits
+        raise InvalidRequest(f"request body is not valid JSON: {str(e)[:200]}") from e
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     if _depth(data) > MAX_JSON_DEPTH:
         raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+    _check_text(data)
     return data
+
+
+def _check_text(data: dict[str, Any]) -> None:
+    """Refuse a string holding a lone UTF-16 surrogate (JSON's ``"\\ud800"``): it is no text
+    and cannot be encoded for the engine."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        param = _surrogate_path(data)
+        raise InvalidRequest(f"{param or 'the body'}: a string holds a lone UTF-16 surrogate, "
+                             "which is not valid text", param=param) from e
+
+
+def _surrogate_path(value: Any, path: str = "") -> str | None:
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return where or None
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}.{i}") for i, v in enumerate(item))
+    return None
 
 
 MAX_JSON_DEPTH = 64
@@ -177,6 +260,7 @@ def validate(schema: type[T], data: dict[str, Any]) -> T:
             message = _UNION_MESSAGES[key]
         elif first["type"] == "value_error":
             message = str(first["ctx"]["error"]) if "ctx" in first else message
+        message = message[:300]
         raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from e
 
 

@@ -11,6 +11,9 @@
 from __future__ import annotations
 
 import re
+from typing import Any
+
+from bunkhouse.errors import InvalidRequest
 
 # llama.cpp tools/server README, "POST /completion" and "POST /v1/chat/completions" options.
 EXTENSION_FIELDS = frozenset({
@@ -26,11 +29,56 @@ EXTENSION_FIELDS = frozenset({
     "embd_normalize",
 })
 
+# The types of the extension fields whose misuse llama.cpp answers with a parse error.
+_EXTENSION_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("ignore_eos", "cache_prompt", "return_tokens", "post_sampling_probs",
+                     "timings_per_token", "return_progress", "parse_tool_calls",
+                     "add_generation_prompt", "enable_thinking", "thinking_forced_open"),
+                    (bool,)),
+    **dict.fromkeys(("n_predict", "n_probs", "n_keep", "n_indent", "n_cmpl", "id_slot",
+                     "top_k", "min_keep", "repeat_last_n", "dry_allowed_length",
+                     "dry_penalty_last_n", "mirostat", "t_max_predict_ms"), (int,)),
+    **dict.fromkeys(("min_p", "typical_p", "top_n_sigma", "repeat_penalty",
+                     "dry_multiplier", "dry_base", "xtc_probability", "xtc_threshold",
+                     "mirostat_tau", "mirostat_eta", "dynatemp_range", "dynatemp_exponent"),
+                    (int, float)),
+    **dict.fromkeys(("grammar", "input_prefix", "input_suffix", "reasoning_format"), (str,)),
+    **dict.fromkeys(("json_schema", "chat_template_kwargs"), (dict,)),
+    **dict.fromkeys(("samplers", "dry_sequence_breakers", "response_fields", "lora",
+                     "input_extra"), (list, str)),
+}
+
+
+def check_extensions(body: dict[str, Any]) -> None:
+    """Raise InvalidRequest naming an extension field given with the wrong JSON type."""
+    for name, types in _EXTENSION_TYPES.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        wrong = isinstance(value, bool) and bool not in types
+        if wrong or not isinstance(value, types):
+            kinds = " or ".join(_JSON_NAMES[t] for t in types)
+            raise InvalidRequest(f"{name} must be {kinds}", param=name)
+
+
+_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               dict: "an object", list: "an array"}
+
+
+def refused_field(message: str) -> str | None:
+    """The request field an engine refusal names (llama.cpp: ``Field 'n': ...``), if any."""
+    m = _FIELD.search(message)
+    return m.group(1) if m else None
+
+
+_FIELD = re.compile(r"Field '([A-Za-z_][A-Za-z0-9_.]*)'")
+
 EMBEDDING_BATCH = 512  # worker: n_batch = n_ubatch = 512 (what runs with embeddings on)
 
 # Error texts of llama.cpp's server that mean "your request is wrong", whatever its status.
 _REFUSALS = re.compile(
     r"json\.exception|is not supported|input is too large|increase the physical batch size"
+    r"|failed to parse|unsupported|out of range|invalid token"
     r"|exceeds the available context size|invalid|must be|cannot be|required|empty",
     re.IGNORECASE)
 

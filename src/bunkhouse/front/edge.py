@@ -30,11 +30,31 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
             data: dict[str, Any]) -> dict[str, Any]:
     """The body to send to ``model``'s worker, or InvalidRequest (400) naming the field."""
     body = _merge_token_limits(data)
+    _check_choices(model, body)
     if path == "/v1/chat/completions":
         _check_template(model)
+        _check_messages(body.get("messages") or [])
         _check_parts(model, body.get("messages") or [])
+        if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    llamacpp.check_extensions(body)
     allowed = known_fields(schema) | llamacpp.EXTENSION_FIELDS
     return {k: v for k, v in body.items() if k in allowed}
+
+
+def _check_choices(model: CatalogModel, body: dict[str, Any]) -> None:
+    n = body.get("n")
+    if isinstance(n, int) and n > model.options.parallel:
+        raise InvalidRequest(f"model {model.id!r} generates at most {model.options.parallel} "
+                             f"choices at once (its slots); n is {n}", param="n")
+
+
+def _check_messages(messages: list[Any]) -> None:
+    for i, message in enumerate(messages):
+        if (isinstance(message, dict) and message.get("role") != "assistant"
+                and message.get("content") is None):
+            raise InvalidRequest(f"a {message.get('role')} message needs content",
+                                 param=f"messages.{i}.content")
 
 
 def _merge_token_limits(data: dict[str, Any]) -> dict[str, Any]:

@@ -47,7 +47,8 @@ def engine_error(status: int, body: bytes) -> JSONResponse:
         type_ = str(err.get("type", type_))
     if llamacpp.refusal(status, message):
         return JSONResponse(envelope(f"the engine refused the request: {message}",
-                                     "invalid_request_error", "invalid_request"),
+                                     "invalid_request_error", "invalid_request",
+                                     llamacpp.refused_field(message)),
                             status_code=400 if status >= 500 else status)
     return JSONResponse(envelope(message, type_, "engine_error"), status_code=status)
 

@@ -211,13 +211,22 @@ class WorkerProcess:
                 await self._drain_output()
                 raise WorkerLoadFailed(
                     f"model {self.model.id!r} failed to load (worker exited with code "
-                    f"{proc.returncode}). Last lines of its output:\n{self.stderr_tail()}"
+                    f"{proc.returncode}){self._reason()}. Last lines of its output:\n"
+                    f"{self.stderr_tail()}"
                 )
         raise WorkerLoadFailed(
             f"model {self.model.id!r} was not ready within "
             f"{self.launch.options.ready_timeout_s:.0f} s. "
             f"Last lines of its output:\n{self.stderr_tail()}"
         )
+
+    def _reason(self) -> str:
+        """The worker's own one-line reason (``error: ...``, its last words before exit 3),
+        put first: the engine may log more lines after it while it shuts down."""
+        for line in reversed(self._stderr):
+            if line.startswith("error: "):
+                return f": {line[len('error: '):]}"
+        return ""
 
     async def _healthy(self) -> bool:
         if not self.launch.socket.exists():

@@ -77,7 +77,10 @@ class LlamaCppEngine:
         try:
             self._server = xllamacpp.Server(build_params(self.config, staging))
         except Exception as e:
-            raise EngineLoadError(f"llama.cpp failed to load {self.config.model_path}: {e}") from e
+            hint = (f" (the configured chat template {self.config.chat_template!r} may be the "
+                    "cause: look for a parser error above)" if self.config.chat_template else "")
+            raise EngineLoadError(
+                f"llama.cpp failed to load {self.config.model_path}: {e}{hint}") from e
         if self.config.chat_template:
             try:
                 self._check_template(self.config.chat_template, staging)
