@@ -68,11 +68,11 @@ def _overhead(o: dict[str, Any], goals: list[list[str]]) -> list[str]:
               f"included): on 2 cores that CPU competes with the engine's decode threads.", ""]
     (et, ed), (bt, bd) = st["engine c=1"], st["bunkhouse c=1"]
     ratio = bd.median / ed.median
-    goals.append(["front costs at most 1% of decode tokens/s (issue 2), 1 request",
+    goals.append(["front costs at most 1% of decode tokens/s, 1 request",
                   f"ratio {ratio:.3f}", _yes(ratio >= 0.99)])
     diff = (bt.median - et.median) * 1000
     noise = (bt.high - bt.low) * 1000 / 2
-    goals.append(["front adds at most 2 ms to time to first token (issue 2), 1 request",
+    goals.append(["front adds at most 2 ms to time to first token, 1 request",
                   f"{diff:+.1f} ms (rounds spread ±{noise:.0f} ms)", _yes(diff <= 2.0)])
     if 4 in o["concurrency"]:
         r4 = st["bunkhouse c=4"][1].median / st["engine c=4"][1].median
@@ -118,12 +118,12 @@ def _throughput(t: dict[str, Any], goals: list[list[str]]) -> list[str]:
               "it two workers' decode threads oversubscribe 2 cores and spin-wait on each other "
               "(OpenMP), and the mix collapses.", ""]
     r4 = res["bunkhouse c=4"].median / res["engine c=4"].median
-    goals.append(["aggregate tokens/s >= 1.0x the engine's own server at 4 concurrent (issue 5)",
+    goals.append(["aggregate tokens/s >= 1.0x the engine's own server at 4 concurrent",
                   f"ratio {r4:.2f}", _yes(r4 >= 1.0)])
     q, g, both = (res[f"gate on: {k}"] for k in ("qwen alone x4", "gemma alone x4",
                                                   "both x4+x4"))
     slower = min(q.median, g.median)
-    goals.append(["two models at once >= one model alone, no collapse (issue 5)",
+    goals.append(["two models at once >= one model alone, no collapse",
                   f"{both.median / slower:.2f}x the slower model alone, "
                   f"{both.median / max(q.median, g.median):.2f}x the faster",
                   _yes(both.median >= slower)])
@@ -271,7 +271,7 @@ def _memory(t: dict[str, Any], s: dict[str, Any] | None, goals: list[list[str]])
         meas = Spread.of([m[model]["measured_bytes"] or 0 for m in t["memory"]])
         err = est / meas.median - 1 if meas.median else 0.0
         rows.append([model, f"{est / MIB:.0f}", _f(meas, 0, 1 / MIB), f"{err:+.1%}"])
-        goals.append([f"estimate within ±10% of measured: {model} (issue 3)", f"{err:+.1%}",
+        goals.append([f"estimate within ±10% of measured: {model}", f"{err:+.1%}",
                       _yes(abs(err) <= 0.10)])
     lines += _table(["model", "estimate MiB", "measured RSS MiB", "estimate error"], rows)
     lines += [f"Peak summed RSS of that server's workers over the whole section: "
@@ -308,7 +308,7 @@ def _reliability(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
                                      for i, c in enumerate(r["chaos"])])
     bad = {k: sum(c[k] for c in r["chaos"]) for k in ("unclean", "hung", "orphans",
                                                        "front_restarts")}
-    goals.append(["chaos: no hung or unclean request, no front restart, no orphan (issue 4)",
+    goals.append(["chaos: no hung or unclean request, no front restart, no orphan",
                   ", ".join(f"{k} {v}" for k, v in bad.items()),
                   _yes(not any(bad.values()))])
     f0 = r["flood"][0]
@@ -354,7 +354,7 @@ def _reliability(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
                      "network)", "server alive after", "wall s"],
                     [[str(z["operations"]), str(z["cases"]), str(fails), str(z["errors"]),
                       "yes" if z["server_alive"] else "**no**", f"{z['wall_s']:.0f}"]])
-    goals.append(["fuzz: no input gets a 5xx, no request hangs (issue 6)",
+    goals.append(["fuzz: no input gets a 5xx, no request hangs",
                   f"{z['cases']} cases, {fails} failures, {z['errors']} errors",
                   _yes(fails == 0 and z["errors"] == 0 and z["server_alive"])])
     return lines
