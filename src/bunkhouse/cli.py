@@ -305,12 +305,7 @@ def serve(settings: Settings, catalog: Catalog) -> int:
         launcher.close()
 
     server = _Server(config, stop_workers, settings.stop_grace_s, serving)
-    try:
-        server.run()
-    except SystemExit:  # uvicorn's exit when it cannot listen; it logged the OS error
-        log.error("cannot listen on %s:%d; is another server using that port? Pick another "
-                  "with --port", settings.host, settings.port)
-        return 2
+    server.run()
     return 0 if server.started else 1
 
 
@@ -342,11 +337,12 @@ def _warn_never_fit(catalog: Catalog, budget: int) -> None:
         log.warning("the memory budget of %d MiB is more than this machine's %d MiB of RAM: "
                     "models may be loaded until the system runs out of memory",
                     budget // 2**20, ram // 2**20)
-    too_large = [(m.id, estimate(m).total) for m in catalog if estimate(m).total > budget]
-    for model_id, need in too_large:
-        log.warning("model %s needs about %d MiB, more than the whole memory budget of %d "
-                    "MiB: every request for it will fail; raise --budget or lower its "
-                    "context", model_id, need // 2**20, budget // 2**20)
+    for model in catalog:
+        need = estimate(model).total
+        if need > budget:
+            log.warning("model %s needs about %d MiB, more than the whole memory budget of %d "
+                        "MiB: every request for it will fail; raise --budget or lower its "
+                        "context", model.id, need // 2**20, budget // 2**20)
 
 
 class _Server(uvicorn.Server):

@@ -171,6 +171,10 @@ class ShuttingDown(BunkhouseError):
     status = 503
     code = "shutting_down"
 
+    def __init__(self, model_id: str | None = None) -> None:
+        about = f"model {model_id!r}: " if model_id else ""
+        super().__init__(f"{about}the server is shutting down; retry once it is back")
+
 
 class EngineUnavailable(BunkhouseError):
     """A worker could not be reached or went away during a request."""

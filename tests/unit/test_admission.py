@@ -13,7 +13,8 @@ from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest, QueueFull
-from bunkhouse.front.admission import ComputeGate, SlotGate, check_fits, refuse_before_load
+from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
+from bunkhouse.residency.slots import SlotGate
 
 INFO = GGUFInfo("qwen2", None, 32768, 24, 896, 14, 2, 64, 64, None, "{{x}}", 15, 0)
 

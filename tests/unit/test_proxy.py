@@ -154,8 +154,8 @@ def test_plain_answer_holding_unicode_line_separators_is_assembled_whole() -> No
 
     async def route(request: Request) -> Response:
         body = await request.body()
-        return await forward(upstream, "/v1/chat/completions", body, stream=False,
-                             request=request, model_id="m", data=json.loads(body))
+        return await forward(upstream, "/v1/chat/completions", json.loads(body), stream=False,
+                             request=request, model_id="m")
 
     client = TestClient(Starlette(routes=[Route("/c", route, methods=["POST"])]))
     resp = client.post("/c", json={"messages": [{"role": "user", "content": "hi"}]})

@@ -30,24 +30,17 @@ def _number(value: Any) -> Any:
     return value
 
 
-def _text(value: Any) -> Any:
-    if not isinstance(value, str):
-        raise ValueError("must be a string")
-    return value
-
-
 def Number(lo: float, hi: float) -> Any:
     """A JSON number (not a string, not a boolean) within ``[lo, hi]``."""
     return Annotated[float, BeforeValidator(_number), Field(ge=lo, le=hi)]
 
 
-Text = Annotated[str, BeforeValidator(_text)]
-Stop = Text | Annotated[list[Text], Field(max_length=4)] | None  # OpenAI: up to 4 sequences
+Stop = StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None  # OpenAI: up to 4
 
 
 class _Request(BaseModel):
     """Fields every generation route shares (OpenAI API reference); others are ignored here
-    and filtered at forwarding (:func:`forwarded`)."""
+    and filtered at forwarding (front/edge.py)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -70,7 +63,6 @@ class _Request(BaseModel):
 
 T = TypeVar("T", bound=BaseModel)
 
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")
 
 
@@ -199,53 +191,56 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {str(e)[:200]}") from e
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
-    if _depth(data) > MAX_JSON_DEPTH:
+    depth, bad_text = _walk(data)
+    if depth > MAX_JSON_DEPTH:
         raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
-    _check_text(data)
-    return data
-
-
-def _check_text(data: dict[str, Any]) -> None:
-    """Refuse a string holding a lone UTF-16 surrogate (JSON's ``"\\ud800"``): it is no text
-    and cannot be encoded for the engine."""
-    try:
-        json.dumps(data, ensure_ascii=False).encode()
-    except UnicodeEncodeError as e:
+    if bad_text:
         param = _surrogate_path(data)
-        raise InvalidRequest(f"{param or 'the body'}: a string holds a lone UTF-16 surrogate, "
-                             "which is not valid text", param=param) from e
-
-
-def _surrogate_path(value: Any, path: str = "") -> str | None:
-    stack: list[tuple[Any, str]] = [(value, path)]
-    while stack:
-        item, where = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode()
-            except UnicodeEncodeError:
-                return where or None
-        elif isinstance(item, dict):
-            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
-        elif isinstance(item, list):
-            stack.extend((v, f"{where}.{i}") for i, v in enumerate(item))
-    return None
+        raise InvalidRequest(f"{param or 'the body'}: a string holds a lone UTF-16 surrogate "
+                             "(JSON's \\ud800 ...), which is not valid text", param=param)
+    return data
 
 
 MAX_JSON_DEPTH = 64
 
 
-def _depth(value: Any) -> int:
-    """How deep containers nest in ``value`` (iterative: no recursion limit to hit)."""
-    deepest, stack = 0, [(value, 1)]
+def _walk(value: Any) -> tuple[int, bool]:
+    """How deep containers nest in ``value``, and whether a string in it holds a lone UTF-16
+    surrogate (it cannot be encoded for the engine). One pass, iterative: no recursion limit
+    to hit."""
+    deepest, bad_text, stack = 0, False, [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict | list):
+        if isinstance(item, str):
+            bad_text = bad_text or (not item.isascii() and not _encodable(item))
+        elif isinstance(item, dict | list):
             deepest = max(deepest, depth)
             if depth <= MAX_JSON_DEPTH:
                 children = item.values() if isinstance(item, dict) else item
                 stack.extend((c, depth + 1) for c in children)
-    return deepest
+    return deepest, bad_text
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _surrogate_path(value: Any) -> str | None:
+    """Where the first string that cannot be encoded is (only asked once one was found)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str) and not _encodable(item):
+            return where or None
+        if isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}.{i}") for i, v in enumerate(item))
+    return None
 
 
 def validate(schema: type[T], data: dict[str, Any]) -> T:

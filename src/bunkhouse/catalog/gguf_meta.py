@@ -126,16 +126,26 @@ def _array(cur: _Cursor) -> list[Any] | None:
     return [cur.unpack(fmt) for _ in range(count)]
 
 
-def read_fields(path: Path) -> tuple[dict[str, Any], int]:
-    """All scalar and short numeric-array metadata of ``path``, and its tensor count."""
+def read_fields(path: Path, strings: frozenset[str] = frozenset()
+                ) -> tuple[dict[str, Any], int]:
+    """All scalar and short numeric-array metadata of ``path``, and its tensor count; the
+    string arrays named in ``strings`` (e.g. the vocabulary) are read too, as lists."""
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _read_header(_Cursor(buf, path))
+            return _read_header(_Cursor(buf, path), strings)
     except (OSError, ValueError) as e:
         raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
 
 
-def _read_header(cur: _Cursor) -> tuple[dict[str, Any], int]:
+def _string_array(cur: _Cursor) -> list[str]:
+    etype = cur.unpack("<I")
+    count = cur.unpack("<Q")
+    if etype != GGUFValueType.STRING:
+        raise GGUFError(f"{cur.path}: expected an array of strings at byte {cur.pos}")
+    return [cur.string() for _ in range(count)]
+
+
+def _read_header(cur: _Cursor, strings: frozenset[str]) -> tuple[dict[str, Any], int]:
     magic = cur.unpack("<I")
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{cur.path}: not a GGUF file (bad magic)")
@@ -147,7 +157,11 @@ def _read_header(cur: _Cursor) -> tuple[dict[str, Any], int]:
     fields: dict[str, Any] = {}
     for _ in range(kv_count):
         key = cur.string()
-        fields[key] = _value(cur, cur.unpack("<I"))
+        vtype = cur.unpack("<I")
+        if key in strings and vtype == GGUFValueType.ARRAY:
+            fields[key] = _string_array(cur)
+        else:
+            fields[key] = _value(cur, vtype)
     return fields, tensor_count
 
 

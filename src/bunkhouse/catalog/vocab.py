@@ -20,17 +20,13 @@ event loop, once per model file, and only for prompts long enough that they migh
 
 from __future__ import annotations
 
-import mmap
-import struct
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUF_MAGIC, GGUFValueType
 
-from bunkhouse.catalog.gguf_meta import _Cursor, _value
-from bunkhouse.errors import GGUFError
+from bunkhouse.catalog.gguf_meta import read_fields
 
 _TOKENS_KEY = "tokenizer.ggml.tokens"
 _MODEL_KEY = "tokenizer.ggml.model"
@@ -78,45 +74,13 @@ def _token_bytes(token: str, model: str, decoder: dict[str, int]) -> bytes:
     return token.replace(_SPM_SPACE, " ").encode()
 
 
-def _read_vocab(path: Path) -> tuple[str | None, list[str]]:
-    """The tokenizer model name and the vocabulary strings of a GGUF file."""
-    try:
-        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            cur = _Cursor(buf, path)
-            if cur.unpack("<I") != GGUF_MAGIC:
-                raise GGUFError(f"{path}: not a GGUF file (bad magic)")
-            cur.unpack("<I")
-            cur.unpack("<Q")
-            model: str | None = None
-            tokens: list[str] = []
-            for _ in range(cur.unpack("<Q")):
-                key = cur.string()
-                vtype = cur.unpack("<I")
-                if key == _TOKENS_KEY and vtype == GGUFValueType.ARRAY:
-                    tokens = _strings(cur)
-                else:
-                    value = _value(cur, vtype)
-                    if key == _MODEL_KEY and isinstance(value, str):
-                        model = value
-            return model, tokens
-    except (OSError, ValueError, struct.error) as e:
-        raise GGUFError(f"{path}: cannot read its vocabulary: {e}") from e
-
-
-def _strings(cur: _Cursor) -> list[str]:
-    etype = cur.unpack("<I")
-    count = cur.unpack("<Q")
-    if etype != GGUFValueType.STRING:
-        raise GGUFError(f"{cur.path}: {_TOKENS_KEY} is not an array of strings")
-    return [cur.string() for _ in range(count)]
-
-
 @cache
 def pair_table(path: Path, mtime_ns: int) -> PairTable | None:
     """The pair table of the GGUF at ``path`` (cached per file version), or None when its
     vocabulary is of a kind this bound does not understand. Raises GGUFError."""
-    model, tokens = _read_vocab(path)
-    if model not in ("gpt2", "llama") or not tokens:
+    fields, _ = read_fields(path, strings=frozenset({_TOKENS_KEY}))
+    model, tokens = fields.get(_MODEL_KEY), fields.get(_TOKENS_KEY)
+    if model not in ("gpt2", "llama") or not isinstance(tokens, list) or not tokens:
         return None
     decoder = _gpt2_byte_decoder()
     allowed = np.zeros(65536, dtype=bool)

@@ -29,9 +29,6 @@ from bunkhouse.catalog.vocab import PairTable
 from bunkhouse.engines import llamacpp
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest
 from bunkhouse.residency.estimate import kv_cache_bytes
-from bunkhouse.residency.slots import SlotGate
-
-__all__ = ["ComputeGate", "SlotGate", "check_fits", "refuse_before_load"]
 
 
 class _Turn:
@@ -149,8 +146,7 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any], send:
         prompt = (await send("/apply-template", {"messages": messages}))["prompt"]
         prompts: list[Any] = [prompt]
     else:
-        raw = body.get("prompt", "")
-        prompts = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+        prompts = _prompts(body.get("prompt", ""))
         if len(prompts) > model.options.parallel:
             raise InvalidRequest(
                 f"model {model.id!r}: {len(prompts)} prompts in one request; send at most "
@@ -224,9 +220,13 @@ def _prompt_texts(path: str, body: dict[str, Any]) -> list[list[str] | int]:
                 texts += [p["text"] for p in content
                           if isinstance(p, dict) and isinstance(p.get("text"), str)]
         return [texts]
-    raw = body.get("prompt", "")
-    prompts = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
-    return [[p] if isinstance(p, str) else len(p) if isinstance(p, list) else [] for p in prompts]
+    return [[p] if isinstance(p, str) else len(p) if isinstance(p, list) else []
+            for p in _prompts(body.get("prompt", ""))]
+
+
+def _prompts(raw: Any) -> list[Any]:
+    """A completion's prompts: a text or a token list is one prompt; a list of them, several."""
+    return raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
 
 
 async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -70,7 +69,6 @@ class Front:
             parsed = validate(schema, data)
             model = self.catalog.get(parsed.model)
             data = prepare(path, schema, model, data)
-            body = json.dumps(data).encode()
             await refuse_before_load(model, path, data, functools.partial(_pair_table, model))
             lease = await self.residency.acquire(model)
             held = _Held(lease.release)
@@ -85,15 +83,14 @@ class Front:
                     held.close()
                     return Response(status_code=499)
                 self._check_still_served(lease)
-                response = await forward(lease.worker.client, path, body,
+                response = await forward(lease.worker.client, path, data,
                                          stream=parsed.stream, request=request,
                                          model_id=model.id, on_done=held.close,
-                                         data=data, on_broken=self._broken(lease))
+                                         on_broken=self._broken(lease))
             except EngineUnavailable as e:
                 held.close()
                 if self.residency.closing:  # the front's shutdown cut it, not the worker
-                    raise ShuttingDown(f"model {model.id!r}: the server is shutting down; "
-                                       "retry once it is back") from e
+                    raise ShuttingDown(model.id) from e
                 lease.report(False)
                 raise
             except BaseException:
@@ -108,8 +105,7 @@ class Front:
         """After waiting for a slot and a compute turn: the front may have begun stopping, or
         the worker died meanwhile; then this request never starts."""
         if self.residency.closing:
-            raise ShuttingDown(f"model {lease.model_id!r}: the server is shutting down; "
-                               "retry once it is back")
+            raise ShuttingDown(lease.model_id)
         if not lease.worker.alive:
             raise EngineUnavailable(f"model {lease.model_id!r}: its worker exited while this "
                                     "request waited; retry")
@@ -119,8 +115,7 @@ class Front:
         the worker's health, like a failed request."""
         def broken(error: Exception) -> BunkhouseError:
             if self.residency.closing:
-                return ShuttingDown(f"model {lease.model_id!r}: the server is shutting down; "
-                                    "the stream was cut after the stop grace")
+                return ShuttingDown(lease.model_id)
             lease.report(False)
             return stream_broke(lease.model_id, error)
 

@@ -14,6 +14,7 @@ what depends on the model and on field aliases, and builds the body the worker g
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pydantic import BaseModel
@@ -33,13 +34,18 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
     _check_choices(model, body)
     if path == "/v1/chat/completions":
         _check_template(model)
-        _check_messages(body.get("messages") or [])
-        _check_parts(model, body.get("messages") or [])
+        for i, message in enumerate(body.get("messages") or []):
+            _check_message(model, i, message)
         if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     llamacpp.check_extensions(body)
-    allowed = known_fields(schema) | llamacpp.EXTENSION_FIELDS
+    allowed = _forwarded_fields(schema)
     return {k: v for k, v in body.items() if k in allowed}
+
+
+@functools.cache
+def _forwarded_fields(schema: type[BaseModel]) -> frozenset[str]:
+    return known_fields(schema) | llamacpp.EXTENSION_FIELDS
 
 
 def _check_choices(model: CatalogModel, body: dict[str, Any]) -> None:
@@ -49,12 +55,21 @@ def _check_choices(model: CatalogModel, body: dict[str, Any]) -> None:
                              f"choices at once (its slots); n is {n}", param="n")
 
 
-def _check_messages(messages: list[Any]) -> None:
-    for i, message in enumerate(messages):
-        if (isinstance(message, dict) and message.get("role") != "assistant"
-                and message.get("content") is None):
-            raise InvalidRequest(f"a {message.get('role')} message needs content",
-                                 param=f"messages.{i}.content")
+def _check_message(model: CatalogModel, i: int, message: dict[str, Any]) -> None:
+    """Content is required but for assistant messages, and must be text (see module doc)."""
+    content = message.get("content")
+    if content is None and message.get("role") != "assistant":
+        raise InvalidRequest(f"a {message.get('role')} message needs content",
+                             param=f"messages.{i}.content")
+    for j, part in enumerate(content if isinstance(content, list) else []):
+        if part.get("type") not in _TEXT_PARTS:
+            raise InvalidRequest(
+                f"model {model.id!r} takes text only: content part type "
+                f"{part.get('type')!r} is not supported; send the content as text parts",
+                param=f"messages.{i}.content.{j}.type")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest("a text content part needs a string field 'text'",
+                                 param=f"messages.{i}.content.{j}.text")
 
 
 def _merge_token_limits(data: dict[str, Any]) -> dict[str, Any]:
@@ -80,20 +95,3 @@ def _check_template(model: CatalogModel) -> None:
             'chat_template = "NAME" (a template llama.cpp knows, e.g. "gemma" or "chatml") '
             'or chat_template = "path/to/template.jinja" in its [[models]] entry of the '
             "config file", param="messages")
-
-
-def _check_parts(model: CatalogModel, messages: list[Any]) -> None:
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in _TEXT_PARTS:
-                raise InvalidRequest(
-                    f"model {model.id!r} takes text only: content part type {kind!r} is not "
-                    "supported; send the content as text parts",
-                    param=f"messages.{i}.content.{j}.type")
-            if not isinstance(part.get("text"), str):
-                raise InvalidRequest("a text content part needs a string field 'text'",
-                                     param=f"messages.{i}.content.{j}.text")

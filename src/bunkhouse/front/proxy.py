@@ -68,27 +68,28 @@ _ASSEMBLERS: dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]] = {
 }
 
 
-async def forward(client: httpx.AsyncClient, path: str, body: bytes, *, stream: bool,
-                  request: Request, model_id: str,
+async def forward(client: httpx.AsyncClient, path: str, body: bytes | dict[str, Any], *,
+                  stream: bool, request: Request, model_id: str,
                   on_done: Callable[[], None] = _nothing,
-                  data: dict[str, Any] | None = None,
                   on_broken: Callable[[Exception], BunkhouseError] | None = None) -> Response:
     """Send ``body`` to the worker behind ``client`` and relay its answer.
 
-    A plain generation request (``data``, its parsed body, given) is sent upstream as a stream
-    and its answer assembled here (see front/assemble.py: so that a disconnect frees the slot).
+    ``body`` is raw bytes, sent as they are, or a parsed request, serialized here once: a
+    plain generation request given parsed is sent upstream as a stream and its answer
+    assembled here (see front/assemble.py: so that a disconnect frees the slot).
     ``on_done`` runs once the upstream exchange is over: for a stream, when the relay ends
     (completed, broken or the client gone), else before the answer is returned. If this
     raises, ``on_done`` may not have run. ``on_broken(error)`` is called once if a stream the
     worker was sending breaks, and returns the error the client gets as the stream's last
     event (default: 502 ``engine_unavailable``).
     """
-    assembler = _ASSEMBLERS.get(path) if data is not None and not stream else None
-    if assembler is not None and data is not None and _single(data):
-        body = json.dumps({**data, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
-    else:
-        assembler = None
+    assembler = None
+    if isinstance(body, dict):
+        data = body
+        assembler = _ASSEMBLERS.get(path) if not stream and _single(data) else None
+        if assembler is not None:
+            data = {**data, "stream": True, "stream_options": {"include_usage": True}}
+        body = json.dumps(data).encode()
     upstream = client.build_request("POST", path, content=body, headers=_JSON)
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)

@@ -175,7 +175,6 @@ class ModelStatus:
     measured_bytes: int | None
     pinned: bool
     leases: int
-    waiting: int  # requests waiting for it to be ready
     last_used: float | None  # wall clock, None if never used
     pid: int | None
     last_error: str | None
@@ -231,7 +230,6 @@ class ResidencyManager:
         return ModelStatus(
             id=model_id, state=e.state.value, estimated_bytes=e.estimate.total,
             measured_bytes=e.measured, pinned=e.pinned, leases=e.leases,
-            waiting=len(e.waiters),
             last_used=e.last_used + self._wall_offset if e.last_used else None,
             pid=e.worker.pid if e.worker else None, last_error=e.last_error,
         )
@@ -311,23 +309,21 @@ class ResidencyManager:
                 self._begin_load(entry)
                 worker = await self._start_worker(entry.model)
         except asyncio.CancelledError:
-            self._load_failed(entry, ShuttingDown(f"model {entry.model.id!r}: load cancelled"),
-                              count=False)
+            self._load_failed(entry, ShuttingDown(entry.model.id), cancelled=True)
             raise
         except BunkhouseError as e:
-            self._load_failed(entry, e, count=entry.state is State.LOADING)
+            self._load_failed(entry, e)
             return
         except Exception as e:
             log.exception("model %s: load failed", entry.model.id)
-            self._load_failed(entry, BunkhouseError(f"model {entry.model.id!r}: {e}"),
-                              count=entry.state is State.LOADING)
+            self._load_failed(entry, BunkhouseError(f"model {entry.model.id!r}: {e}"))
             return
         self._loaded(entry, worker)
 
     async def _make_room(self, entry: _Entry, deadline: float) -> None:
         while True:
             if self.closing:
-                raise ShuttingDown("the server is shutting down")
+                raise ShuttingDown(entry.model.id)
             decision = policy.plan(self._residents(), self.options.budget_bytes,
                                    entry.model.id, entry.estimate.total)
             if isinstance(decision, policy.NeverFits):
@@ -471,14 +467,15 @@ class ResidencyManager:
     async def _close(self) -> None:
         self._begin_close()
         loads = [e.loading for e in self._entries.values() if e.loading is not None]
-        background = [*loads, *(t for t in self._tasks if t is not asyncio.current_task())]
-        background = [t for t in background if t not in self._drains()]
+        drains = self._drains()
+        background = [t for t in (*loads, *self._tasks)
+                      if t is not asyncio.current_task() and t not in drains]
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
-        drains = [self._begin_drain(e, "shutdown", force=True) for e in self._entries.values()]
-        await asyncio.gather(*self._drains(), *(d for d in drains if d is not None),
-                             return_exceptions=True)
+        for entry in self._entries.values():
+            self._begin_drain(entry, "shutdown", force=True)  # the draining ones go on
+        await asyncio.gather(*self._drains(), return_exceptions=True)
 
     def _drains(self) -> list[asyncio.Task[None]]:
         return [e.stopping for e in self._entries.values() if e.stopping is not None]
@@ -490,7 +487,7 @@ class ResidencyManager:
         if entry.retired:
             raise ModelNotFound(f"model {entry.model.id!r} is being removed", param="model")
         if self.closing:
-            raise ShuttingDown("the server is shutting down; retry once it is back")
+            raise ShuttingDown(entry.model.id)
         if entry.state is State.READY and entry.worker is not None and not entry.worker.alive:
             self._worker_died(entry, entry.worker)
         if entry.state is State.READY and entry.worker is not None and not self._paused:
@@ -546,7 +543,7 @@ class ResidencyManager:
 
     def _begin_load(self, entry: _Entry) -> None:
         if self.closing:
-            raise ShuttingDown("the server is shutting down")
+            raise ShuttingDown(entry.model.id)
         if entry.retired:
             raise ModelNotFound(f"model {entry.model.id!r} was removed", param="model")
         self._set_state(entry, State.LOADING, f"estimated {entry.estimate.total // MIB} MiB")
@@ -569,16 +566,17 @@ class ResidencyManager:
         if not worker.alive:  # it died before anyone could see it ready
             self._worker_died(entry, worker)
 
-    def _load_failed(self, entry: _Entry, error: BunkhouseError, *, count: bool) -> None:
-        """The load did not end ready: refused before it started (no room, too large),
-        failed to start, or was cancelled. Every waiter gets ``error``."""
+    def _load_failed(self, entry: _Entry, error: BunkhouseError, *,
+                     cancelled: bool = False) -> None:
+        """The load did not end ready: refused before its worker started (no room, too
+        large: nothing to count), its worker failed to start (a failure against the restart
+        budget), or it was cancelled. Every waiter gets ``error``."""
         entry.loading = None
-        if count:
-            self._count_failure(entry, error.message)
-            if entry.state is State.LOADING:
-                self._set_state(entry, State.FAILED, error.message)
-        elif entry.state is State.LOADING:
+        if entry.state is State.LOADING and cancelled:
             self._set_state(entry, State.ABSENT, error.message)
+        elif entry.state is State.LOADING:
+            self._count_failure(entry, error.message)
+            self._set_state(entry, State.FAILED, error.message)
         self._wake(entry, error)
 
     def _begin_drains(self, victims: Iterable[str], reason: str) -> list[asyncio.Task[None]]:
@@ -616,7 +614,10 @@ class ResidencyManager:
             entry.worker = None
             entry.measured = None
         entry.stopping = None
-        if entry.state is State.DRAINING:
+        if entry.state is State.DRAINING and entry.failed_until is not None and not self.closing:
+            # its crash loop gave up: it rests until the cool-down passes
+            self._set_state(entry, State.FAILED, f"stopped ({reason}); {entry.last_error}")
+        elif entry.state is State.DRAINING:
             self._set_state(entry, State.ABSENT, f"stopped ({reason})")
         callbacks, entry.on_absent = entry.on_absent, []
         for callback in callbacks:
@@ -740,14 +741,11 @@ class ResidencyManager:
     def _begin_close(self) -> None:
         self.closing = True
         for entry in self._entries.values():
-            self._wake(entry, ShuttingDown("the server is shutting down; retry once it is back"))
+            self._wake(entry, ShuttingDown(entry.model.id))
 
     def _set_state(self, entry: _Entry, new: State, reason: str) -> None:
         if new not in _TRANSITIONS[entry.state]:
             raise RuntimeError(f"{entry.model.id}: illegal {entry.state.value} -> {new.value}")
-        if new is State.ABSENT and entry.failed_until is not None and not self.closing:
-            new = State.FAILED  # its crash loop gave up: it rests until the cool-down passes
-            reason = f"{reason}; {entry.last_error}"
         entry.state = new
         self.events.emit(entry.model.id, new.value, reason)
         self._notify()
