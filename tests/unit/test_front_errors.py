@@ -173,9 +173,18 @@ def test_only_openai_and_engine_extension_fields_are_forwarded(tmp_path: Path) -
     (b'{"prompt": "\\udfff x"}', "prompt"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1' + b"0" * 5000 + b"}",
      None),
+    (b'{"messages": [{"role": "user", "content": "hi", "\\ud800": 1}]}', "messages.0"),
 ])
 def test_text_that_cannot_be_encoded_and_huge_numbers_are_400(client: TestClient, body: bytes,
                                                               param: str | None) -> None:
     path = "/v1/completions" if b"prompt" in body else "/v1/chat/completions"
     err = _assert_envelope(client.post(path, content=body), 400, "invalid_request")
     assert err["param"] == param and len(str(err["message"])) < 400
+
+
+def test_a_huge_integer_is_not_called_invalid_json(client: TestClient) -> None:
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "seed": 1' + b"0" * 5000 + b"}"
+    err = _assert_envelope(client.post("/v1/chat/completions", content=body), 400,
+                           "invalid_request")
+    assert "thousands of digits" in str(err["message"])
+    assert "sys.set_int_max_str_digits" not in str(err["message"])

@@ -161,3 +161,17 @@ def test_plain_answer_holding_unicode_line_separators_is_assembled_whole() -> No
     resp = client.post("/c", json={"messages": [{"role": "user", "content": "hi"}]})
     assert resp.status_code == 200
     assert resp.json()["choices"][0]["message"]["content"] == text
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ("Failed to initialize samplers: failed to parse grammar", "grammar"),
+    ("JSON schema conversion failed: cannot resolve $ref #/nope", "response_format"),
+    ("Prompt contains invalid tokens", "messages"),  # the route here is chat
+])
+def test_an_engine_refusal_about_a_field_names_it(message: str, param: str) -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"code": 400, "message": message,
+                                                   "type": "invalid_request_error"}})
+
+    resp = _front(handler).post("/c", json={})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param

@@ -187,8 +187,13 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequest("request body is empty; send a JSON object")
     try:
         data = json.loads(body)
-    except (ValueError, RecursionError) as e:  # ValueError: also an integer of 4,300+ digits
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"request body is not valid JSON: {str(e)[:200]}") from e
+    except ValueError as e:  # Python refuses to read an integer of 4,300+ digits
+        raise InvalidRequest("request body holds an integer of thousands of digits; no field "
+                             "takes one") from e
+    except RecursionError as e:
+        raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from e
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     depth, bad_text = _walk(data)
@@ -214,6 +219,8 @@ def _walk(value: Any) -> tuple[int, bool]:
         if isinstance(item, str):
             bad_text = bad_text or (not item.isascii() and not _encodable(item))
         elif isinstance(item, dict | list):
+            if isinstance(item, dict):
+                bad_text = bad_text or not all(k.isascii() or _encodable(k) for k in item)
             deepest = max(deepest, depth)
             if depth <= MAX_JSON_DEPTH:
                 children = item.values() if isinstance(item, dict) else item
@@ -237,6 +244,8 @@ def _surrogate_path(value: Any) -> str | None:
         if isinstance(item, str) and not _encodable(item):
             return where or None
         if isinstance(item, dict):
+            if not all(_encodable(k) for k in item):
+                return where or None  # a key: name the object that holds it
             stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
         elif isinstance(item, list):
             stack.extend((v, f"{where}.{i}") for i, v in enumerate(item))

@@ -65,13 +65,25 @@ _JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a 
                dict: "an object", list: "an array"}
 
 
-def refused_field(message: str) -> str | None:
-    """The request field an engine refusal names (llama.cpp: ``Field 'n': ...``), if any."""
+def refused_field(message: str, path: str) -> str | None:
+    """The request field an engine refusal is about: the one it names (``Field 'n': ...``),
+    or the one its text points to (a grammar, a JSON schema, token ids); else None."""
     m = _FIELD.search(message)
-    return m.group(1) if m else None
+    if m:
+        return m.group(1)
+    for pattern, field in _FIELD_HINTS:
+        if pattern.search(message):
+            return field.get(path, field[""])
+    return None
 
 
 _FIELD = re.compile(r"Field '([A-Za-z_][A-Za-z0-9_.]*)'")
+_FIELD_HINTS: list[tuple[re.Pattern[str], dict[str, str]]] = [
+    (re.compile(r"grammar", re.IGNORECASE), {"": "grammar"}),
+    (re.compile(r"json.?schema|\$ref", re.IGNORECASE), {"": "response_format"}),
+    (re.compile(r"invalid tokens?", re.IGNORECASE),
+     {"": "prompt", "/v1/embeddings": "input", "/v1/chat/completions": "messages"}),
+]
 
 EMBEDDING_BATCH = 512  # worker: n_batch = n_ubatch = 512 (what runs with embeddings on)
 

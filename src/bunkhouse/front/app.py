@@ -217,7 +217,7 @@ def _asker(client: httpx.AsyncClient, model_id: str) -> Send:
 
 async def _bunkhouse_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BunkhouseError)
-    if exc.status >= 500:
+    if exc.status >= 500 and not isinstance(exc, ShuttingDown):  # a stop is no error
         log.error("%s %s: %s", request.method, request.url.path, exc.message)
     return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers())
 

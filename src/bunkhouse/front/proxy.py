@@ -35,11 +35,11 @@ log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
 
 
-def engine_error(status: int, body: bytes) -> JSONResponse:
+def engine_error(status: int, body: bytes, path: str = "") -> JSONResponse:
     """An engine's error answer, re-shaped into the OpenAI envelope: a refusal of the
     request's input (engines/llamacpp.py tells them apart) is a 400 ``invalid_request``,
     whatever status the engine gave it; anything else keeps its status, code
-    ``engine_error``."""
+    ``engine_error``. ``path``: the route, to name the field a refusal is about."""
     message, type_ = body.decode("utf-8", errors="replace")[:2000], "server_error"
     with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
         err: Any = json.loads(body)["error"]
@@ -48,7 +48,7 @@ def engine_error(status: int, body: bytes) -> JSONResponse:
     if llamacpp.refusal(status, message):
         return JSONResponse(envelope(f"the engine refused the request: {message}",
                                      "invalid_request_error", "invalid_request",
-                                     llamacpp.refused_field(message)),
+                                     llamacpp.refused_field(message, path)),
                             status_code=400 if status >= 500 else status)
     return JSONResponse(envelope(message, type_, "engine_error"), status_code=status)
 
@@ -114,7 +114,7 @@ async def _forward_stream(client: httpx.AsyncClient, upstream: httpx.Request, mo
     resp = await _send(client, upstream, model_id)
     if resp.status_code >= 400:
         try:
-            return engine_error(resp.status_code, await resp.aread())
+            return engine_error(resp.status_code, await resp.aread(), upstream.url.path)
         finally:
             await resp.aclose()
             on_done()
@@ -193,13 +193,13 @@ async def _call(client: httpx.AsyncClient, upstream: httpx.Request, model_id: st
     finally:
         await resp.aclose()
     if resp.status_code >= 400:
-        return engine_error(resp.status_code, content)
+        return engine_error(resp.status_code, content, upstream.url.path)
     if assembler is None:
         return Response(content, status_code=resp.status_code, headers=_JSON)
     try:
         return JSONResponse(assembler(sse_events(sse_lines(content))))
     except StreamError as e:
-        return engine_error(500, json.dumps(e.body).encode())
+        return engine_error(500, json.dumps(e.body).encode(), upstream.url.path)
     except ValueError as e:
         raise EngineUnavailable(f"model {model_id!r}: unreadable stream from worker: {e}") from e
 
