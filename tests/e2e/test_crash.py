@@ -94,8 +94,8 @@ def test_sigkill_of_the_front_leaves_no_worker(tmp_path: Path) -> None:
         assert len(workers) == 2
         server.proc.kill()
         server.proc.wait()
-        # Each worker notices at once (parent-death signal) but stopping its engine takes a
-        # moment, longer on a busy machine (one CI run: over 2 s): a generous deadline.
+        # Each worker notices at once (parent-death signal); stopping its engine takes a
+        # moment, longer on a busy machine: a generous deadline.
         _, alive = psutil.wait_procs(workers, timeout=30)
         # A worker that died but that init has not reaped yet is a zombie: gone, not orphaned
         # (the init of some sandboxes reaps adopted children seconds late).

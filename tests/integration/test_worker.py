@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import signal
@@ -154,3 +155,26 @@ def test_worker_exits_when_its_parent_is_killed(packaged_catalog: Catalog,
         parent.stdout.close()
         if psutil.pid_exists(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
+
+
+def test_a_burst_of_stop_signals_never_wedges_a_worker(tmp_path: Path) -> None:
+    """A signal handler that took a lock the interrupted main loop held left a worker hung for
+    good (found as an orphan after its front was SIGKILLed): 300 SIGTERMs at once, 10 times."""
+    model = write_tiny_gguf(tmp_path / "m.gguf")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for n in range(10):
+        sock = tmp_path / f"w{n}.sock"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bunkhouse.worker", "--model-id", "m", "--model-path",
+             str(model), "--socket", str(sock), "--engine", "tests.fault_engine:FaultEngine"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda sock=sock: sock.exists(), 60, "the worker's socket")
+            for _ in range(300):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-import threading
+import time
 from pathlib import Path
 
 from bunkhouse.worker.engine import (
@@ -52,13 +52,29 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
     return config, a.engine, a.parent_pid
 
 
+class _StopFlag:
+    """Set by the signal handlers and the lifeline, read by the main loop. No lock: a handler
+    runs on the main thread between two bytecodes, possibly inside a ``threading.Event``'s own
+    locked section, and an Event's ``set()`` there deadlocked the worker for good (an orphan
+    once its front was SIGKILLed)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config, engine_path, parent_pid = parse_args(argv)
-    stop = threading.Event()
+    stop = _StopFlag()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if parent_pid is not None:
@@ -72,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_LOAD_FAILED
     log.info("model %s: serving on %s (pid %d)", config.model_id, config.socket, os.getpid())
-    while not stop.wait(0.2):
-        pass
+    while not stop.is_set():
+        time.sleep(0.2)
     log.info("model %s: stopping", config.model_id)
     engine.stop()
     config.socket.unlink(missing_ok=True)
