@@ -9,6 +9,10 @@ from the environment, per model id: ``BUNKHOUSE_FAULTS='{"m": {"crash_after_toke
 - ``ignore_sigterm``: SIGTERM does nothing (only SIGKILL stops it);
 - ``hang_after_requests``: after this many generations, nothing answers any more;
 - ``fail_generation``: health answers, every generation is a 500.
+
+It keeps the worker contract (engines/contract.py) as llama.cpp's server does: health, slots,
+``/tokenize`` (a token per word) and ``/apply-template``, streamed and plain generations, and
+slot save/restore to files in its snapshot directory (tests/integration/test_contract.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class FaultEngine:
         all_faults = json.loads(os.environ.get("BUNKHOUSE_FAULTS", "{}"))
         self.faults: dict[str, Any] = all_faults.get(config.model_id, {})
         self.requests = 0
+        self.slot_tokens = [0] * config.parallel  # tokens each slot holds (its last prompt)
         self._server: _Server | None = None
 
     def start(self) -> None:
@@ -89,13 +94,22 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._json(200, {"status": "ok"})
         elif self.path == "/slots":
-            self._json(200, [{"id": 0, "is_processing": False}])
+            self._json(200, [{"id": i, "is_processing": False, "n_prompt_tokens": n}
+                             for i, n in enumerate(self.engine.slot_tokens)])
         else:
             self._json(404, {"error": {"message": "not found", "type": "not_found_error"}})
 
     def do_POST(self) -> None:
         self._hang_if_hung()
-        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        except ValueError as e:
+            self._json(400, {"error": {"message": f"invalid JSON: {e}",
+                                       "type": "invalid_request_error"}})
+            return
+        if self.path.startswith("/slots/"):
+            self._slot_action(body)
+            return
         if self.path == "/apply-template":
             text = "".join(f"<{m.get('role')}>{m.get('content')}\n" for m in body["messages"])
             self._json(200, {"prompt": text})
@@ -104,6 +118,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, {"tokens": list(range(len(body["content"].split())))})
             return
         self.engine.requests += 1
+        prompt = body.get("prompt") or body.get("messages") or ""
+        self.engine.slot_tokens[0] = len(json.dumps(prompt).split())
         faults = self.engine.faults
         if faults.get("fail_generation"):
             self._json(500, {"error": {"message": "fault engine: generation failed",
@@ -133,6 +149,30 @@ class _Handler(BaseHTTPRequestHandler):
         self._chunk(b"data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
         self.close_connection = True
+
+    def _slot_action(self, body: dict[str, Any]) -> None:
+        """``POST /slots/ID?action=save|restore`` with ``{"filename"}``, as llama.cpp's."""
+        path, _, query = self.path.partition("?")
+        slot, action = int(path.rsplit("/", 1)[1]), query.removeprefix("action=")
+        folder = self.engine.config.snapshot_dir
+        if folder is None:
+            self._json(501, {"error": {"message": "slot save path not set",
+                                       "type": "not_supported_error"}})
+            return
+        file = folder / body["filename"]
+        if action == "save":
+            data = json.dumps({"tokens": self.engine.slot_tokens[slot]}).encode()
+            file.write_bytes(data)
+            self._json(200, {"id_slot": slot, "filename": body["filename"],
+                             "n_saved": self.engine.slot_tokens[slot], "n_written": len(data)})
+        elif action == "restore" and file.is_file():
+            data = file.read_bytes()
+            self.engine.slot_tokens[slot] = json.loads(data)["tokens"]
+            self._json(200, {"id_slot": slot, "filename": body["filename"],
+                             "n_restored": self.engine.slot_tokens[slot], "n_read": len(data)})
+        else:
+            self._json(400, {"error": {"message": f"cannot {action} {body['filename']}",
+                                       "type": "invalid_request_error"}})
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))

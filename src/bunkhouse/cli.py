@@ -17,11 +17,10 @@ from typing import Any
 
 import uvicorn
 
-from bunkhouse import __version__
+from bunkhouse import __version__, defaults
 from bunkhouse.catalog import Catalog, build_catalog
 from bunkhouse.config import Settings, load_config_file, parse_size
 from bunkhouse.errors import BunkhouseError, ConfigError
-from bunkhouse.worker.engine import DEFAULT_ENGINE
 
 log = logging.getLogger("bunkhouse")
 
@@ -88,14 +87,14 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--ready-timeout",
         type=float,
-        default=120.0,
+        default=defaults.READY_TIMEOUT_S,
         metavar="S",
         help="seconds a worker may take to load its model (%(default)s)",
     )
     serve.add_argument(
         "--stop-grace",
         type=float,
-        default=10.0,
+        default=defaults.STOP_GRACE_S,
         metavar="S",
         help="seconds a worker gets to stop before SIGKILL (%(default)s)",
     )
@@ -104,10 +103,12 @@ def parser() -> argparse.ArgumentParser:
                             "(default: half of this machine's RAM)")
     serve.add_argument("--ttl", type=float, metavar="S",
                        help="unload a model idle for S seconds (default 0: never)")
-    serve.add_argument("--admission-wait", type=float, default=30.0, metavar="S",
+    serve.add_argument("--admission-wait", type=float, default=defaults.ADMISSION_WAIT_S,
+                       metavar="S",
                        help="how long a load waits for models in use to make room before "
                             "503 insufficient_memory (%(default)s)")
-    serve.add_argument("--probe-interval", type=float, default=5.0, metavar="S",
+    serve.add_argument("--probe-interval", type=float, default=defaults.PROBE_INTERVAL_S,
+                       metavar="S",
                        help="liveness: a worker whose engine does not answer two probes in a "
                             "row, S seconds apart, is replaced (%(default)s)")
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -125,13 +126,16 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-root", action="append", default=[], type=Path,
                        metavar="DIR", help="where runtime-registered model files may live "
                                            "(repeatable; default: the --models-dir roots)")
-    serve.add_argument("--max-body", type=_size, default=16 * 2**20, metavar="SIZE",
+    serve.add_argument("--max-body", type=_size, default=defaults.MAX_BODY_BYTES,
+                       metavar="SIZE",
                        help="largest request body; larger ones get 413 (16MiB)")
     serve.add_argument("--compute-gate", choices=["on", "off"], default="on",
                        help="on: one model computes at a time, so that workers never "
                             "oversubscribe the CPU; off: for GPU hosts (%(default)s)")
-    serve.add_argument("--engine", default=DEFAULT_ENGINE, metavar="MODULE:CLASS",
-                       help="the worker engine to load (default: llama.cpp)")
+    serve.add_argument("--worker-engine", default=None, metavar="MODULE:CLASS",
+                       help="load this worker engine class for every model instead of each "
+                            "model's own (for tests and experiments; models pick their engine "
+                            "with the 'engine' key of the config file)")
     _common(serve)
     models = sub.add_parser("models", help="list the model catalog")
     _common(models)
@@ -193,13 +197,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
         preload=tuple(getattr(args, "preload", ())),
         default_model=args.default_model,
         include_packaged=not args.no_packaged,
-        ready_timeout_s=getattr(args, "ready_timeout", 120.0),
-        stop_grace_s=getattr(args, "stop_grace", 10.0),
+        ready_timeout_s=getattr(args, "ready_timeout", defaults.READY_TIMEOUT_S),
+        stop_grace_s=getattr(args, "stop_grace", defaults.STOP_GRACE_S),
         log_level=args.log_level,
         budget_bytes=getattr(args, "budget", None),
-        admission_wait_s=getattr(args, "admission_wait", 30.0),
-        probe_interval_s=getattr(args, "probe_interval", 5.0),
-        engine=getattr(args, "engine", DEFAULT_ENGINE),
+        admission_wait_s=getattr(args, "admission_wait", defaults.ADMISSION_WAIT_S),
+        probe_interval_s=getattr(args, "probe_interval", defaults.PROBE_INTERVAL_S),
+        worker_engine=getattr(args, "worker_engine", None),
         compute_gate=getattr(args, "compute_gate", "on") == "on",
     )
     if args.command == "serve":
@@ -264,7 +268,7 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     _check_port_free(settings.host, settings.port)
     budget = settings.budget_bytes or default_budget_bytes()
     launcher = LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
-                                           settings.engine))
+                                           settings.worker_engine))
     residency = ResidencyManager(
         catalog,
         ResidencyOptions(budget_bytes=budget, ttl_s=settings.ttl_s,

@@ -13,11 +13,14 @@ The TOML file (``--config FILE``) looks like::
     cache_ram_mib = 0               # engine's RAM prompt cache (counted in the estimate)
     threads = 2                     # CPU threads of each worker
     queue = 8                       # requests waiting for a slot; beyond: 429 queue_full
+    embeddings = false              # serve /v1/embeddings (default: only embedding models);
+                                    # it raises the model's memory estimate
 
     ttl = 0                         # idle seconds before a model is unloaded; 0: never
 
     [[models]]
     id = "qwen"
+    engine = "llama.cpp"            # optional; the engine that serves it (the default)
     path = "~/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     context = 4096                  # any key of [defaults] may be set per model
     pinned = true                   # never evicted
@@ -36,8 +39,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bunkhouse import defaults as d
+from bunkhouse.engines import ENGINES
 from bunkhouse.errors import ConfigError
-from bunkhouse.worker.engine import DEFAULT_ENGINE
+
+DEFAULT_ENGINE = "llama.cpp"
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -52,6 +58,7 @@ class EngineOptions:
     cache_ram_mib: int = 0  # off: it would grow a worker beyond its estimate
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     queue: int = 8  # requests waiting for a slot beyond the ones running; more: 429
+    embeddings: bool | None = None  # serve embeddings; None: if the GGUF is an embedding model
 
     def validate(self, where: str) -> EngineOptions:
         for name in ("context", "parallel", "threads"):
@@ -74,10 +81,11 @@ class ModelEntry:
 
     id: str
     path: Path
-    options: dict[str, int]
+    options: dict[str, Any]
     pinned: bool = False
     ttl_s: float | None = None  # None: the global ttl
     chat_template: str | None = None  # a template name llama.cpp knows, or a .jinja file
+    engine: str = DEFAULT_ENGINE
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,18 +101,18 @@ class Settings:
     entries: tuple[ModelEntry, ...] = ()
     budget_bytes: int | None = None  # None: a share of this machine's memory
     ttl_s: float = 0.0  # idle unload after this many seconds; 0: never
-    admission_wait_s: float = 30.0  # how long a load waits for leased models to let go
-    probe_interval_s: float = 5.0  # liveness probes of each ready worker
-    engine: str = DEFAULT_ENGINE  # module:Class of the worker engine
+    admission_wait_s: float = d.ADMISSION_WAIT_S  # a load's wait for leased models to let go
+    probe_interval_s: float = d.PROBE_INTERVAL_S  # liveness probes of each ready worker
+    worker_engine: str | None = None  # module:Class overriding every worker's engine (tests)
     compute_gate: bool = True  # one model computes at a time (CPU hosts)
     api_keys: tuple[str, ...] = ()  # client keys; none: inference is open
     admin_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = d.MAX_BODY_BYTES
     allow_runtime_load: bool = False  # POST /v1/models by path (admin key needed as well)
     allowed_roots: tuple[Path, ...] = ()  # for runtime paths; empty: the model roots
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
-    ready_timeout_s: float = 120.0
-    stop_grace_s: float = 10.0
+    ready_timeout_s: float = d.READY_TIMEOUT_S
+    stop_grace_s: float = d.STOP_GRACE_S
     log_level: str = "info"
 
 
@@ -127,6 +135,7 @@ def check_model_id(model_id: str, where: str) -> str:
 
 
 _OPTION_KEYS = frozenset({"context", "parallel", "cache_ram_mib", "threads", "queue"})
+_BOOL_OPTION_KEYS = frozenset({"embeddings"})
 _TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models",
                        "budget"})
 # Binary and decimal units as written; a bare K/M/G/T (Docker's and Ollama's "8G") is binary.
@@ -156,15 +165,19 @@ def _ttl(value: object, where: str) -> float:
     return float(value)
 
 
-def engine_options(base: EngineOptions, overrides: dict[str, int], where: str) -> EngineOptions:
+def engine_options(base: EngineOptions, overrides: dict[str, Any], where: str) -> EngineOptions:
     return replace(base, **overrides).validate(where)
 
 
-def _options(table: dict[str, Any], where: str, extra: frozenset[str]) -> dict[str, int]:
-    unknown = set(table) - _OPTION_KEYS - extra - {"ttl"}
+def _options(table: dict[str, Any], where: str, extra: frozenset[str]) -> dict[str, Any]:
+    unknown = set(table) - _OPTION_KEYS - _BOOL_OPTION_KEYS - extra - {"ttl"}
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
-    out: dict[str, int] = {}
+    out: dict[str, Any] = {}
+    for key in _BOOL_OPTION_KEYS & set(table):
+        if not isinstance(table[key], bool):
+            raise ConfigError(f"{where}: {key} must be true or false")
+        out[key] = table[key]
     for key in _OPTION_KEYS & set(table):
         value = table[key]
         if not isinstance(value, int) or isinstance(value, bool):
@@ -177,7 +190,8 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: must be a table")
-    options = _options(table, where, frozenset({"id", "path", "pinned", "chat_template"}))
+    options = _options(table, where,
+                       frozenset({"id", "path", "pinned", "chat_template", "engine"}))
     model_id, path = table.get("id"), table.get("path")
     if not isinstance(model_id, str) or not isinstance(path, str):
         raise ConfigError(f"{where}: needs string keys 'id' and 'path'")
@@ -191,7 +205,10 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
         raise ConfigError(f"{where}: pinned must be true or false")
     ttl = _ttl(table["ttl"], where) if "ttl" in table else None
     template = _chat_template(table.get("chat_template"), base_dir, where)
-    return ModelEntry(model_id, resolved, options, pinned, ttl, template)
+    engine = table.get("engine", DEFAULT_ENGINE)
+    if engine not in ENGINES:
+        raise ConfigError(f"{where}: engine must be one of {sorted(ENGINES)}, not {engine!r}")
+    return ModelEntry(model_id, resolved, options, pinned, ttl, template, engine)
 
 
 def _chat_template(value: object, base_dir: Path, where: str) -> str | None:

@@ -26,12 +26,16 @@ def server(tmp_path_factory: pytest.TempPathFactory, packaged_catalog: Catalog
     workdir = tmp_path_factory.mktemp("bad")
     config = workdir / "bunkhouse.toml"
     config.write_text(f"""
+[defaults]
+embeddings = true
+
 [[models]]
 id = "gemma-chat"
 path = "{packaged_catalog.get(GEMMA).path}"
 chat_template = "gemma"
 context = 2048
 parallel = 1
+embeddings = false
 """)
     with serve(workdir, "--config", str(config), "--default-model", QWEN) as running:
         yield running
@@ -86,6 +90,15 @@ def test_embeddings_longer_than_the_model_takes_are_400_and_shorter_ones_embed(
     assert len(ok.json()["data"][0]["embedding"]) > 100
     empty = _post(server, "/v1/embeddings", {"model": GEMMA, "input": ""})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+
+
+def test_embeddings_from_a_model_serving_none_are_400_saying_how_to_turn_them_on(
+        server: Server) -> None:
+    resp = _post(server, "/v1/embeddings", {"model": "gemma-chat", "input": "hello"})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "model" and "embeddings = true" in err["message"]
+    assert server.model("gemma-chat")["state"] == "absent"  # refused before any load
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ def _serve_faulty(tmp_path: Path, faults: dict[str, dict[str, object]], *args: s
     for model_id in faults:
         write_tiny_gguf(models / f"{model_id}.gguf")
     env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(ROOT)}
-    return serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--engine", ENGINE,
+    return serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine", ENGINE,
                  *args, env=env)
 
 

@@ -145,7 +145,7 @@ def test_requests_queued_at_shutdown_get_shutting_down(tmp_path: Path) -> None:
     env = {"BUNKHOUSE_FAULTS": json.dumps({"one": {"token_interval_s": 0.05}}),
            "PYTHONPATH": str(ROOT)}
     body = {"model": "one", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}
-    with running(tmp_path, "--config", str(config), "--engine", ENGINE, "--stop-grace", "1",
+    with running(tmp_path, "--config", str(config), "--worker-engine", ENGINE, "--stop-grace", "1",
                  env=env) as server:
         first = threading.Event()
         with ThreadPoolExecutor(3) as pool:
@@ -171,7 +171,7 @@ def test_a_second_interrupt_still_stops_cleanly(tmp_path: Path) -> None:
     env = {"BUNKHOUSE_FAULTS": json.dumps({"one": {"token_interval_s": 0.05}}),
            "PYTHONPATH": str(ROOT)}
     body = {"model": "one", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}
-    with running(tmp_path, "--no-packaged", "--models-dir", str(models), "--engine", ENGINE,
+    with running(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine", ENGINE,
                  "--stop-grace", "2", env=env) as server:
         first = threading.Event()
         with ThreadPoolExecutor(1) as pool:
@@ -195,7 +195,7 @@ def test_sigterm_while_one_model_drains_and_another_loads(tmp_path: Path) -> Non
     faults = {"busy": {"token_interval_s": 0.05}, "slow": {"load_delay_s": 60}}
     env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(ROOT)}
     admin = {"authorization": "Bearer adm"}
-    with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--engine", ENGINE,
+    with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine", ENGINE,
                "--admin-key", "adm", "--stop-grace", "2", env=env) as server:
         first = threading.Event()
         body = {"model": "busy", "max_tokens": 400,

@@ -23,7 +23,10 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serve(tmp_path_factory.mktemp("serve")) as running:
+    workdir = tmp_path_factory.mktemp("serve")
+    config = workdir / "bunkhouse.toml"
+    config.write_text("[defaults]\nembeddings = true\n")
+    with serve(workdir, "--config", str(config)) as running:
         yield running
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -37,7 +38,9 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def qwen_socket(packaged_catalog: Catalog) -> Iterator[Path]:
     """`python -m bunkhouse.worker` serving Qwen on a socket in a private directory."""
-    with worker_socket(packaged_catalog.get(QWEN)) as sock:
+    qwen = packaged_catalog.get(QWEN)
+    options = dataclasses.replace(qwen.options, embeddings=True)
+    with worker_socket(dataclasses.replace(qwen, options=options)) as sock:
         yield sock
 
 
@@ -95,10 +98,9 @@ def test_supervisor_start_measure_stop(packaged_catalog: Catalog, tmp_path: Path
         await worker.start()
         try:
             assert worker.state is WorkerState.READY and worker.pid
-            measured = worker.memory_bytes()
-            assert measured is not None and measured > model.size_bytes * 0.5
-            resp = await worker.client.get("/health")
-            assert resp.json() == {"status": "ok"}
+            measured = worker.memory()
+            assert measured is not None and measured.peak > model.size_bytes * 0.5
+            assert await worker.engine.health(5)
         finally:
             await worker.stop()
         assert worker.state is WorkerState.STOPPED

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
+from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
 from bunkhouse.residency.slots import SlotGate
@@ -102,20 +105,28 @@ def test_compute_gate_off_admits_everyone() -> None:
 
 def _model(context: int = 4096, parallel: int = 4) -> CatalogModel:
     return CatalogModel("m", Path("/m.gguf"), "config", INFO,
-                        EngineOptions(context=context, parallel=parallel, threads=1), 1)
+                        EngineOptions(context=context, parallel=parallel, threads=1,
+                                      embeddings=True), 1)
 
 
 class Worker:
-    """Answers /apply-template and /tokenize like llama.cpp (one token per word here)."""
+    """The llama.cpp client over a worker that answers /apply-template and /tokenize like
+    llama.cpp (one token per word here); called as ``count_tokens``."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.engine = LlamaCppClient(httpx.MockTransport(self._answer), "m")
 
-    async def __call__(self, path: str, payload: dict[str, Any]) -> Any:
-        self.calls.append(path)
-        if path == "/apply-template":
-            return {"prompt": " ".join(m["content"] for m in payload["messages"])}
-        return {"tokens": payload["content"].split()}
+    def _answer(self, request: httpx.Request) -> httpx.Response:
+        self.calls.append(request.url.path)
+        payload = json.loads(request.content)
+        if request.url.path == "/apply-template":
+            return httpx.Response(200, json={
+                "prompt": " ".join(m["content"] for m in payload["messages"])})
+        return httpx.Response(200, json={"tokens": payload["content"].split()})
+
+    async def __call__(self, prompt: str | list[dict[str, Any]]) -> int:
+        return await self.engine.count_tokens(prompt)
 
 
 def _chat(words: int, max_tokens: int | None) -> dict[str, Any]:

@@ -61,9 +61,7 @@ def _engine(request: httpx.Request) -> httpx.Response:
 
 class MockWorker(FakeWorker):
     def __init__(self, model: CatalogModel) -> None:
-        super().__init__(model)
-        self.client = httpx.AsyncClient(transport=httpx.MockTransport(_engine),
-                                        base_url="http://worker")
+        super().__init__(model, transport=httpx.MockTransport(_engine))
 
 
 def _app(root: Path) -> Any:

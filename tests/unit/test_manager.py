@@ -13,8 +13,10 @@ import pytest
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
+from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import InsufficientMemory, ModelFailed, ModelTooLarge, WorkerLoadFailed
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+from bunkhouse.supervisor.handle import Placement, WorkerMemory
 from bunkhouse.supervisor.restart import RestartPolicy
 
 GIB = 1024**3
@@ -29,21 +31,25 @@ def model(id: str, gib: float = 4, *, pinned: bool = False,
 
 
 class FakeWorker:
+    """A worker handle whose engine answers through ``transport`` (default: only liveness
+    probes, answered while ``answers`` is true)."""
+
     def __init__(self, m: CatalogModel, stop_gate: asyncio.Event | None = None,
-                 leases: Callable[[], int] | None = None) -> None:
+                 leases: Callable[[], int] | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.model = m
-        self.pid = 1000 + len(m.id)
+        self.placement = Placement("local", 1000 + len(m.id))
         self.stopped = False
         self.stop_gate = stop_gate  # a stop waits for it: a worker slow to exit
         self.leases_at_stop: list[int] = []
         self._leases = leases
-        self.client = httpx.AsyncClient()
+        self.engine = LlamaCppClient(transport or httpx.MockTransport(self._slots), m.id)
         self.on_exit: Callable[[], None] | None = None
         self.exit_cause: str | None = None
         self.answers = True  # to probes
 
-    async def probe(self, timeout_s: float) -> bool:
-        return self.answers
+    def _slots(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200 if self.answers else 503, json=[])
 
     def kill(self) -> None:
         self.die("killed")
@@ -59,8 +65,8 @@ class FakeWorker:
     def alive(self) -> bool:
         return not self.stopped
 
-    def memory_bytes(self) -> int:
-        return self.model.size_bytes
+    def memory(self) -> WorkerMemory:
+        return WorkerMemory(self.model.size_bytes, self.model.size_bytes)
 
     async def stop(self) -> None:
         if self._leases is not None:
@@ -68,7 +74,7 @@ class FakeWorker:
         if self.stop_gate is not None:
             await self.stop_gate.wait()
         self.stopped = True
-        await self.client.aclose()
+        await self.engine.aclose()
 
 
 FAST_RESTART = RestartPolicy(backoff_s=0.001)
@@ -229,7 +235,7 @@ def test_wait_is_bounded_then_insufficient_memory() -> None:
 def test_model_bigger_than_the_budget_fails_at_once_naming_both_sizes() -> None:
     async def go() -> None:
         h = Host([model("huge", 12)], budget_gib=10)
-        with pytest.raises(ModelTooLarge, match=r"needs 12433 MiB but the memory budget is 10240"):
+        with pytest.raises(ModelTooLarge, match=r"needs \d+ MiB but the memory budget is 10240"):
             await h.use("huge")
         assert h.starts == []
 

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import BunkhouseError, error_body
 from bunkhouse.front.proxy import forward
 
@@ -20,7 +21,7 @@ Handler = Callable[[httpx.Request], httpx.Response]
 
 
 def _front(handler: Handler) -> TestClient:
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://w")
+    upstream = LlamaCppClient(httpx.MockTransport(handler), "m")
 
     async def route(request: Request) -> Response:
         body = await request.body()
@@ -150,7 +151,7 @@ def test_plain_answer_holding_unicode_line_separators_is_assembled_whole() -> No
         return httpx.Response(200, content=f"data: {event}\n\ndata: [DONE]\n\n".encode(),
                               headers={"content-type": "text/event-stream"})
 
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://w")
+    upstream = LlamaCppClient(httpx.MockTransport(handler), "m")
 
     async def route(request: Request) -> Response:
         body = await request.body()

@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bunkhouse.catalog import packaged
 from bunkhouse.catalog.gguf_meta import GGUFInfo, read_gguf_info
@@ -38,6 +39,13 @@ class CatalogModel:
     pinned: bool = False  # never evicted
     ttl_s: float | None = None  # idle unload; None: the global ttl
     chat_template: str | None = None  # configured: a template name or a .jinja file's path
+    engine: str = "llama.cpp"  # the engine adapter that serves it (bunkhouse.engines)
+
+    @property
+    def embeddings(self) -> bool:
+        """Whether it serves embeddings: configured, else only if it is an embedding model."""
+        configured = self.options.embeddings
+        return self.info.pooling if configured is None else configured
 
     @property
     def has_chat_template(self) -> bool:
@@ -93,7 +101,7 @@ class Catalog:
 
 
 def _effective_options(
-    base: EngineOptions, overrides: dict[str, int], info: GGUFInfo, where: str
+    base: EngineOptions, overrides: dict[str, Any], info: GGUFInfo, where: str
 ) -> EngineOptions:
     options = engine_options(base, overrides, where)
     trained = info.context_length
@@ -117,7 +125,8 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
     return CatalogModel(model_id, path, source, info, options, st.st_size,
                         modified=int(st.st_mtime), pinned=entry.pinned if entry else False,
                         ttl_s=entry.ttl_s if entry else None,
-                        chat_template=entry.chat_template if entry else None)
+                        chat_template=entry.chat_template if entry else None,
+                        engine=entry.engine if entry else "llama.cpp")
 
 
 def _from_config(settings: Settings) -> Iterator[CatalogModel]:

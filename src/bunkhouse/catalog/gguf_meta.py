@@ -54,6 +54,9 @@ class GGUFInfo:
     chat_template: str | None
     file_type: int | None
     tensor_count: int
+    vocab_size: int | None = None  # tokens in the vocabulary (the output layer's rows)
+    feed_forward_length: int | None = None  # the FFN's hidden width
+    pooling: bool = False  # an embedding model: it declares how it pools
 
     @property
     def has_chat_template(self) -> bool:
@@ -160,6 +163,11 @@ def _read_header(cur: _Cursor, strings: frozenset[str]) -> tuple[dict[str, Any],
         vtype = cur.unpack("<I")
         if key in strings and vtype == GGUFValueType.ARRAY:
             fields[key] = _string_array(cur)
+        elif vtype == GGUFValueType.ARRAY:
+            start = cur.pos
+            fields[key] = _array(cur)
+            if fields[key] is None:  # skipped: keep its length
+                fields[f"{key}.count"] = struct.unpack_from("<Q", cur.buf, start + 4)[0]
         else:
             fields[key] = _value(cur, vtype)
     return fields, tensor_count
@@ -198,4 +206,8 @@ def read_gguf_info(path: Path) -> GGUFInfo:
         chat_template=template if isinstance(template, str) else None,
         file_type=_int(fields, "general.file_type"),
         tensor_count=tensor_count,
+        vocab_size=(_int(fields, f"{arch}.vocab_size")
+                    or _int(fields, "tokenizer.ggml.tokens.count")),
+        pooling=f"{arch}.pooling_type" in fields,
+        feed_forward_length=_int(fields, f"{arch}.feed_forward_length"),
     )

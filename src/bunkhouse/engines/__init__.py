@@ -1,5 +1,23 @@
-"""Front-side engine adapters: what the front must know of each engine, and nothing more.
+"""Engine adapters, front side: what the front must know of each engine, and nothing more.
 
 These modules never import an engine (the front loads no native ML code); the worker side of
-each engine lives in ``bunkhouse.worker.engines``.
+each engine lives in ``bunkhouse.worker.engines``. The contract they implement is in
+``engines/contract.py``; a model's ``engine`` key picks one.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bunkhouse.engines.contract import EngineAdapter
+from bunkhouse.engines.llamacpp import LlamaCpp
+
+if TYPE_CHECKING:
+    from bunkhouse.catalog import CatalogModel
+
+ENGINES: dict[str, EngineAdapter] = {LlamaCpp.name: LlamaCpp()}
+
+
+def engine_for(model: CatalogModel) -> EngineAdapter:
+    """The adapter of the engine serving ``model`` (its ``engine`` key)."""
+    return ENGINES[model.engine]

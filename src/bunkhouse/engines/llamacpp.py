@@ -1,19 +1,43 @@
-"""What the front knows of llama.cpp's server (xllamacpp's embedded one), in one place.
+"""The llama.cpp engine adapter (xllamacpp's embedded llama-server), front side.
 
+Everything the front, the supervisor and residency know of llama.cpp is here, and nowhere
+else (the worker side is ``bunkhouse.worker.engines.llamacpp``):
+
+- :class:`LlamaCppClient`: the worker contract over llama.cpp's server API (``/health``,
+  ``/slots``, ``/apply-template``, ``/tokenize``, the OpenAI routes, slot save and restore).
 - :data:`EXTENSION_FIELDS`: request fields beyond OpenAI's that llama.cpp's server reads and
   users rely on; they pass through to the worker. Other unknown fields are dropped.
 - :data:`EMBEDDING_BATCH`: the micro-batch the worker runs with (``n_batch = n_ubatch``);
   llama.cpp embeds an input only in one micro-batch, so it is the longest input in tokens.
 - :func:`refusal`: which of the engine's error answers are refusals of bad input (4xx), told
   apart by their text: llama.cpp answers several of them with a 500.
+- :func:`estimate`: the worker's worst-case memory (see docs/memory-estimate.md).
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bunkhouse.errors import InvalidRequest
+import httpx
+
+from bunkhouse.defaults import CONNECT_TIMEOUT_S
+from bunkhouse.engines.contract import (
+    EngineRefused,
+    MemoryEstimate,
+    Messages,
+    SlotSnapshot,
+    SlotState,
+)
+from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
+
+if TYPE_CHECKING:
+    from bunkhouse.catalog import CatalogModel
+    from bunkhouse.catalog.gguf_meta import GGUFInfo
+
+NAME = "llama.cpp"
+WORKER_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
 
 # llama.cpp tools/server README, "POST /completion" and "POST /v1/chat/completions" options.
 EXTENSION_FIELDS = frozenset({
@@ -86,6 +110,7 @@ _FIELD_HINTS: list[tuple[re.Pattern[str], dict[str, str]]] = [
 ]
 
 EMBEDDING_BATCH = 512  # worker: n_batch = n_ubatch = 512 (what runs with embeddings on)
+N_UBATCH = EMBEDDING_BATCH  # the micro-batch every worker runs with (set explicitly)
 
 # Error texts of llama.cpp's server that mean "your request is wrong", whatever its status.
 _REFUSALS = re.compile(
@@ -99,3 +124,228 @@ def refusal(status: int, message: str) -> bool:
     """Whether an engine's error answer refuses the request's input (so: a 4xx, not the
     engine's failure)."""
     return 400 <= status < 500 or (status == 500 and bool(_REFUSALS.search(message)))
+
+
+def error_object(status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
+    """An error answer of the engine as (status, OpenAI error envelope): a refusal of the
+    request's input is a 400 ``invalid_request`` naming its field, whatever status the engine
+    gave it; anything else keeps its status, code ``engine_error``."""
+    message, type_ = body.decode("utf-8", errors="replace")[:2000], "server_error"
+    try:
+        err: Any = json.loads(body)["error"]
+        message = str(err.get("message", message))
+        type_ = str(err.get("type", type_))
+    except (ValueError, AttributeError, TypeError, KeyError):
+        pass
+    if refusal(status, message):
+        return (400 if status >= 500 else status,
+                envelope(f"the engine refused the request: {message}", "invalid_request_error",
+                         "invalid_request", refused_field(message, route)))
+    return status, envelope(message, type_, "engine_error")
+
+
+class LlamaCppClient:
+    """The worker contract (engines/contract.py) over llama.cpp's server API."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, model_id: str = "") -> None:
+        self._model_id = model_id
+        self._http = httpx.AsyncClient(transport=transport, base_url="http://worker",
+                                       timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+
+    def _unreachable(self, e: Exception) -> EngineUnavailable:
+        return EngineUnavailable(f"model {self._model_id!r}: worker unreachable: {e!r}")
+
+    async def _get(self, path: str, timeout_s: float | None) -> httpx.Response:
+        try:
+            return await self._http.get(path, timeout=timeout_s)
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+
+    async def _post(self, path: str, payload: dict[str, Any],
+                    timeout_s: float | None = None) -> Any:
+        """POST JSON and return the parsed answer; a refusal is EngineRefused."""
+        try:
+            resp = await self._http.post(path, json=payload, timeout=timeout_s)
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        if resp.status_code >= 400:
+            status, err = error_object(resp.status_code, resp.content, path)
+            message = err["error"]["message"]
+            if status < 500:
+                raise EngineRefused(f"model {self._model_id!r}: {message}",
+                                    param=err["error"]["param"])
+            raise EngineUnavailable(f"model {self._model_id!r}: {path} failed: {message}")
+        try:
+            return resp.json()
+        except ValueError as e:
+            raise EngineUnavailable(f"model {self._model_id!r}: {path} answered "
+                                    f"{resp.text[:200]!r}, not JSON") from e
+
+    async def health(self, timeout_s: float) -> bool:
+        try:
+            return (await self._get("/health", timeout_s)).status_code == 200
+        except (EngineUnavailable, httpx.TimeoutException):
+            return False
+
+    async def probe(self, timeout_s: float) -> bool:
+        # /slots is served by the engine's scheduling loop; /health by the HTTP thread alone.
+        try:
+            return (await self._get("/slots", timeout_s)).status_code == 200
+        except (EngineUnavailable, httpx.HTTPError):
+            return False
+
+    async def count_tokens(self, prompt: str | Messages) -> int:
+        if not isinstance(prompt, str):
+            prompt = (await self._post("/apply-template", {"messages": prompt}))["prompt"]
+        reply = await self._post("/tokenize", {"content": prompt, "add_special": True,
+                                               "parse_special": True})
+        return len(reply["tokens"])
+
+    async def generate(self, route: str, body: bytes) -> httpx.Response:
+        request = self._http.build_request("POST", route, content=body,
+                                           headers={"content-type": "application/json"})
+        try:
+            return await self._http.send(request, stream=True)
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+
+    def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
+        return error_object(status, body, route)
+
+    async def slots(self) -> list[SlotState]:
+        resp = await self._get("/slots", None)
+        try:
+            return [SlotState(int(s["id"]), bool(s.get("is_processing")),
+                              int(s.get("n_prompt_tokens") or 0)) for s in resp.json()]
+        except (ValueError, TypeError, KeyError) as e:
+            raise EngineUnavailable(f"model {self._model_id!r}: /slots answered "
+                                    f"{resp.text[:200]!r}") from e
+
+    async def save_slot(self, slot_id: int, filename: str) -> SlotSnapshot:
+        reply = await self._post(f"/slots/{slot_id}?action=save", {"filename": filename})
+        return SlotSnapshot(slot_id, filename, int(reply.get("n_saved", 0)),
+                            int(reply.get("n_written", 0)))
+
+    async def restore_slot(self, slot_id: int, filename: str) -> SlotSnapshot:
+        reply = await self._post(f"/slots/{slot_id}?action=restore", {"filename": filename})
+        return SlotSnapshot(slot_id, filename, int(reply.get("n_restored", 0)),
+                            int(reply.get("n_read", 0)))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+class LlamaCpp:
+    """The llama.cpp engine adapter (engines/contract.py ``EngineAdapter``)."""
+
+    name = NAME
+    worker_engine = WORKER_ENGINE
+
+    def worker_args(self, model: CatalogModel) -> list[str]:
+        o = model.options
+        return ["--context", str(o.context), "--parallel", str(o.parallel),
+                "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
+                *(["--embeddings"] if model.embeddings else []),
+                *(["--chat-template", model.chat_template] if model.chat_template else [])]
+
+    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+        return estimate(model)
+
+    def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> LlamaCppClient:
+        return LlamaCppClient(transport, model_id)
+
+    def check_request(self, route: str, body: dict[str, Any]) -> None:
+        check_extensions(body)
+
+    def forwarded_fields(self) -> frozenset[str]:
+        return EXTENSION_FIELDS
+
+    def embedding_limit(self, model: CatalogModel) -> int:
+        if not model.embeddings:
+            return 0
+        return min(model.options.context // model.options.parallel, EMBEDDING_BATCH)
+
+    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+        return kv_cache_bytes(model.info, tokens, 1)
+
+
+# -- the memory estimate (docs/memory-estimate.md has the table and how it was measured) ---
+
+MIB = 1024 * 1024
+KV_ELEMENT_BYTES = 2  # f16 K and V caches, llama.cpp's default
+LOGIT_BYTES = 4  # f32 logits and embeddings
+# Fitted to the measured peaks of the packaged models (docs/memory-estimate.md):
+RUNTIME_BYTES = 118 * MIB  # interpreter, llama.cpp, threads, graph metadata
+FFN_TENSORS = 6.6  # compute: a full micro-batch holds this many (512 x n_ff) f32 tensors
+SLOT_VOCAB_BYTES = 18  # per slot and vocabulary entry: its sampler's candidate arrays
+CONTEXT_BYTES = 1280  # per token of a slot's context: attention masks over a full slot
+_DEFAULT_FFN = 4 * 4096  # a GGUF without feed_forward_length: a large model's
+_SWA_PAD = 256
+
+# Every Nth layer uses full attention, the others a sliding window (llama.cpp's patterns).
+_SWA_PATTERNS: dict[str, int] = {"gemma3": 6, "gemma2": 2, "cohere2": 4, "gemma3n": 5}
+
+
+def kv_bytes_per_token_per_layer(info: GGUFInfo) -> int:
+    heads = info.head_count_kv or info.head_count or 0
+    dims = (info.key_length or 0) + (info.value_length or 0)
+    return heads * dims * KV_ELEMENT_BYTES
+
+
+def _swa_layers(info: GGUFInfo) -> int:
+    layers = info.block_count or 0
+    pattern = _SWA_PATTERNS.get(info.architecture)
+    if not info.sliding_window or pattern is None:
+        return 0  # unknown pattern: count every layer at full context (over, never under)
+    return sum(1 for il in range(layers) if (il + 1) % pattern != 0)
+
+
+def _pad(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int) -> int:
+    """The KV cache llama.cpp allocates for ``context`` tokens shared by ``parallel`` slots."""
+    per_layer = kv_bytes_per_token_per_layer(info)
+    swa = _swa_layers(info)
+    full = (info.block_count or 0) - swa
+    swa_cells = context
+    if swa and info.sliding_window:
+        swa_cells = min(context, _pad(info.sliding_window * parallel + N_UBATCH, _SWA_PAD))
+    return per_layer * (full * context + swa * swa_cells)
+
+
+def output_bytes(model: CatalogModel) -> int:
+    """The output buffers an embeddings batch grows to: llama.cpp computes logits for every
+    token of it (one row of ``n_vocab`` f32 per token, in the compute buffer) and copies them
+    with the embeddings to its output buffer, for up to one micro-batch of tokens."""
+    if not model.embeddings:
+        return 0
+    rows = min(N_UBATCH, model.options.context)
+    vocab = model.info.vocab_size or 0
+    width = model.info.embedding_length or 0
+    return rows * LOGIT_BYTES * (2 * vocab + width)
+
+
+def compute_bytes(model: CatalogModel) -> int:
+    """Compute buffers and per-slot state a worker touches at its largest: a full
+    micro-batch through the FFN, attention over a full slot, every slot sampling."""
+    o = model.options
+    ffn = model.info.feed_forward_length or _DEFAULT_FFN
+    vocab = model.info.vocab_size or 0
+    return int(FFN_TENSORS * N_UBATCH * ffn * LOGIT_BYTES
+               + SLOT_VOCAB_BYTES * vocab * o.parallel
+               + CONTEXT_BYTES * (o.context // o.parallel))
+
+
+def estimate(model: CatalogModel) -> MemoryEstimate:
+    """The worker's worst case under ``model``'s options, bytes by part."""
+    o = model.options
+    return MemoryEstimate(
+        weights=model.size_bytes,
+        kv_cache=kv_cache_bytes(model.info, o.context, o.parallel),
+        prompt_cache=o.cache_ram_mib * MIB,
+        runtime=RUNTIME_BYTES,
+        compute=compute_bytes(model),
+        outputs=output_bytes(model),
+    )

@@ -26,9 +26,9 @@ from typing import Any
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.vocab import PairTable
-from bunkhouse.engines import llamacpp
+from bunkhouse.engines import engine_for
+from bunkhouse.engines.contract import Messages
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest
-from bunkhouse.residency.estimate import kv_cache_bytes
 
 
 class _Turn:
@@ -103,7 +103,6 @@ class ComputeGate:
         turn.future.set_result(None)  # every request of that model that waited goes in together
 
 
-Send = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 # The templated prompt of a chat is never longer, in bytes, than its message texts plus this
 # much per message and overall (role markers, default system prompt). Above the bound the
@@ -126,14 +125,26 @@ def _text_bytes(value: Any) -> int:
     return 0
 
 
-async def check_fits(model: CatalogModel, path: str, body: dict[str, Any], send: Send) -> None:
+CountTokens = Callable[[str | Messages], Awaitable[int]]
+
+
+class _Chat:
+    """A chat request's messages, counted as one prompt once templated."""
+
+    def __init__(self, messages: Messages) -> None:
+        self.messages = messages
+
+
+async def check_fits(model: CatalogModel, path: str, body: dict[str, Any],
+                     count_tokens: CountTokens) -> None:
     """Raise ContextLengthExceeded if the request's prompt plus max_tokens cannot fit a slot.
 
-    ``send(path, json)`` asks the model's worker (``/apply-template``, ``/tokenize``); it is
-    only called when a cheap byte bound cannot prove that the request fits.
+    ``count_tokens`` is the worker's (engines/contract.py): a raw prompt's tokens, or chat
+    messages' once templated; it is only asked when a cheap byte bound cannot prove that the
+    request fits.
     """
     if path == "/v1/embeddings":
-        await _check_inputs(model, body, _exact_count(send))
+        await _check_inputs(model, body, count_tokens)
         return
     limit = slot_context(model)
     max_tokens = body.get("max_tokens") or 0  # missing: the rest of the slot's context
@@ -143,8 +154,7 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any], send:
                  + _text_bytes(body.get("tools")) * 2)
         if bound + max_tokens < limit:
             return
-        prompt = (await send("/apply-template", {"messages": messages}))["prompt"]
-        prompts: list[Any] = [prompt]
+        prompts: list[Any] = [_Chat(messages)]
     else:
         prompts = _prompts(body.get("prompt", ""))
         if len(prompts) > model.options.parallel:
@@ -153,33 +163,20 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any], send:
                 f"{model.options.parallel} (its slots) and the rest in further requests",
                 param="prompt")
     for prompt in prompts:
-        if isinstance(prompt, list):  # already tokens
+        if isinstance(prompt, _Chat):
+            tokens = await count_tokens(prompt.messages)
+        elif isinstance(prompt, list):  # already tokens
             tokens = len(prompt)
         elif len(prompt.encode()) + 2 + max_tokens < limit:  # a token is at least one byte
             continue
         else:
-            tokens = len((await send("/tokenize", {"content": prompt, "add_special": True,
-                                                  "parse_special": True}))["tokens"])
+            tokens = await count_tokens(prompt)
         need = tokens + max(max_tokens, 1)
         if need > limit:
             raise _too_long(model, path, tokens, max_tokens, need, limit)
 
 
-def embedding_limit(model: CatalogModel) -> int:
-    """The longest embeddings input in tokens: one slot, and one engine batch."""
-    return min(slot_context(model), llamacpp.EMBEDDING_BATCH)
-
-
 Count = Callable[[str], Awaitable[int]]
-
-
-def _exact_count(send: Send) -> Count:
-    async def count(text: str) -> int:
-        reply = await send("/tokenize", {"content": text, "add_special": True,
-                                         "parse_special": True})
-        return len(reply["tokens"])
-
-    return count
 
 
 async def _check_inputs(model: CatalogModel, body: dict[str, Any], count: Count,
@@ -187,7 +184,7 @@ async def _check_inputs(model: CatalogModel, body: dict[str, Any], count: Count,
     """Raise ContextLengthExceeded naming the limit if an embeddings input is too long.
     ``count(text)`` counts its tokens (exactly, or a lower bound: ``at_least``); it is only
     asked for inputs whose bytes leave the question open."""
-    limit = embedding_limit(model)
+    limit = engine_for(model).embedding_limit(model)
     raw = body.get("input")
     single = isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int))
     inputs: list[Any] = [raw] if single else list(raw or [])
@@ -202,9 +199,9 @@ async def _check_inputs(model: CatalogModel, body: dict[str, Any], count: Count,
             which = "the input" if single else f"input {i}"
             raise ContextLengthExceeded(
                 f"model {model.id!r}: {which} is {'at least ' if at_least else ''}{tokens} "
-                f"tokens; this model embeds at most {limit} tokens per input (one slot of "
-                f"{slot_context(model)} tokens, one engine batch of "
-                f"{llamacpp.EMBEDDING_BATCH}). Split the text into shorter inputs.",
+                f"tokens; this model embeds at most {limit} tokens per input (its slot has "
+                f"{slot_context(model)} tokens; its engine embeds an input in one batch). "
+                "Split the text into shorter inputs.",
                 param="input")
 
 
@@ -262,8 +259,9 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
 def _too_long(model: CatalogModel, path: str, tokens: int, max_tokens: int, need: int,
               limit: int, *, at_least: bool = False) -> ContextLengthExceeded:
     o = model.options
-    kv_need = kv_cache_bytes(model.info, need, 1)
-    kv_slot = kv_cache_bytes(model.info, limit, 1)
+    engine = engine_for(model)
+    kv_need = engine.kv_cache_bytes(model, need)
+    kv_slot = engine.kv_cache_bytes(model, limit)
     prompt = "messages" if path == "/v1/chat/completions" else "prompt"
     return ContextLengthExceeded(
         f"model {model.id!r}: the prompt is {'at least ' if at_least else ''}{tokens} tokens "

@@ -9,14 +9,13 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bunkhouse import __version__
+from bunkhouse import __version__, defaults
 from bunkhouse.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,14 +30,13 @@ from bunkhouse.errors import (
     BunkhouseError,
     EngineUnavailable,
     GGUFError,
-    InvalidRequest,
     MethodNotAllowed,
     NotFound,
     ShuttingDown,
     error_body,
 )
 from bunkhouse.front.admin import Admin, AdminOptions
-from bunkhouse.front.admission import ComputeGate, Send, check_fits, refuse_before_load
+from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
 from bunkhouse.front.auth import Keys, Level
 from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
@@ -47,7 +45,7 @@ from bunkhouse.residency.manager import Lease, ResidencyManager
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY = 16 * 1024 * 1024  # bytes of one request body; larger: 413
+DEFAULT_MAX_BODY = defaults.MAX_BODY_BYTES
 
 Schema = type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
 
@@ -73,7 +71,7 @@ class Front:
             lease = await self.residency.acquire(model)
             held = _Held(lease.release)
             try:
-                await check_fits(model, path, data, _asker(lease.worker.client, model.id))
+                await check_fits(model, path, data, lease.worker.engine.count_tokens)
                 slots = lease.slots
                 await slots.enter()
                 held.push(slots.leave)
@@ -83,7 +81,7 @@ class Front:
                     held.close()
                     return Response(status_code=499)
                 self._check_still_served(lease)
-                response = await forward(lease.worker.client, path, data,
+                response = await forward(lease.worker.engine, path, data,
                                          stream=parsed.stream, request=request,
                                          model_id=model.id, on_done=held.close,
                                          on_broken=self._broken(lease))
@@ -199,20 +197,6 @@ class _Held:
     def close(self) -> None:
         while self._releases:
             self._releases.pop()()
-
-
-def _asker(client: httpx.AsyncClient, model_id: str) -> Send:
-    async def send(path: str, payload: dict[str, Any]) -> Any:
-        try:
-            resp = await client.post(path, json=payload)
-        except httpx.TransportError as e:
-            raise EngineUnavailable(f"model {model_id!r}: worker unreachable: {e!r}") from e
-        if resp.status_code >= 400:
-            raise InvalidRequest(f"model {model_id!r}: the engine refused the prompt: "
-                                 f"{resp.text[:500]}")
-        return resp.json()
-
-    return send
 
 
 async def _bunkhouse_error(request: Request, exc: Exception) -> Response:

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from bunkhouse.api.schemas import known_fields
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.engines import llamacpp
+from bunkhouse.engines import ENGINES, engine_for
 from bunkhouse.errors import InvalidRequest
 
 _TEXT_PARTS = frozenset({"text"})
@@ -38,14 +38,20 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
             _check_message(model, i, message)
         if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    llamacpp.check_extensions(body)
-    allowed = _forwarded_fields(schema)
+    if path == "/v1/embeddings" and not engine_for(model).embedding_limit(model):
+        raise InvalidRequest(
+            f"model {model.id!r} does not serve embeddings; set embeddings = true in its "
+            "[[models]] entry of the config file (it raises the model's memory estimate: see "
+            "docs/memory-estimate.md), or use an embedding model", param="model")
+    engine = engine_for(model)
+    engine.check_request(path, body)
+    allowed = _forwarded_fields(schema, engine.name)
     return {k: v for k, v in body.items() if k in allowed}
 
 
 @functools.cache
-def _forwarded_fields(schema: type[BaseModel]) -> frozenset[str]:
-    return known_fields(schema) | llamacpp.EXTENSION_FIELDS
+def _forwarded_fields(schema: type[BaseModel], engine: str) -> frozenset[str]:
+    return known_fields(schema) | ENGINES[engine].forwarded_fields()
 
 
 def _check_choices(model: CatalogModel, body: dict[str, Any]) -> None:

@@ -8,7 +8,6 @@ its next token; for a plain request the upstream call is raced against the disco
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -20,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from bunkhouse.engines import llamacpp
-from bunkhouse.errors import BunkhouseError, EngineUnavailable, envelope, error_body
+from bunkhouse.engines.contract import EngineClient
+from bunkhouse.errors import BunkhouseError, EngineUnavailable, error_body
 from bunkhouse.front.assemble import (
     StreamError,
     assemble_chat,
@@ -35,22 +34,11 @@ log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
 
 
-def engine_error(status: int, body: bytes, path: str = "") -> JSONResponse:
-    """An engine's error answer, re-shaped into the OpenAI envelope: a refusal of the
-    request's input (engines/llamacpp.py tells them apart) is a 400 ``invalid_request``,
-    whatever status the engine gave it; anything else keeps its status, code
-    ``engine_error``. ``path``: the route, to name the field a refusal is about."""
-    message, type_ = body.decode("utf-8", errors="replace")[:2000], "server_error"
-    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-        err: Any = json.loads(body)["error"]
-        message = str(err.get("message", message))
-        type_ = str(err.get("type", type_))
-    if llamacpp.refusal(status, message):
-        return JSONResponse(envelope(f"the engine refused the request: {message}",
-                                     "invalid_request_error", "invalid_request",
-                                     llamacpp.refused_field(message, path)),
-                            status_code=400 if status >= 500 else status)
-    return JSONResponse(envelope(message, type_, "engine_error"), status_code=status)
+def _engine_error(engine: EngineClient, status: int, body: bytes, route: str) -> JSONResponse:
+    """The engine's error answer in the OpenAI envelope, as its adapter shapes it (a refusal
+    of the request's input is a 400 naming the field)."""
+    status, content = engine.error(status, body, route)
+    return JSONResponse(content, status_code=status)
 
 
 def _nothing() -> None:
@@ -68,11 +56,11 @@ _ASSEMBLERS: dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]] = {
 }
 
 
-async def forward(client: httpx.AsyncClient, path: str, body: bytes | dict[str, Any], *,
+async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any], *,
                   stream: bool, request: Request, model_id: str,
                   on_done: Callable[[], None] = _nothing,
                   on_broken: Callable[[Exception], BunkhouseError] | None = None) -> Response:
-    """Send ``body`` to the worker behind ``client`` and relay its answer.
+    """Send ``body`` to the worker behind ``engine`` and relay its answer.
 
     ``body`` is raw bytes, sent as they are, or a parsed request, serialized here once: a
     plain generation request given parsed is sent upstream as a stream and its answer
@@ -90,31 +78,22 @@ async def forward(client: httpx.AsyncClient, path: str, body: bytes | dict[str, 
         if assembler is not None:
             data = {**data, "stream": True, "stream_options": {"include_usage": True}}
         body = json.dumps(data).encode()
-    upstream = client.build_request("POST", path, content=body, headers=_JSON)
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)
-        return await _forward_stream(client, upstream, model_id, on_done, broken)
+        return await _forward_stream(engine, path, body, model_id, on_done, broken)
     try:
-        return await _forward_once(client, upstream, request, model_id, assembler)
+        return await _forward_once(engine, path, body, request, model_id, assembler)
     finally:
         on_done()
 
 
-async def _send(client: httpx.AsyncClient, upstream: httpx.Request,
-                model_id: str) -> httpx.Response:
-    try:
-        return await client.send(upstream, stream=True)
-    except httpx.TransportError as e:
-        raise EngineUnavailable(f"model {model_id!r}: worker unreachable: {e!r}") from e
-
-
-async def _forward_stream(client: httpx.AsyncClient, upstream: httpx.Request, model_id: str,
+async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id: str,
                           on_done: Callable[[], None],
                           on_broken: Callable[[Exception], BunkhouseError]) -> Response:
-    resp = await _send(client, upstream, model_id)
+    resp = await engine.generate(path, body)
     if resp.status_code >= 400:
         try:
-            return engine_error(resp.status_code, await resp.aread(), upstream.url.path)
+            return _engine_error(engine, resp.status_code, await resp.aread(), path)
         finally:
             await resp.aclose()
             on_done()
@@ -167,9 +146,9 @@ def _single(data: dict[str, Any]) -> bool:
 Assembler = Callable[[list[dict[str, Any]]], dict[str, Any]]
 
 
-async def _forward_once(client: httpx.AsyncClient, upstream: httpx.Request, request: Request,
+async def _forward_once(engine: EngineClient, path: str, body: bytes, request: Request,
                         model_id: str, assembler: Assembler | None) -> Response:
-    call = asyncio.create_task(_call(client, upstream, model_id, assembler))
+    call = asyncio.create_task(_call(engine, path, body, model_id, assembler))
     gone = asyncio.create_task(_client_gone(request))
     try:
         done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -183,9 +162,9 @@ async def _forward_once(client: httpx.AsyncClient, upstream: httpx.Request, requ
     return Response(status_code=499)
 
 
-async def _call(client: httpx.AsyncClient, upstream: httpx.Request, model_id: str,
+async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
                 assembler: Assembler | None) -> Response:
-    resp = await _send(client, upstream, model_id)
+    resp = await engine.generate(path, body)
     try:
         content = await resp.aread()
     except httpx.TransportError as e:
@@ -193,13 +172,13 @@ async def _call(client: httpx.AsyncClient, upstream: httpx.Request, model_id: st
     finally:
         await resp.aclose()
     if resp.status_code >= 400:
-        return engine_error(resp.status_code, content, upstream.url.path)
+        return _engine_error(engine, resp.status_code, content, path)
     if assembler is None:
         return Response(content, status_code=resp.status_code, headers=_JSON)
     try:
         return JSONResponse(assembler(sse_events(sse_lines(content))))
     except StreamError as e:
-        return engine_error(500, json.dumps(e.body).encode(), upstream.url.path)
+        return _engine_error(engine, 500, json.dumps(e.body).encode(), path)
     except ValueError as e:
         raise EngineUnavailable(f"model {model_id!r}: unreadable stream from worker: {e}") from e
 

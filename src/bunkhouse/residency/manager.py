@@ -35,10 +35,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import httpx
-
+from bunkhouse import defaults
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.errors import (
     BunkhouseError,
@@ -53,36 +52,12 @@ from bunkhouse.residency.estimate import MemoryEstimate, estimate
 from bunkhouse.residency.events import EventLog
 from bunkhouse.residency.slots import SlotGate
 from bunkhouse.supervisor import restart
+from bunkhouse.supervisor.handle import WorkerHandle
 from bunkhouse.supervisor.restart import RestartPolicy
 
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
-
-
-class WorkerHandle(Protocol):
-    """What the manager needs of a started worker. ``alive`` turns false the moment its
-    process is known to have exited; ``on_exit`` is called once after that."""
-
-    on_exit: Callable[[], None] | None
-    exit_cause: str | None
-
-    @property
-    def pid(self) -> int | None: ...
-
-    @property
-    def alive(self) -> bool: ...
-
-    @property
-    def client(self) -> httpx.AsyncClient: ...
-
-    def memory_bytes(self) -> int | None: ...
-
-    async def probe(self, timeout_s: float) -> bool: ...
-
-    def kill(self) -> None: ...
-
-    async def stop(self) -> None: ...
 
 
 StartWorker = Callable[[CatalogModel], Awaitable[WorkerHandle]]
@@ -109,14 +84,14 @@ _TRANSITIONS: dict[State, frozenset[State]] = {
 class ResidencyOptions:
     budget_bytes: int
     ttl_s: float = 0.0  # global idle unload; 0: never
-    admission_wait_s: float = 30.0
-    drain_grace_s: float = 30.0
-    retry_after_s: int = 5
+    admission_wait_s: float = defaults.ADMISSION_WAIT_S
+    drain_grace_s: float = defaults.DRAIN_GRACE_S
+    retry_after_s: int = defaults.RETRY_AFTER_S
     restart: RestartPolicy = field(default_factory=RestartPolicy)
-    probe_interval_s: float = 5.0  # liveness: the engine's main loop must answer this often
-    probe_timeout_s: float = 5.0
-    probe_failures: int = 2  # consecutive failed probes before the worker is replaced
-    generation_failures: int = 3  # consecutive 5xx/broken requests before it is replaced
+    probe_interval_s: float = defaults.PROBE_INTERVAL_S  # the engine's loop must answer
+    probe_timeout_s: float = defaults.PROBE_INTERVAL_S
+    probe_failures: int = defaults.PROBE_FAILURES  # in a row, before it is replaced
+    generation_failures: int = defaults.GENERATION_FAILURES  # 5xx/broken in a row
 
 
 # What a waiter's future resolves to: a lease, or None for "the state changed: look again".
@@ -130,7 +105,7 @@ class _Entry:
         self.model = model
         self.state = State.ABSENT
         self.estimate: MemoryEstimate = estimate(model)
-        self.measured: int | None = None
+        self.measured: int | None = None  # the worker's peak resident memory so far
         self.worker: WorkerHandle | None = None
         self.slots = SlotGate(model.id, model.options.parallel, model.options.queue)
         self.leases = 0
@@ -158,8 +133,9 @@ class _Entry:
 
     @property
     def bytes(self) -> int:
-        """What the model holds: measured once ready, else the estimate."""
-        return self.measured if self.measured is not None else self.estimate.total
+        """What the model may hold: its estimate (the worker's worst case), or its measured
+        peak if that ever went beyond (the estimate was wrong: the truth counts)."""
+        return max(self.estimate.total, self.measured or 0)
 
     @property
     def busy(self) -> bool:
@@ -231,7 +207,7 @@ class ResidencyManager:
             id=model_id, state=e.state.value, estimated_bytes=e.estimate.total,
             measured_bytes=e.measured, pinned=e.pinned, leases=e.leases,
             last_used=e.last_used + self._wall_offset if e.last_used else None,
-            pid=e.worker.pid if e.worker else None, last_error=e.last_error,
+            pid=e.worker.placement.pid if e.worker else None, last_error=e.last_error,
         )
 
     def statuses(self) -> list[ModelStatus]:
@@ -397,7 +373,7 @@ class ResidencyManager:
 
     async def _probe(self, entry: _Entry, worker: WorkerHandle) -> None:
         try:
-            ok = await worker.probe(self.options.probe_timeout_s)
+            ok = await worker.engine.probe(self.options.probe_timeout_s)
         finally:
             entry.probing = False
         self._probed(entry, worker, ok)
@@ -553,13 +529,14 @@ class ResidencyManager:
         entry.loading = None
         worker.on_exit = lambda: self._worker_died(entry, worker)
         entry.worker = worker
-        entry.measured = worker.memory_bytes()
+        memory = worker.memory()
+        entry.measured = memory.peak if memory else None
         entry.last_error = None
         entry.next_delay_s = 0.0
         entry.probe_failures = entry.failed_requests = 0
         entry.ready_at = self._clock()
         measured = f"{entry.measured // MIB} MiB" if entry.measured else "unknown"
-        self._set_state(entry, State.READY, f"pid {worker.pid}, measured {measured}, "
+        self._set_state(entry, State.READY, f"{worker.placement}, measured {measured}, "
                                             f"estimated {entry.estimate.total // MIB} MiB")
         self._note_peak()
         self._wake(entry)  # every waiting request gets its lease in this same step
@@ -640,7 +617,7 @@ class ResidencyManager:
         watcher, an acquire, a drain); counted once."""
         if entry.worker is not worker:
             return
-        cause = worker.exit_cause or f"worker pid {worker.pid} exited"
+        cause = worker.exit_cause or f"worker ({worker.placement}) exited"
         if entry.died is worker:  # already counted: only a better cause may come later
             entry.last_error = cause
             return
@@ -701,8 +678,8 @@ class ResidencyManager:
                             what: str) -> None:
         """SIGKILL a worker that failed ``limit`` times in a row; its exit is a crash."""
         if failures >= limit and worker.alive:
-            log.error("model %s: %d %s; replacing worker pid %s",
-                      entry.model.id, failures, what, worker.pid)
+            log.error("model %s: %d %s; replacing worker (%s)",
+                      entry.model.id, failures, what, worker.placement)
             worker.kill()
 
     def reset_failure(self, model_id: str) -> None:
@@ -716,9 +693,14 @@ class ResidencyManager:
     def refresh_measurements(self) -> None:
         for entry in self._entries.values():
             if entry.state is State.READY and entry.worker is not None:
-                measured = entry.worker.memory_bytes()
-                if measured is not None:
-                    entry.measured = measured
+                memory = entry.worker.memory()
+                if memory is not None:
+                    above = memory.peak > max(entry.estimate.total, entry.measured or 0)
+                    entry.measured = max(entry.measured or 0, memory.peak)
+                    if above:
+                        log.warning("model %s: its worker peaked at %d MiB, above its estimate "
+                                    "of %d MiB; counting the peak", entry.model.id,
+                                    memory.peak // MIB, entry.estimate.total // MIB)
         self._note_peak()
 
     def _note_peak(self) -> None:

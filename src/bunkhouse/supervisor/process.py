@@ -22,15 +22,17 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
+from bunkhouse.engines import engine_for
+from bunkhouse.engines.contract import EngineClient
 from bunkhouse.errors import WorkerLoadFailed
-from bunkhouse.worker.engine import DEFAULT_ENGINE
+from bunkhouse.supervisor.handle import Placement, WorkerMemory
 
 log = logging.getLogger(__name__)
 
 _STDERR_LINES = 200
 _QUOTED_LINES = 12
-_POLL_S = 0.05
 
 
 class WorkerState(enum.Enum):
@@ -74,11 +76,12 @@ async def spawn_local(argv: Sequence[str]) -> asyncio.subprocess.Process:
 
 @dataclass(frozen=True, slots=True)
 class LaunchOptions:
-    """How every worker is started: its deadlines and its engine."""
+    """How every worker is started: its deadlines, and (for tests) a worker engine class
+    that replaces every model's own."""
 
-    ready_timeout_s: float = 120.0
-    stop_grace_s: float = 10.0
-    engine: str = DEFAULT_ENGINE
+    ready_timeout_s: float = defaults.READY_TIMEOUT_S
+    stop_grace_s: float = defaults.STOP_GRACE_S
+    worker_engine: str | None = None  # module:Class; None: each model's engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,34 +90,21 @@ class WorkerLaunch:
 
     socket: Path
     options: LaunchOptions = LaunchOptions()
+    snapshot_dir: Path | None = None  # where the worker saves and restores slots' KV state
 
 
 def worker_argv(model: CatalogModel, launch: WorkerLaunch) -> list[str]:
-    o = model.options
-    template = ["--chat-template", model.chat_template] if model.chat_template else []
+    engine = engine_for(model)
+    snapshots = ["--snapshot-dir", str(launch.snapshot_dir)] if launch.snapshot_dir else []
     return [
-        sys.executable,
-        "-m",
-        "bunkhouse.worker",
-        "--model-id",
-        model.id,
-        "--model-path",
-        str(model.path),
-        "--socket",
-        str(launch.socket),
-        "--context",
-        str(o.context),
-        "--parallel",
-        str(o.parallel),
-        "--cache-ram-mib",
-        str(o.cache_ram_mib),
-        "--threads",
-        str(o.threads),
-        "--engine",
-        launch.options.engine,
-        "--parent-pid",
-        str(os.getpid()),
-        *template,
+        sys.executable, "-m", "bunkhouse.worker",
+        "--model-id", model.id,
+        "--model-path", str(model.path),
+        "--socket", str(launch.socket),
+        "--engine", launch.options.worker_engine or engine.worker_engine,
+        "--parent-pid", str(os.getpid()),
+        *snapshots,
+        *engine.worker_args(model),
     ]
 
 
@@ -134,19 +124,14 @@ class WorkerProcess:
         self._stderr: deque[str] = deque(maxlen=_STDERR_LINES)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping: asyncio.Future[None] | None = None
-        self.client = httpx.AsyncClient(
-            # A fresh connection per request: llama.cpp's server may close a kept-alive
-            # connection after a stream without saying so, and the next request on it fails
-            # ("Server disconnected without sending a response"). A Unix socket connect
-            # costs microseconds. (Limits go on the transport: the client's are ignored
-            # when a transport is given.)
-            transport=httpx.AsyncHTTPTransport(
-                uds=str(launch.socket),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
-            ),
-            base_url="http://worker",
-            timeout=httpx.Timeout(None, connect=5.0),
-        )
+        # A fresh connection per request: llama.cpp's server may close a kept-alive
+        # connection after a stream without saying so, and the next request on it fails
+        # ("Server disconnected without sending a response"). A Unix socket connect costs
+        # microseconds.
+        transport = httpx.AsyncHTTPTransport(
+            uds=str(launch.socket),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+        self._engine = engine_for(model).client(transport, model.id)
         self.started_at: float | None = None
         self.ready_at: float | None = None
 
@@ -155,20 +140,29 @@ class WorkerProcess:
         return self._proc.pid if self._proc else None
 
     @property
+    def placement(self) -> Placement:
+        return Placement("local", self.pid)
+
+    @property
+    def engine(self) -> EngineClient:
+        return self._engine
+
+    @property
     def alive(self) -> bool:
         return self.state is WorkerState.READY
 
     def stderr_tail(self, lines: int = _QUOTED_LINES) -> str:
         return "\n".join(list(self._stderr)[-lines:])
 
-    def memory_bytes(self) -> int | None:
-        """Resident memory of the worker process, measured now."""
+    def memory(self) -> WorkerMemory | None:
+        """The worker process's resident memory now and at its peak (None once it stopped)."""
         if self.pid is None or self.state not in (WorkerState.STARTING, WorkerState.READY):
             return None
         try:
-            return int(psutil.Process(self.pid).memory_info().rss)
+            resident = int(psutil.Process(self.pid).memory_info().rss)
         except psutil.Error:
             return None
+        return WorkerMemory(resident, max(resident, _peak_rss(self.pid)))
 
     def _set_state(self, new: WorkerState, reason: str) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -206,7 +200,7 @@ class WorkerProcess:
             if await self._healthy():
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), _POLL_S)
+                await asyncio.wait_for(proc.wait(), defaults.HEALTH_POLL_S)
             if proc.returncode is not None:
                 await self._drain_output()
                 raise WorkerLoadFailed(
@@ -229,13 +223,7 @@ class WorkerProcess:
         return ""
 
     async def _healthy(self) -> bool:
-        if not self.launch.socket.exists():
-            return False
-        try:
-            resp = await self.client.get("/health", timeout=2.0)
-        except httpx.TransportError:
-            return False
-        return resp.status_code == 200
+        return self.launch.socket.exists() and await self._engine.health(2.0)
 
     async def _read_output(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
@@ -263,14 +251,6 @@ class WorkerProcess:
         if self.on_exit is not None:
             self.on_exit()
 
-    async def probe(self, timeout_s: float) -> bool:
-        """Whether the engine's main loop answers: /slots is served by it, /health is not."""
-        try:
-            resp = await self.client.get("/slots", timeout=timeout_s)
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
-
     def kill(self) -> None:
         """SIGKILL now: for a worker that no longer answers. Its exit is handled as a crash."""
         if self._proc is not None and self._proc.returncode is None:
@@ -289,7 +269,7 @@ class WorkerProcess:
         # Close our connections first: a stream still running ends now (its relay sends the
         # client an error event), and the engine, seeing the socket closed, frees the slot and
         # can honour SIGTERM at once instead of finishing the generation.
-        await self.client.aclose()
+        await self._engine.aclose()
         proc = self._proc
         if proc is not None and proc.returncode is None:
             await _terminate(proc, self.launch.options.stop_grace_s, self.model.id)
@@ -316,3 +296,15 @@ async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, model_id:
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
     await proc.wait()
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's resident high-water mark (Linux ``VmHWM``), bytes; 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

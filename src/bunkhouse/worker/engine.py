@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-DEFAULT_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
+DEFAULT_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"  # = engines.llamacpp
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,8 @@ class WorkerConfig:
     cache_ram_mib: int
     threads: int
     chat_template: str | None = None  # a template name the engine knows, or a file's path
+    embeddings: bool = False  # serve /v1/embeddings (llama.cpp: larger output buffers)
+    snapshot_dir: Path | None = None  # where slot KV state is saved and restored from
 
 
 class Engine(Protocol):

@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--chat-template", default=None,
                    help="a chat template name the engine knows, or a .jinja file")
+    p.add_argument("--embeddings", action="store_true",
+                   help="serve embeddings too (llama.cpp: larger output buffers)")
+    p.add_argument("--snapshot-dir", type=Path, default=None,
+                   help="where slots' KV state is saved to and restored from")
     p.add_argument("--engine", default=DEFAULT_ENGINE, help="module:Class of the engine")
     p.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process stops being our parent"
@@ -47,7 +51,7 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
     a = p.parse_args(argv)
     config = WorkerConfig(
         a.model_id, a.model_path, a.socket, a.context, a.parallel, a.cache_ram_mib, a.threads,
-        a.chat_template,
+        a.chat_template, a.embeddings, a.snapshot_dir,
     )
     return config, a.engine, a.parent_pid
 

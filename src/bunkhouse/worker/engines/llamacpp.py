@@ -36,8 +36,12 @@ def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:
     params.cache_ram_mib = config.cache_ram_mib
     params.cpuparams.n_threads = config.threads
     params.cpuparams_batch.n_threads = config.threads
-    params.embedding = True  # /v1/embeddings next to generation
-    params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
+    if config.embeddings:  # /v1/embeddings next to generation
+        params.embedding = True
+        params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
+    if config.snapshot_dir is not None:
+        # llama.cpp joins this and a file name without a separator (its own flag adds it)
+        params.slot_save_path = f"{config.snapshot_dir}/"
     params.endpoint_metrics = True
     params.endpoint_slots = True
     params.n_threads_http = max(2, config.parallel + 1)

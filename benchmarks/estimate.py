@@ -1,0 +1,260 @@
+"""The memory estimate against each worker's measured peak, at every setting.
+
+    python -m benchmarks.estimate [--models ID ...] [--contexts N ...] [--parallel N ...]
+                                  [--full-slot] [--json PATH] [--docs PATH]
+
+For each packaged model, context and slot count it starts a real worker (the same process
+``bunkhouse serve`` starts), then drives it to its largest buffers:
+
+1. a generation whose prompt fills one micro-batch (512 tokens, or the slot's context when
+   that is shorter) in every slot at once;
+2. an embeddings request whose inputs fill one micro-batch together (one 512-token input, or
+   one input per slot filling each slot when slots are shorter);
+3. with ``--full-slot``, at context 8192 and one slot only: a prompt filling the whole slot.
+
+The measured peak is the kernel's high-water mark of the worker's resident memory
+(``VmHWM`` in ``/proc/PID/status``), read after the requests. The estimate must never be below
+it and at most 5% above it. Results go to benchmarks/results/estimate.json and the table in
+docs/memory-estimate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import GEMMA, QWEN, packaged
+from bunkhouse.catalog import CatalogModel
+from bunkhouse.engines.llamacpp import (
+    CONTEXT_BYTES,
+    FFN_TENSORS,
+    MIB,
+    RUNTIME_BYTES,
+    SLOT_VOCAB_BYTES,
+)
+from bunkhouse.residency.estimate import estimate
+from bunkhouse.supervisor.launcher import LocalLauncher
+from bunkhouse.supervisor.process import LaunchOptions, WorkerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTEXTS = (512, 2048, 8192, 32768)
+PARALLEL = (1, 4)
+MICRO_BATCH = 512
+TOLERANCE = 0.05  # the estimate may be at most this much above the measured peak
+_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
+          "seven", "wizards", "quietly", "hex", "jolly", "farmers", "near", "big", "old",
+          "rivers", "and", "small", "green", "hills"]
+
+
+def hwm_bytes(pid: int) -> int:
+    """The process's peak resident set (VmHWM), bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def text_of(worker: WorkerProcess, tokens: int, salt: int) -> str:
+    """Text the model tokenizes to exactly ``tokens`` tokens (special tokens included)."""
+    words = [_WORDS[(i * 7 + salt) % len(_WORDS)] for i in range(tokens)]
+    text = " ".join(words)
+    while True:
+        n = await worker.engine.count_tokens(text)
+        if n <= tokens:
+            return text
+        words = words[: len(words) - (n - tokens)]
+        text = " ".join(words)
+
+
+async def drive(worker: WorkerProcess, model: CatalogModel, full_slot: bool) -> dict[str, int]:
+    """Drive the worker to its largest buffers; return its peak after each step."""
+    o = model.options
+    slot = o.context // o.parallel
+    pid = worker.pid
+    assert pid is not None
+    steps: dict[str, int] = {"ready": hwm_bytes(pid)}
+    prompt_tokens = min(MICRO_BATCH, slot - 16)
+    prompts = [await text_of(worker, prompt_tokens, salt) for salt in range(o.parallel)]
+
+    async def post(route: str, body: dict[str, Any]) -> None:
+        resp = await worker.engine.generate(route, json.dumps(body).encode())
+        await resp.aread()
+        await resp.aclose()
+        if resp.status_code != 200:
+            raise RuntimeError(f"{route}: {resp.status_code} {resp.text[:300]}")
+
+    async def generate(prompt: str, max_tokens: int) -> None:
+        await post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                       "temperature": 0, "cache_prompt": False})
+
+    await asyncio.gather(*(generate(p, 4) for p in prompts))
+    steps["generation"] = hwm_bytes(pid)
+    if model.embeddings:
+        embed_tokens = min(MICRO_BATCH, slot)
+        inputs = [await text_of(worker, embed_tokens, salt + 3)
+                  for salt in range(min(o.parallel, max(1, MICRO_BATCH // embed_tokens)))]
+        await post("/v1/embeddings", {"input": inputs})
+        steps["embeddings"] = hwm_bytes(pid)
+    if full_slot:
+        long_prompt = await text_of(worker, slot - 8, 11)
+        await generate(long_prompt, 2)
+        steps["full_slot"] = hwm_bytes(pid)
+    steps["rss_end"] = rss_bytes(pid)
+    return steps
+
+
+async def measure_one(launcher: LocalLauncher, model_id: str, context: int, parallel: int,
+                      embeddings: bool, full_slot: bool) -> dict[str, Any]:
+    model = _model(model_id, context, parallel, embeddings)
+    est = estimate(model)
+    started = time.monotonic()
+    worker = await launcher.start(model)
+    try:
+        steps = await drive(worker, model, full_slot)
+    finally:
+        await worker.stop()
+    peak = max(v for k, v in steps.items() if k != "rss_end")
+    row = {
+        "model": model_id, "context": context, "parallel": parallel, "embeddings": embeddings,
+        "full_slot": full_slot, "estimate_bytes": est.total,
+        "estimate_parts": dataclasses.asdict(est), "peak_bytes": peak, "steps": steps,
+        "ratio": est.total / peak, "seconds": round(time.monotonic() - started, 1),
+    }
+    print(f"{model_id:28s} ctx {context:6d} x{parallel} emb {embeddings:d}: "
+          f"estimate {est.total / MIB:7.1f} MiB, "
+          f"peak {peak / MIB:7.1f} MiB, ratio {row['ratio']:.3f}  "
+          + " ".join(f"{k}={v / MIB:.0f}" for k, v in steps.items()), flush=True)
+    return row
+
+
+def _model(model_id: str, context: int, parallel: int, embeddings: bool) -> CatalogModel:
+    base = packaged(model_id)
+    options = dataclasses.replace(base.options, context=context, parallel=parallel,
+                                  embeddings=embeddings)
+    return dataclasses.replace(base, options=options)
+
+
+def reestimate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with the current estimator's figures (the peaks as measured)."""
+    for r in rows:
+        est = estimate(_model(r["model"], r["context"], r["parallel"], r["embeddings"]))
+        r.update(estimate_bytes=est.total, estimate_parts=dataclasses.asdict(est),
+                 ratio=est.total / r["peak_bytes"])
+    return rows
+
+
+async def measure(models: list[str], contexts: list[int], parallels: list[int],
+                  embeddings: list[bool], full_slot: bool) -> list[dict[str, Any]]:
+    launcher = LocalLauncher(LaunchOptions(ready_timeout_s=600, stop_grace_s=30),
+                             tmp_dir=Path(tempfile.gettempdir()))
+    rows = []
+    try:
+        for model_id in models:
+            for emb in embeddings:
+                for context in contexts:
+                    for parallel in parallels:
+                        rows.append(await measure_one(launcher, model_id, context, parallel,
+                                                      emb, False))
+            if full_slot:
+                for emb in embeddings:
+                    rows.append(await measure_one(launcher, model_id, 8192, 1, emb, True))
+    finally:
+        launcher.close()
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """docs/memory-estimate.md from the measured rows."""
+    lines = [
+        "# Memory estimate against measured peaks",
+        "",
+        "Generated by `python -m benchmarks.estimate --full-slot --docs docs/memory-estimate.md`",
+        "(about 25 minutes on 2 cores); the raw rows are in benchmarks/results/estimate.json.",
+        "",
+        "Residency counts each model at its estimate: the worst case of its worker, every",
+        "buffer it can grow to under the options it was started with (engines/llamacpp.py,",
+        "`estimate`). A worker whose measured peak ever goes beyond it is counted at that peak",
+        "instead (and logged: the estimate was wrong).",
+        "",
+        "    weights     the GGUF file (memory-mapped; warm-up touches all of it)",
+        "    KV cache    context x layers x KV heads x (key + value dims) x 2 bytes (f16);",
+        "                sliding-window layers capped at window x slots + one micro-batch",
+        "    prompt      the engine's RAM prompt cache limit (cache_ram_mib), in full",
+        "    runtime     the interpreter, llama.cpp and its threads: "
+        f"{RUNTIME_BYTES // MIB} MiB",
+        f"    compute     {FFN_TENSORS} x 512 x n_ff x 4 bytes (a full micro-batch through "
+        "the FFN)",
+        f"                + {SLOT_VOCAB_BYTES} bytes x n_vocab per slot (its sampler)",
+        f"                + {CONTEXT_BYTES} bytes per token of a slot's context (attention",
+        "                over a full slot: the full-slot rows)",
+        "    outputs     with embeddings on: llama.cpp computes logits for every token of an",
+        "                embeddings batch, in its compute buffer, and copies them to its",
+        "                output buffer: 2 x n_vocab x 4 bytes per token, for up to one",
+        "                micro-batch of 512 tokens (+ the embeddings themselves)",
+        "",
+        "How each row is measured: a real worker (the process `bunkhouse serve` starts) is",
+        "driven to its largest buffers: a generation whose prompt fills one micro-batch (512",
+        "tokens, or the slot when shorter) in every slot at once, then, with embeddings on, an",
+        "embeddings request whose inputs fill one micro-batch together. *Full slot* rows also",
+        "prefill one whole 8,192-token slot. The peak is the kernel's high-water mark of the",
+        "worker's resident memory (`VmHWM`). The estimate must never be below it and at most",
+        f"{TOLERANCE:.0%} above it.",
+        "",
+        "| model | context | slots | embeddings | estimate MiB | peak MiB | estimate / peak |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        name = r["model"] + (" (full slot)" if r.get("full_slot") else "")
+        lines.append(
+            f"| {name} | {r['context']} | {r['parallel']} | {'on' if r['embeddings'] else 'off'}"
+            f" | {r['estimate_bytes'] / MIB:.0f} | {r['peak_bytes'] / MIB:.0f}"
+            f" | {r['estimate_bytes'] / r['peak_bytes']:.3f} |")
+    ratios = [r["estimate_bytes"] / r["peak_bytes"] for r in rows]
+    lines += ["", f"Estimate / peak over {len(rows)} rows: {min(ratios):.3f} to "
+              f"{max(ratios):.3f}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.estimate",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=[QWEN, GEMMA])
+    p.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
+    p.add_argument("--parallel", nargs="+", type=int, default=list(PARALLEL))
+    p.add_argument("--embeddings", nargs="+", choices=["off", "on"], default=["off", "on"])
+    p.add_argument("--full-slot", action="store_true", help="also fill one 8192-token slot")
+    p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/estimate.json")
+    p.add_argument("--docs", type=Path, default=None, help="write the table here")
+    p.add_argument("--render", action="store_true",
+                   help="measure nothing: re-estimate the rows of --json and write --docs")
+    a = p.parse_args(argv)
+    if a.render:
+        rows = reestimate(json.loads(a.json.read_text()))
+    else:
+        rows = asyncio.run(measure(a.models, a.contexts, a.parallel,
+                                   [e == "on" for e in a.embeddings], a.full_slot))
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(rows, indent=1))
+    if a.docs is not None:
+        a.docs.write_text(render(rows))
+    bad = [r for r in rows if not 1.0 <= r["ratio"] <= 1.0 + TOLERANCE]
+    print(f"{len(rows) - len(bad)}/{len(rows)} within [1.00, {1 + TOLERANCE:.2f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

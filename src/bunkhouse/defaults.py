@@ -1,0 +1,42 @@
+"""Every default deadline and limit, in one place: the command line, the config file, the
+supervisor, residency and the front all read them from here.
+
+Figures are our choices unless a source is named.
+"""
+
+from __future__ import annotations
+
+READY_TIMEOUT_S = 120.0
+"""Seconds a worker may take from spawn to answering health (a cold 7B GGUF from a slow disk
+takes tens of seconds; a timeout that large only matters for a stuck load)."""
+
+STOP_GRACE_S = 10.0
+"""Seconds a worker gets between SIGTERM and SIGKILL, and running requests between the front's
+stop signal and the workers being stopped."""
+
+DRAIN_GRACE_S = 30.0
+"""Seconds an operator's unload waits for running requests before it reports them."""
+
+ADMISSION_WAIT_S = 30.0
+"""Seconds a load waits for models in use to make room before 503 ``insufficient_memory``."""
+
+RETRY_AFTER_S = 5
+"""The ``Retry-After`` of a 503 ``insufficient_memory``."""
+
+PROBE_INTERVAL_S = 5.0
+"""Seconds between liveness probes of each ready worker (also each probe's timeout)."""
+
+PROBE_FAILURES = 2
+"""Consecutive missed probes before a worker is replaced."""
+
+GENERATION_FAILURES = 3
+"""Consecutive failed requests (5xx, broken stream) before a worker is replaced."""
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""Largest request body; larger ones get 413."""
+
+HEALTH_POLL_S = 0.05
+"""How often a starting worker's health is polled while it loads."""
+
+CONNECT_TIMEOUT_S = 5.0
+"""Connecting to a worker's socket (a Unix socket connects in microseconds when it is up)."""

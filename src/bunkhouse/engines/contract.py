@@ -1,0 +1,136 @@
+"""The worker contract: what the front, the supervisor and residency may ask of a worker.
+
+Each engine has one adapter (:class:`EngineAdapter`) that knows its worker's API, its options
+and its memory need; nothing outside an adapter names an engine endpoint or constant. A ready
+worker is reached through an :class:`EngineClient`, made by its adapter over a transport (a
+Unix socket for a local worker; another transport would place it elsewhere).
+
+Errors: every client operation raises :class:`bunkhouse.errors.EngineUnavailable` when the
+worker cannot be reached or does not answer in shape, and :class:`EngineRefused` when the
+engine refuses the input (a 4xx to the caller, naming the field when it can).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+
+from bunkhouse.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from bunkhouse.catalog import CatalogModel
+
+Messages = list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """A worker's worst-case memory, bytes, by part (an engine's estimator fills them)."""
+
+    weights: int  # the model file, memory-mapped, all of it touched
+    kv_cache: int  # allocated and cleared at load: resident from the start
+    prompt_cache: int  # the engine's RAM prompt cache limit, counted in full
+    runtime: int  # the interpreter, the engine library, its threads
+    compute: int  # compute buffers at their largest graph
+    outputs: int  # output buffers at their largest batch (embeddings: one row per token)
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.kv_cache + self.prompt_cache + self.runtime + self.compute
+                + self.outputs)
+
+
+class EngineRefused(InvalidRequest):
+    """The engine refused a request's input (a 400 ``invalid_request``, ``param`` the field
+    it was about when known)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotState:
+    """One slot of a worker: its id, whether it is running a request, and how many tokens of
+    context it holds (its KV cache's use; 0 when unknown)."""
+
+    id: int
+    busy: bool
+    tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSnapshot:
+    """A slot's KV state saved to (or restored from) a file: how many tokens it covers and
+    its size in bytes."""
+
+    slot_id: int
+    filename: str
+    tokens: int
+    bytes: int
+
+
+class EngineClient(Protocol):
+    """One ready worker, as the front and residency see it."""
+
+    async def health(self, timeout_s: float) -> bool:
+        """Whether the worker answers at all (it may still be loading: False)."""
+
+    async def probe(self, timeout_s: float) -> bool:
+        """Liveness: whether the engine's scheduling loop answers within ``timeout_s``
+        (a worker whose HTTP thread answers while its engine hangs must fail this)."""
+
+    async def count_tokens(self, prompt: str | Messages) -> int:
+        """Tokens of a raw prompt (special tokens included), or of chat ``messages`` once the
+        model's chat template is applied."""
+
+    async def generate(self, route: str, body: bytes) -> httpx.Response:
+        """Start an OpenAI-shaped generation (``route`` one of the OpenAI paths: chat,
+        completions, embeddings) with a JSON body; returns the open upstream response, whose
+        body the caller streams and closes. An error answer is returned as it is: turn it
+        into the caller's error with :meth:`error`."""
+
+    def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
+        """An error answer from :meth:`generate` as (status, OpenAI error object): a refusal
+        of the input is a 400 ``invalid_request`` naming its field."""
+
+    async def slots(self) -> list[SlotState]:
+        """Every slot's state."""
+
+    async def save_slot(self, slot_id: int, filename: str) -> SlotSnapshot:
+        """Save a slot's KV state to ``filename`` in the worker's snapshot directory."""
+
+    async def restore_slot(self, slot_id: int, filename: str) -> SlotSnapshot:
+        """Load a slot's KV state from ``filename`` in the worker's snapshot directory."""
+
+    async def aclose(self) -> None:
+        """Close every connection to the worker: streams running end at once."""
+
+
+class EngineAdapter(Protocol):
+    """One engine: how its workers are started, reached and sized."""
+
+    name: str
+    """The ``engine`` key's value in the config file."""
+
+    worker_engine: str
+    """The worker-side engine class, ``module:Class`` (loaded inside the worker process)."""
+
+    def worker_args(self, model: CatalogModel) -> list[str]:
+        """The worker command line's engine options for ``model``."""
+
+    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+        """The worker's worst case: every buffer it can grow to under ``model``'s options."""
+
+    def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> EngineClient:
+        """A client for ``model_id``'s worker, reached over ``transport``."""
+
+    def check_request(self, route: str, body: dict[str, Any]) -> None:
+        """Refuse (InvalidRequest naming the field) an engine option given wrongly."""
+
+    def forwarded_fields(self) -> frozenset[str]:
+        """Request fields beyond OpenAI's that this engine reads (passed through)."""
+
+    def embedding_limit(self, model: CatalogModel) -> int:
+        """The longest embeddings input in tokens (0: ``model`` serves no embeddings)."""
+
+    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+        """The KV cache ``tokens`` tokens of one sequence take, bytes."""

@@ -1,0 +1,175 @@
+"""The worker contract (engines/contract.py), one suite for every engine: a real worker process
+per engine, reached only through its handle and its engine client.
+
+Engines: llama.cpp serving the packaged Gemma, and the fault engine (tests/fault_engine.py),
+which keeps the same contract with no model."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.engines.contract import EngineClient, EngineRefused
+from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess, WorkerState
+from tests.helpers import write_tiny_gguf
+
+GEMMA = "gemma-3-270m"
+ENGINES = ["llama.cpp", "fault"]
+
+
+@dataclasses.dataclass
+class Started:
+    worker: WorkerProcess
+    engine: EngineClient
+    snapshots: Path
+
+
+Steps = Callable[[Started], Awaitable[None]]
+
+
+@pytest.fixture(params=ENGINES)
+def run(request: pytest.FixtureRequest, packaged_catalog: Catalog,
+        tmp_path: Path) -> Callable[[Steps], None]:
+    """Run ``steps`` against a started worker of the engine, then stop it (in one loop)."""
+    model, worker_engine = _model(request.param, packaged_catalog, tmp_path)
+    snapshots = tmp_path / "kv"
+    snapshots.mkdir()
+    launch = WorkerLaunch(tmp_path / "w.sock", LaunchOptions(120, 10, worker_engine), snapshots)
+
+    def go(steps: Steps) -> None:
+        async def main() -> None:
+            worker = WorkerProcess(model, launch)
+            await worker.start()
+            try:
+                await steps(Started(worker, worker.engine, snapshots))
+            finally:
+                await worker.stop()
+            assert worker.state is WorkerState.STOPPED
+            assert not launch.socket.exists()
+
+        asyncio.run(main())
+
+    return go
+
+
+def _model(engine: str, catalog: Catalog, tmp_path: Path) -> tuple[CatalogModel, str | None]:
+    base = catalog.get(GEMMA)
+    if engine == "fault":
+        path = write_tiny_gguf(tmp_path / "fault.gguf")
+        options = dataclasses.replace(base.options, parallel=2)
+        return dataclasses.replace(base, id="fault", path=path, options=options), \
+            "tests.fault_engine:FaultEngine"
+    options = dataclasses.replace(base.options, context=1024, parallel=2, threads=1)
+    return dataclasses.replace(base, options=options), None
+
+
+async def _read(resp: Any) -> bytes:
+    try:
+        return bytes(await resp.aread())
+    finally:
+        await resp.aclose()
+
+
+async def _stream_lines(resp: Any) -> AsyncIterator[str]:
+    try:
+        async for line in resp.aiter_lines():
+            if line:
+                yield line
+    finally:
+        await resp.aclose()
+
+
+def test_health_probe_and_memory(run: Callable[[Steps], None]) -> None:
+    async def go(started: Started) -> None:
+        assert await started.engine.health(5)
+        assert await started.engine.probe(5)
+        memory = started.worker.memory()
+        assert memory is not None and 0 < memory.resident <= memory.peak
+        placement = started.worker.placement
+        assert placement.node == "local" and placement.pid and psutil.pid_exists(placement.pid)
+
+    run(go)
+
+
+def test_counting_tokens(run: Callable[[Steps], None]) -> None:
+    async def go(started: Started) -> None:
+        short = await started.engine.count_tokens("hello")
+        long = await started.engine.count_tokens("hello " * 50)
+        assert 0 < short < long
+        chat = await started.engine.count_tokens([{"role": "user", "content": "hello " * 50}])
+        assert chat >= long - 2  # the template adds its own tokens
+
+    run(go)
+
+
+def test_streamed_and_plain_generation(run: Callable[[Steps], None]) -> None:
+    async def go(started: Started) -> None:
+        body = {"prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0, "stream": True}
+        resp = await started.engine.generate("/v1/completions", json.dumps(body).encode())
+        assert resp.status_code == 200
+        lines = [line async for line in _stream_lines(resp)]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+        chunk = json.loads(lines[0].removeprefix("data: "))
+        assert chunk["choices"]
+        plain = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        resp = await started.engine.generate("/v1/chat/completions", json.dumps(plain).encode())
+        answer = json.loads(await _read(resp))
+        assert resp.status_code == 200 and answer["choices"][0]["message"]["role"] == "assistant"
+
+    run(go)
+
+
+def test_a_refused_input_is_a_400_naming_no_internal_detail(run: Callable[[Steps], None]) -> None:
+    async def go(started: Started) -> None:
+        resp = await started.engine.generate("/v1/completions", b"{not json")
+        status, error = started.engine.error(resp.status_code, await _read(resp),
+                                             "/v1/completions")
+        assert status == 400 and error["error"]["code"] == "invalid_request"
+
+    run(go)
+
+
+def test_slots_and_kv_save_restore(run: Callable[[Steps], None]) -> None:
+    async def go(started: Started) -> None:
+        engine = started.engine
+        slots = await engine.slots()
+        assert [s.id for s in slots] == list(range(started.worker.model.options.parallel))
+        assert not any(s.busy for s in slots)
+        body = {"prompt": "the quick brown fox jumps over the lazy dog " * 4, "max_tokens": 2,
+                "temperature": 0, "id_slot": 0, "cache_prompt": True}
+        resp = await engine.generate("/v1/completions", json.dumps(body).encode())
+        assert resp.status_code == 200, await _read(resp)
+        await _read(resp)
+        held = (await engine.slots())[0].tokens
+        assert held > 0
+        saved = await engine.save_slot(0, "s0.bin")
+        assert saved.tokens > 0 and saved.bytes > 0
+        assert (started.snapshots / "s0.bin").stat().st_size >= saved.bytes > 0
+        restored = await engine.restore_slot(1, "s0.bin")
+        assert restored.tokens == saved.tokens
+        with pytest.raises(EngineRefused):
+            await engine.restore_slot(0, "missing.bin")
+
+    run(go)
+
+
+def test_closing_the_client_ends_a_running_stream(run: Callable[[Steps], None]) -> None:
+    async def go(started: Started) -> None:
+        body = {"prompt": "count: 1, 2,", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        resp = await started.engine.generate("/v1/completions", json.dumps(body).encode())
+        lines = resp.aiter_lines()
+        await lines.__anext__()
+        await started.engine.aclose()
+        with pytest.raises(Exception):  # noqa: B017 - any transport error: the stream is cut
+            async for _ in lines:
+                pass
+
+    run(go)
