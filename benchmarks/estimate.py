@@ -33,11 +33,12 @@ from typing import Any
 from benchmarks.common import GEMMA, QWEN, packaged
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines.llamacpp import (
-    CONTEXT_BYTES,
+    CONTEXT_HEAD_BYTES,
     FFN_TENSORS,
     MIB,
     RUNTIME_BYTES,
     SLOT_VOCAB_BYTES,
+    SWA_STREAM_BYTES,
 )
 from bunkhouse.residency.estimate import estimate
 from bunkhouse.supervisor.launcher import LocalLauncher
@@ -199,8 +200,11 @@ def render(rows: list[dict[str, Any]]) -> str:
         f"    compute     {FFN_TENSORS} x 512 x n_ff x 4 bytes (a full micro-batch through "
         "the FFN)",
         f"                + {SLOT_VOCAB_BYTES} bytes x n_vocab per slot (its sampler)",
-        f"                + {CONTEXT_BYTES} bytes per token of a slot's context (attention",
-        "                over a full slot: the full-slot rows)",
+        f"                + {CONTEXT_HEAD_BYTES} bytes x attention heads per token of a slot's",
+        "                context (attention over a full slot: the full-slot rows)",
+        f"                + {SWA_STREAM_BYTES // 1024} KiB per sliding-window cell of every slot "
+        "but one",
+        "                (slots batched together on a sliding-window model)",
         "    outputs     with embeddings on: llama.cpp computes logits for every token of an",
         "                embeddings batch, in its compute buffer, and copies them to its",
         "                output buffer: 2 x n_vocab x 4 bytes per token, for up to one",

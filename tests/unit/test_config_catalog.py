@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,11 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
         ("[defaults]\ncontext = 100\nparallel = 4\n", "fewer than 64 tokens"),
         ("[[models]]\nid='x'\npath='a'\n[[models]]\nid='x'\npath='b'\n", "configured twice"),
         ("this is = = not toml", "not valid TOML"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nengine = 'vllm'\n", "engine must be one of"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nengine = 3\n", "engine must be one of"),
+        ("[defaults]\nembeddings = 'yes'\n", "embeddings must be true or false"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nembeddings = 1\n",
+         "embeddings must be true or false"),
     ],
 )
 def test_config_errors_are_clear(tmp_path: Path, text: str, match: str) -> None:
@@ -157,3 +163,20 @@ def test_parse_size(text: str, expected: int) -> None:
 def test_sizes_that_mean_nothing_are_refused(text: str) -> None:
     with pytest.raises(ConfigError):
         parse_size(text)
+
+
+def test_embeddings_are_on_for_embedding_models_and_where_configured(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "models" / "gen.gguf")
+    write_tiny_gguf(tmp_path / "models" / "on.gguf")
+    path = _config(tmp_path, f"""
+[[models]]
+id = "on"
+path = "{tmp_path / 'models' / 'on.gguf'}"
+embeddings = true
+engine = "llama.cpp"
+""")
+    catalog = build_catalog(load_config_file(path, _settings(models_dirs=(tmp_path / "models",))))
+    assert catalog.get("on").embeddings and catalog.get("on").engine == "llama.cpp"
+    assert not catalog.get("gen").embeddings  # a generation model: off unless configured
+    pooled = dataclasses.replace(catalog.get("gen").info, pooling=True)
+    assert dataclasses.replace(catalog.get("gen"), info=pooled).embeddings

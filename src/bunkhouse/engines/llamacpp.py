@@ -278,7 +278,8 @@ LOGIT_BYTES = 4  # f32 logits and embeddings
 RUNTIME_BYTES = 118 * MIB  # interpreter, llama.cpp, threads, graph metadata
 FFN_TENSORS = 6.6  # compute: a full micro-batch holds this many (512 x n_ff) f32 tensors
 SLOT_VOCAB_BYTES = 18  # per slot and vocabulary entry: its sampler's candidate arrays
-CONTEXT_BYTES = 1280  # per token of a slot's context: attention masks over a full slot
+CONTEXT_HEAD_BYTES = 92  # per token of a slot's context and attention head: a full slot
+SWA_STREAM_BYTES = 13 * 1024  # per sliding-window cell of every slot but one (batched slots)
 _DEFAULT_FFN = 4 * 4096  # a GGUF without feed_forward_length: a large model's
 _SWA_PAD = 256
 
@@ -304,14 +305,20 @@ def _pad(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def _swa_cells(info: GGUFInfo, context: int, parallel: int) -> int:
+    """Cells of each sliding-window layer: every slot has its own stream (``kv_unified`` is
+    off), of its slot's context capped at window + one micro-batch, padded to 256
+    (llama.cpp's llama_kv_cache_iswa)."""
+    window = info.sliding_window or context
+    return parallel * _pad(min(context // parallel, window + N_UBATCH), _SWA_PAD)
+
+
 def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int) -> int:
     """The KV cache llama.cpp allocates for ``context`` tokens shared by ``parallel`` slots."""
     per_layer = kv_bytes_per_token_per_layer(info)
     swa = _swa_layers(info)
     full = (info.block_count or 0) - swa
-    swa_cells = context
-    if swa and info.sliding_window:
-        swa_cells = min(context, _pad(info.sliding_window * parallel + N_UBATCH, _SWA_PAD))
+    swa_cells = _swa_cells(info, context, parallel) if swa else 0
     return per_layer * (full * context + swa * swa_cells)
 
 
@@ -333,9 +340,13 @@ def compute_bytes(model: CatalogModel) -> int:
     o = model.options
     ffn = model.info.feed_forward_length or _DEFAULT_FFN
     vocab = model.info.vocab_size or 0
+    swa = 0
+    if _swa_layers(model.info):
+        swa = _swa_cells(model.info, o.context, o.parallel) * (o.parallel - 1) // o.parallel
     return int(FFN_TENSORS * N_UBATCH * ffn * LOGIT_BYTES
                + SLOT_VOCAB_BYTES * vocab * o.parallel
-               + CONTEXT_BYTES * (o.context // o.parallel))
+               + CONTEXT_HEAD_BYTES * (model.info.head_count or 32) * (o.context // o.parallel)
+               + SWA_STREAM_BYTES * swa)
 
 
 def estimate(model: CatalogModel) -> MemoryEstimate:

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-DEFAULT_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"  # = engines.llamacpp
-
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:

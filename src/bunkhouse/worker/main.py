@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from bunkhouse.worker.engine import (
-    DEFAULT_ENGINE,
     EngineLoadError,
     WorkerConfig,
     load_engine_class,
@@ -44,7 +43,8 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
                    help="serve embeddings too (llama.cpp: larger output buffers)")
     p.add_argument("--snapshot-dir", type=Path, default=None,
                    help="where slots' KV state is saved to and restored from")
-    p.add_argument("--engine", default=DEFAULT_ENGINE, help="module:Class of the engine")
+    p.add_argument("--engine", required=True,
+                   help="module:Class of the engine (its front-side adapter names it)")
     p.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process stops being our parent"
     )
