@@ -229,7 +229,14 @@ def render(rows: list[dict[str, Any]]) -> str:
             f" | {r['estimate_bytes'] / r['peak_bytes']:.3f} |")
     ratios = [r["estimate_bytes"] / r["peak_bytes"] for r in rows]
     lines += ["", f"Estimate / peak over {len(rows)} rows: {min(ratios):.3f} to "
-              f"{max(ratios):.3f}.", ""]
+              f"{max(ratios):.3f}. A setting measured twice shows the run-to-run spread of the "
+              "peak (a few MiB).", ""]
+    done = {(r["model"], r["context"], r["parallel"], r["embeddings"]) for r in rows}
+    missing = [f"{m} {c}x{n} embeddings {'on' if e else 'off'}"
+               for m in (QWEN, GEMMA) for e in (False, True) for c in CONTEXTS
+               for n in PARALLEL if (m, c, n, e) not in done]
+    if missing:
+        lines += ["Not measured in this run: " + "; ".join(missing) + ".", ""]
     return "\n".join(lines)
 
 

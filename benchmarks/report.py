@@ -259,8 +259,8 @@ def _memory(t: dict[str, Any], s: dict[str, Any] | None, goals: list[list[str]])
     lines = [
         "## 4. Memory",
         "",
-        "Each model's estimate (made from its GGUF before loading: weights + KV cache + prompt "
-        "cache + a fixed part measured on this engine build) against its worker's measured RSS "
+        "Each model's estimate (made from its GGUF before loading: its worker's worst case, "
+        "docs/memory-estimate.md) against its worker's measured peak RSS "
         "on the two-model server of section 2, read after each round (so after up to 8 "
         "requests at once); median (min-max):",
         "",

@@ -279,7 +279,7 @@ RUNTIME_BYTES = 118 * MIB  # interpreter, llama.cpp, threads, graph metadata
 FFN_TENSORS = 6.6  # compute: a full micro-batch holds this many (512 x n_ff) f32 tensors
 SLOT_VOCAB_BYTES = 18  # per slot and vocabulary entry: its sampler's candidate arrays
 CONTEXT_HEAD_BYTES = 92  # per token of a slot's context and attention head: a full slot
-SWA_STREAM_BYTES = 13 * 1024  # per sliding-window cell of every slot but one (batched slots)
+SWA_STREAM_BYTES = 12 * 1024  # per sliding-window cell of every slot but one (batched slots)
 _DEFAULT_FFN = 4 * 4096  # a GGUF without feed_forward_length: a large model's
 _SWA_PAD = 256
 
@@ -340,9 +340,10 @@ def compute_bytes(model: CatalogModel) -> int:
     o = model.options
     ffn = model.info.feed_forward_length or _DEFAULT_FFN
     vocab = model.info.vocab_size or 0
-    swa = 0
-    if _swa_layers(model.info):
-        swa = _swa_cells(model.info, o.context, o.parallel) * (o.parallel - 1) // o.parallel
+    swa = 0  # sliding-window cells the other slots attend over (unpadded)
+    if _swa_layers(model.info) and model.info.sliding_window:
+        slot = o.context // o.parallel
+        swa = min(slot, model.info.sliding_window + N_UBATCH) * (o.parallel - 1)
     return int(FFN_TENSORS * N_UBATCH * ffn * LOGIT_BYTES
                + SLOT_VOCAB_BYTES * vocab * o.parallel
                + CONTEXT_HEAD_BYTES * (model.info.head_count or 32) * (o.context // o.parallel)
