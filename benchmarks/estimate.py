@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", nargs="+", type=int, default=list(PARALLEL))
     p.add_argument("--embeddings", nargs="+", choices=["off", "on"], default=["off", "on"])
     p.add_argument("--full-slot", action="store_true", help="also fill one 8192-token slot")
+    p.add_argument("--full-slot-only", action="store_true", help="only fill one 8192-token slot")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/estimate.json")
     p.add_argument("--docs", type=Path, default=None, help="write the table here")
     p.add_argument("--render", action="store_true",
@@ -256,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.render:
         rows = reestimate(json.loads(a.json.read_text()))
     else:
-        rows = asyncio.run(measure(a.models, a.contexts, a.parallel,
-                                   [e == "on" for e in a.embeddings], a.full_slot))
+        rows = asyncio.run(measure(a.models, [] if a.full_slot_only else a.contexts, a.parallel,
+                                   [e == "on" for e in a.embeddings],
+                                   a.full_slot or a.full_slot_only))
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(rows, indent=1))
     if a.docs is not None:

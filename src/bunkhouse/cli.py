@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -263,10 +264,11 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     from bunkhouse.supervisor.launcher import LocalLauncher
     from bunkhouse.supervisor.process import LaunchOptions
 
-    for model_id in settings.preload:
-        catalog.get(model_id)
-    _check_port_free(settings.host, settings.port)
     budget = settings.budget_bytes or default_budget_bytes()
+    _check_preload(catalog, settings.preload, budget)
+    if settings.worker_engine:
+        _check_importable(settings.worker_engine)
+    _check_port_free(settings.host, settings.port)
     launcher = LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
                                            settings.worker_engine))
     residency = ResidencyManager(
@@ -328,6 +330,35 @@ def _check_port_free(host: str, port: int) -> None:
         except OSError as e:
             raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; is another "
                               "server using that port? Pick another with --port") from e
+
+
+def _check_preload(catalog: Catalog, preload: tuple[str, ...], budget: int) -> None:
+    """Every model to preload exists and fits the budget on its own (else ConfigError)."""
+    from bunkhouse.residency.estimate import estimate
+
+    for model_id in preload:
+        need = estimate(catalog.get(model_id)).total
+        if need > budget:
+            raise ConfigError(f"--preload {model_id}: it needs {need // 2**20} MiB "
+                              f"({need:,} bytes) and the memory budget is {budget // 2**20} MiB "
+                              f"({budget:,} bytes); raise --budget or lower its context")
+
+
+def _check_importable(import_path: str) -> None:
+    """A --worker-engine must name a class a worker can import (checked in a child process
+    started as workers are, so that the front imports no engine)."""
+    module, _, attr = import_path.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"--worker-engine must be MODULE:CLASS, not {import_path!r}")
+    check = (f"import importlib, sys; m = importlib.import_module({module!r}); "
+             f"sys.exit(0 if hasattr(m, {attr!r}) else 1)")
+    try:
+        done = subprocess.run([sys.executable, "-c", check], capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired as e:
+        raise ConfigError(f"--worker-engine {import_path}: importing it took over 60 s") from e
+    if done.returncode != 0:
+        raise ConfigError(f"--worker-engine {import_path}: no such module or class for the "
+                          "workers' Python")
 
 
 def _warn_never_fit(catalog: Catalog, budget: int) -> None:

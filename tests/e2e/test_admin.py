@@ -41,13 +41,18 @@ def _complete(server: Server, model: str, tokens: int = 4) -> httpx.Response:
 def test_runtime_round_trip(host: Server) -> None:
     path = str(host.root / "g.gguf")  # type: ignore[attr-defined]
     resp = httpx.post(f"{host.url}/v1/models", headers=ADMIN, timeout=120,
-                      json={"id": "rt", "path": path, "context": 2048, "parallel": 2})
+                      json={"id": "rt", "path": path, "context": 2048, "parallel": 2,
+                            "embeddings": True})
     assert resp.status_code == 200, resp.text
     assert resp.json()["state"] == "ready" and resp.json()["source"] == "runtime"
+    assert resp.json()["embeddings"] is True and resp.json()["engine"] == "llama.cpp"
     pid = resp.json()["pid"]
     assert "rt" in [m["id"] for m in httpx.get(f"{host.url}/v1/models").json()["data"]]
     answer = _complete(host, "rt")
     assert answer.status_code == 200 and answer.json()["model"] == "rt"
+    embedded = httpx.post(f"{host.url}/v1/embeddings", json={"model": "rt", "input": "hi"},
+                          timeout=120)
+    assert embedded.status_code == 200, embedded.text
     assert httpx.delete(f"{host.url}/v1/models/rt", headers=ADMIN).status_code == 204
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert _complete(host, "rt").status_code == 404

@@ -99,6 +99,17 @@ def test_embeddings_from_a_model_serving_none_are_400_saying_how_to_turn_them_on
     err = resp.json()["error"]
     assert err["param"] == "model" and "embeddings = true" in err["message"]
     assert server.model("gemma-chat")["state"] == "absent"  # refused before any load
+    assert server.model("gemma-chat")["embeddings"] is False
+
+
+def test_embedding_dimensions_other_than_the_models_are_400(server: Server) -> None:
+    width = server.model(GEMMA)
+    short = _post(server, "/v1/embeddings", {"model": GEMMA, "input": "hi", "dimensions": 8})
+    assert short.status_code == 400 and short.json()["error"]["param"] == "dimensions"
+    assert "640" in short.json()["error"]["message"]
+    exact = _post(server, "/v1/embeddings", {"model": GEMMA, "input": "hi", "dimensions": 640})
+    assert exact.status_code == 200 and len(exact.json()["data"][0]["embedding"]) == 640
+    assert width["embeddings"] is True
 
 
 @pytest.mark.slow

@@ -38,6 +38,26 @@ def test_unknown_preload_is_refused_before_serving(capsys: pytest.CaptureFixture
     assert "model 'zzz' not found; known models: a" in capsys.readouterr().err
 
 
+def test_a_preload_the_budget_cannot_hold_is_refused_before_serving(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "a.gguf")
+    code = main(["serve", "--no-packaged", "--models-dir", str(tmp_path), "--preload", "a",
+                 "--budget", "1MiB", "--port", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--preload a: it needs" in err and "raise --budget" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("engine", ["nonexistent_mod:Foo", "tests.fault_engine:Nope", "x"])
+def test_a_worker_engine_that_cannot_load_is_refused_before_serving(
+        engine: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "a.gguf")
+    code = main(["serve", "--no-packaged", "--models-dir", str(tmp_path),
+                 "--worker-engine", engine, "--port", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--worker-engine" in err and "Traceback" not in err
+
+
 def test_help_explains_serve(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["serve", "--help"])

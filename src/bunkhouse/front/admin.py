@@ -4,7 +4,8 @@ Every endpoint here needs an admin key (front/auth.py); registering a model by p
 needs ``--allow-runtime-load`` and a path that resolves (symlinks and ``..`` followed) inside
 one of the allowed roots. Changes live in memory: the config file stays the source of truth.
 
-    POST   /v1/models                 {"id", "path", context?, parallel?, queue?, ttl?, pinned?}
+    POST   /v1/models                 {"id", "path", context?, parallel?, queue?, ttl?, pinned?,
+                                       embeddings?}
            200 model object once ready; 409 id taken; 403 disabled or outside the roots;
            400 not a loadable local model (with the engine's reason)
     DELETE /v1/models/{id}            204 freed; 202 still draining; 404; 409 pinned by config
@@ -63,6 +64,7 @@ class RegisterRequest(BaseModel):
     queue: StrictInt | None = Field(default=None, ge=0)
     ttl: float | None = Field(default=None, ge=0)
     pinned: StrictBool = False
+    embeddings: StrictBool | None = None  # None: on for embedding models only
 
 
 def inside_roots(path: str, roots: tuple[Path, ...]) -> Path | None:
@@ -124,7 +126,8 @@ class Admin:
         except GGUFError as e:
             raise InvalidRequest(f"not a GGUF model: {e.message}", param="path") from e
         overrides = {k: v for k, v in (("context", body.context), ("parallel", body.parallel),
-                                       ("queue", body.queue)) if v is not None}
+                                       ("queue", body.queue), ("embeddings", body.embeddings))
+                     if v is not None}
         try:
             options = engine_options(self.options.defaults, overrides, f"model {body.id!r}")
         except ConfigError as e:

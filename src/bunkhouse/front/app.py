@@ -133,6 +133,8 @@ class Front:
             "context": model.options.context,
             "parallel": model.options.parallel,
             "chat_template": model.has_chat_template,
+            "engine": model.engine,
+            "embeddings": model.embeddings,
             "default": model.id == self.catalog.default_id,
             "pinned": status.pinned,
             "leases": status.leases,
@@ -238,7 +240,10 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         background = asyncio.create_task(residency.run_background())
         try:
             for model_id in preload:
-                (await residency.acquire(catalog.get(model_id))).release()
+                try:
+                    (await residency.acquire(catalog.get(model_id))).release()
+                except BunkhouseError as e:  # serve the others; requests get the error
+                    log.error("could not preload model %s: %s", model_id, e.message)
             yield
         finally:
             background.cancel()

@@ -38,11 +38,8 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
             _check_message(model, i, message)
         if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    if path == "/v1/embeddings" and not engine_for(model).embedding_limit(model):
-        raise InvalidRequest(
-            f"model {model.id!r} does not serve embeddings; set embeddings = true in its "
-            "[[models]] entry of the config file (it raises the model's memory estimate: see "
-            "docs/memory-estimate.md), or use an embedding model", param="model")
+    if path == "/v1/embeddings":
+        _check_embeddings(model, body)
     engine = engine_for(model)
     engine.check_request(path, body)
     allowed = _forwarded_fields(schema, engine.name)
@@ -52,6 +49,23 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
 @functools.cache
 def _forwarded_fields(schema: type[BaseModel], engine: str) -> frozenset[str]:
     return known_fields(schema) | ENGINES[engine].forwarded_fields()
+
+
+def _check_embeddings(model: CatalogModel, body: dict[str, Any]) -> None:
+    """The model must serve embeddings; ``dimensions``, if given, must be its width (no
+    model served here can shorten its vectors)."""
+    if not engine_for(model).embedding_limit(model):
+        raise InvalidRequest(
+            f"model {model.id!r} does not serve embeddings; turn them on with embeddings = "
+            "true in the config file: in its [[models]] entry, or under [defaults] for every "
+            "model (packaged ones included); a model registered at runtime takes "
+            '"embeddings": true. It raises the model\'s memory estimate '
+            "(docs/memory-estimate.md).", param="model")
+    dimensions, width = body.get("dimensions"), model.info.embedding_length
+    if dimensions is not None and width and dimensions != width:
+        raise InvalidRequest(f"model {model.id!r} makes {width}-dimensional embeddings and "
+                             f"cannot shorten them; dimensions must be {width} or left out",
+                             param="dimensions")
 
 
 def _check_choices(model: CatalogModel, body: dict[str, Any]) -> None:

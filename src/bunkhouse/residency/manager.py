@@ -746,8 +746,16 @@ _HOLDING = frozenset({State.LOADING, State.READY, State.DRAINING})
 
 def _never_fits_message(model_id: str, d: policy.NeverFits) -> str:
     pinned = f", of which pinned models hold {d.pinned_bytes // MIB} MiB" if d.pinned_bytes else ""
-    return (f"model {model_id!r} needs {d.need // MIB} MiB but the memory budget is "
-            f"{d.budget // MIB} MiB{pinned}; raise --budget or lower the model's context")
+    need, budget = _sizes(d.need, d.budget)
+    return (f"model {model_id!r} needs {need} but the memory budget is {budget}{pinned}; "
+            "raise --budget or lower the model's context")
+
+
+def _sizes(a: int, b: int) -> tuple[str, str]:
+    """Two sizes in MiB, or in bytes when they round to the same MiB."""
+    if a // MIB == b // MIB:
+        return f"{a:,} bytes", f"{b:,} bytes"
+    return f"{a // MIB} MiB", f"{b // MIB} MiB"
 
 
 def _must_wait_message(model_id: str, d: policy.MustWait) -> str:
