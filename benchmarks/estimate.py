@@ -1,16 +1,19 @@
 """The memory estimate against each worker's measured peak, at every setting.
 
     python -m benchmarks.estimate [--models ID ...] [--contexts N ...] [--parallel N ...]
-                                  [--full-slot] [--json PATH] [--docs PATH]
+                                  [--embeddings off on] [--full-slot] [--json PATH]
+                                  [--docs PATH] [--render]
 
-For each packaged model, context and slot count it starts a real worker (the same process
-``bunkhouse serve`` starts), then drives it to its largest buffers:
+For each packaged model, context, slot count and embeddings setting it starts a real worker
+(the same process ``bunkhouse serve`` starts), then drives it to its largest buffers:
 
 1. a generation whose prompt fills one micro-batch (512 tokens, or the slot's context when
    that is shorter) in every slot at once;
-2. an embeddings request whose inputs fill one micro-batch together (one 512-token input, or
-   one input per slot filling each slot when slots are shorter);
-3. with ``--full-slot``, at context 8192 and one slot only: a prompt filling the whole slot.
+2. a generation whose prompts fill every slot at once, up to 8,192 prompt tokens in all (a
+   32K prefill takes many minutes on 2 cores): attention over whole slots;
+3. with embeddings on, an embeddings request whose inputs fill one micro-batch together
+   (one 512-token input, or one input per slot filling each slot when slots are shorter);
+4. with ``--full-slot``, one slot of ``--full-slot-context`` tokens, filled whole.
 
 The measured peak is the kernel's high-water mark of the worker's resident memory
 (``VmHWM`` in ``/proc/PID/status``), read after the requests. The estimate must never be below
@@ -49,6 +52,7 @@ CONTEXTS = (512, 2048, 8192, 32768)
 PARALLEL = (1, 4)
 MICRO_BATCH = 512
 TOLERANCE = 0.05  # the estimate may be at most this much above the measured peak
+LONG_PROMPTS = 8192  # tokens of prompt over all slots at once (a 32K prefill takes many minutes)
 _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
           "seven", "wizards", "quietly", "hex", "jolly", "farmers", "near", "big", "old",
           "rivers", "and", "small", "green", "hills"]
@@ -81,15 +85,15 @@ async def text_of(worker: WorkerProcess, tokens: int, salt: int) -> str:
         text = " ".join(words)
 
 
-async def drive(worker: WorkerProcess, model: CatalogModel, full_slot: bool) -> dict[str, int]:
-    """Drive the worker to its largest buffers; return its peak after each step."""
+async def drive(worker: WorkerProcess, model: CatalogModel,
+                full_slot: bool) -> tuple[dict[str, int], int]:
+    """Drive the worker to its largest buffers; return its peak after each step and the
+    longest prompt a slot was given (tokens)."""
     o = model.options
     slot = o.context // o.parallel
     pid = worker.pid
     assert pid is not None
     steps: dict[str, int] = {"ready": hwm_bytes(pid)}
-    prompt_tokens = min(MICRO_BATCH, slot - 16)
-    prompts = [await text_of(worker, prompt_tokens, salt) for salt in range(o.parallel)]
 
     async def post(route: str, body: dict[str, Any]) -> None:
         resp = await worker.engine.generate(route, json.dumps(body).encode())
@@ -98,24 +102,28 @@ async def drive(worker: WorkerProcess, model: CatalogModel, full_slot: bool) -> 
         if resp.status_code != 200:
             raise RuntimeError(f"{route}: {resp.status_code} {resp.text[:300]}")
 
-    async def generate(prompt: str, max_tokens: int) -> None:
-        await post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
-                                       "temperature": 0, "cache_prompt": False})
+    async def generate_in_every_slot(tokens: int, salt: int) -> None:
+        prompts = [await text_of(worker, tokens, salt + i) for i in range(o.parallel)]
+        await asyncio.gather(*(post("/v1/completions", {
+            "prompt": p, "max_tokens": 2, "temperature": 0, "cache_prompt": False})
+            for p in prompts))
 
-    await asyncio.gather(*(generate(p, 4) for p in prompts))
+    longest = min(MICRO_BATCH, slot - 16)
+    await generate_in_every_slot(longest, 0)
     steps["generation"] = hwm_bytes(pid)
+    filled = slot - 16 if full_slot else min(slot - 16, LONG_PROMPTS // o.parallel)
+    if filled > longest:  # attention over (nearly) whole slots
+        longest = filled
+        await generate_in_every_slot(filled, 7)
+        steps["long_prompt"] = hwm_bytes(pid)
     if model.embeddings:
         embed_tokens = min(MICRO_BATCH, slot)
         inputs = [await text_of(worker, embed_tokens, salt + 3)
                   for salt in range(min(o.parallel, max(1, MICRO_BATCH // embed_tokens)))]
         await post("/v1/embeddings", {"input": inputs})
         steps["embeddings"] = hwm_bytes(pid)
-    if full_slot:
-        long_prompt = await text_of(worker, slot - 8, 11)
-        await generate(long_prompt, 2)
-        steps["full_slot"] = hwm_bytes(pid)
     steps["rss_end"] = rss_bytes(pid)
-    return steps
+    return steps, longest
 
 
 async def measure_one(launcher: LocalLauncher, model_id: str, context: int, parallel: int,
@@ -125,13 +133,13 @@ async def measure_one(launcher: LocalLauncher, model_id: str, context: int, para
     started = time.monotonic()
     worker = await launcher.start(model)
     try:
-        steps = await drive(worker, model, full_slot)
+        steps, longest = await drive(worker, model, full_slot)
     finally:
         await worker.stop()
     peak = max(v for k, v in steps.items() if k != "rss_end")
     row = {
         "model": model_id, "context": context, "parallel": parallel, "embeddings": embeddings,
-        "full_slot": full_slot, "estimate_bytes": est.total,
+        "full_slot": full_slot, "prompt_tokens": longest, "estimate_bytes": est.total,
         "estimate_parts": dataclasses.asdict(est), "peak_bytes": peak, "steps": steps,
         "ratio": est.total / peak, "seconds": round(time.monotonic() - started, 1),
     }
@@ -159,7 +167,8 @@ def reestimate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def measure(models: list[str], contexts: list[int], parallels: list[int],
-                  embeddings: list[bool], full_slot: bool) -> list[dict[str, Any]]:
+                  embeddings: list[bool], full_slot: bool,
+                  full_context: int = 8192) -> list[dict[str, Any]]:
     launcher = LocalLauncher(LaunchOptions(ready_timeout_s=600, stop_grace_s=30),
                              tmp_dir=Path(tempfile.gettempdir()))
     rows = []
@@ -172,7 +181,8 @@ async def measure(models: list[str], contexts: list[int], parallels: list[int],
                                                       emb, False))
             if full_slot:
                 for emb in embeddings:
-                    rows.append(await measure_one(launcher, model_id, 8192, 1, emb, True))
+                    rows.append(await measure_one(launcher, model_id, full_context, 1, emb,
+                                                  True))
     finally:
         launcher.close()
     return rows
@@ -249,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embeddings", nargs="+", choices=["off", "on"], default=["off", "on"])
     p.add_argument("--full-slot", action="store_true", help="also fill one 8192-token slot")
     p.add_argument("--full-slot-only", action="store_true", help="only fill one 8192-token slot")
+    p.add_argument("--full-slot-context", type=int, default=8192, metavar="N",
+                   help="the full slot's context (%(default)s)")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/estimate.json")
     p.add_argument("--docs", type=Path, default=None, help="write the table here")
     p.add_argument("--render", action="store_true",
@@ -259,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = asyncio.run(measure(a.models, [] if a.full_slot_only else a.contexts, a.parallel,
                                    [e == "on" for e in a.embeddings],
-                                   a.full_slot or a.full_slot_only))
+                                   a.full_slot or a.full_slot_only, a.full_slot_context))
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(rows, indent=1))
     if a.docs is not None:

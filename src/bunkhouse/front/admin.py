@@ -32,6 +32,7 @@ from bunkhouse.api.schemas import parse_json_object, read_body, validate
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.catalog.gguf_meta import read_gguf_info
 from bunkhouse.config import EngineOptions, check_model_id, engine_options
+from bunkhouse.defaults import DRAIN_GRACE_S
 from bunkhouse.errors import (
     ConfigError,
     Conflict,
@@ -51,7 +52,7 @@ class AdminOptions:
     allow_runtime_load: bool = False
     roots: tuple[Path, ...] = ()  # where runtime-registered model files may live
     defaults: EngineOptions = field(default_factory=EngineOptions)
-    drain_grace_s: float = 30.0
+    drain_grace_s: float = DRAIN_GRACE_S
 
 
 class RegisterRequest(BaseModel):
