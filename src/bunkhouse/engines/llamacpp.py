@@ -275,11 +275,14 @@ MIB = 1024 * 1024
 KV_ELEMENT_BYTES = 2  # f16 K and V caches, llama.cpp's default
 LOGIT_BYTES = 4  # f32 logits and embeddings
 # Fitted to the measured peaks of the packaged models (docs/memory-estimate.md):
-RUNTIME_BYTES = 118 * MIB  # interpreter, llama.cpp, threads, graph metadata
+RUNTIME_BYTES = 116 * MIB  # interpreter, llama.cpp, threads, graph metadata
 FFN_TENSORS = 6.6  # compute: a full micro-batch holds this many (512 x n_ff) f32 tensors
 SLOT_VOCAB_BYTES = 18  # per slot and vocabulary entry: its sampler's candidate arrays
-CONTEXT_HEAD_BYTES = 92  # per token of a slot's context and attention head: a full slot
+ATTENTION_SLOT_BYTES = 1500  # per token of one slot: attention over a whole slot...
+ATTENTION_CONTEXT_BYTES = 150  # ...and per token of the context (every slot's streams)
+SWA_SLOT_BYTES = 6250  # sliding-window models, per slot token past one micro-batch (to 2048)
 SWA_STREAM_BYTES = 12 * 1024  # per sliding-window cell of every slot but one (batched slots)
+_SWA_LONG = 2048  # beyond this many tokens of a slot, SWA_SLOT_BYTES stops growing
 _DEFAULT_FFN = 4 * 4096  # a GGUF without feed_forward_length: a large model's
 _SWA_PAD = 256
 
@@ -340,13 +343,16 @@ def compute_bytes(model: CatalogModel) -> int:
     o = model.options
     ffn = model.info.feed_forward_length or _DEFAULT_FFN
     vocab = model.info.vocab_size or 0
-    swa = 0  # sliding-window cells the other slots attend over (unpadded)
+    swa = swa_long = 0  # sliding-window cells the other slots attend over (unpadded)
     if _swa_layers(model.info) and model.info.sliding_window:
         slot = o.context // o.parallel
         swa = min(slot, model.info.sliding_window + N_UBATCH) * (o.parallel - 1)
+        swa_long = max(0, min(slot, _SWA_LONG) - N_UBATCH)
     return int(FFN_TENSORS * N_UBATCH * ffn * LOGIT_BYTES
                + SLOT_VOCAB_BYTES * vocab * o.parallel
-               + CONTEXT_HEAD_BYTES * (model.info.head_count or 32) * (o.context // o.parallel)
+               + ATTENTION_SLOT_BYTES * (o.context // o.parallel)
+               + ATTENTION_CONTEXT_BYTES * o.context
+               + SWA_SLOT_BYTES * swa_long * o.parallel
                + SWA_STREAM_BYTES * swa)
 
 
