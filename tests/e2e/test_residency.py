@@ -147,13 +147,17 @@ def test_model_bigger_than_the_budget_fails_at_once(tmp_path_factory: pytest.Tem
 
 
 @pytest.mark.parametrize("model", [QWEN, GEMMA])
-def test_estimate_is_within_ten_percent_of_measured(host: Server, model: str) -> None:
+def test_the_estimate_is_a_worst_case_never_below_the_measured_peak(host: Server,
+                                                                    model: str) -> None:
+    """The estimate is the worker's worst case (docs/memory-estimate.md: within 5% of the
+    peak once prompts fill the slots); after a short request the peak is below it, but not
+    far below for these models."""
     assert _complete(host, model).status_code == 200
     wait_for(lambda: host.model(model)["measured_bytes"], 10, "a measurement")
     info = host.model(model)
     estimated, measured = info["estimated_bytes"], info["measured_bytes"]
-    print(f"{model}: estimated {estimated / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
-    assert abs(estimated - measured) <= 0.10 * measured
+    print(f"{model}: estimated {estimated / 2**20:.0f} MiB, peak {measured / 2**20:.0f} MiB")
+    assert measured <= estimated <= 1.3 * measured
 
 
 def test_ps_shows_the_running_server(host: Server) -> None:
