@@ -17,7 +17,7 @@ For each packaged model, context, slot count and embeddings setting it starts a 
 
 The measured peak is the kernel's high-water mark of the worker's resident memory
 (``VmHWM`` in ``/proc/PID/status``), read after the requests. The estimate must never be below
-it and at most 5% above it. Results go to benchmarks/results/estimate.json and the table in
+it and at most 5% above it. Results go to docs/benchmarks/estimate.json and the table in
 docs/memory-estimate.md.
 """
 
@@ -200,7 +200,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         "setting, about 30 minutes on 2 cores), then the long end, whole 32K slots:",
         "`python -m benchmarks.estimate --models gemma-3-270m --embeddings off --parallel 1 4",
         "--full-slot-only --full-slot-context 32768 --append --docs docs/memory-estimate.md`",
-        "(about 10 minutes). The raw rows are in benchmarks/results/estimate.json.",
+        "(about 10 minutes). The raw rows are in docs/benchmarks/estimate.json.",
         "",
         "Residency counts each model at its estimate: the worst case of its worker, every",
         "buffer it can grow to under the options it was started with (engines/llamacpp.py,",
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-slot-only", action="store_true", help="only fill one 8192-token slot")
     p.add_argument("--full-slot-context", type=int, default=8192, metavar="N",
                    help="the full slot's context (%(default)s)")
-    p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/estimate.json")
+    p.add_argument("--json", type=Path, default=ROOT / "docs/benchmarks/estimate.json")
     p.add_argument("--docs", type=Path, default=None, help="write the table here")
     p.add_argument("--append", action="store_true",
                    help="add the rows measured to those already in --json")
