@@ -135,6 +135,19 @@ def test_models_listing_without_workers(client: TestClient) -> None:
         ("/v1/completions", {"prompt": [-1]}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/embeddings", {"input": [-5]}, "input"),
+        # work and output multipliers are bounded
+        ("/v1/completions", {"prompt": "a", "max_tokens": 16, "n_probs": 300000}, "n_probs"),
+        ("/v1/chat/completions", {"messages": MSGS, "logprobs": True,
+                                  "top_logprobs": 300000}, "top_logprobs"),
+        ("/v1/embeddings", {"input": ["a"] * 2049}, "input"),
+        ("/v1/embeddings", {"input": [[1]] * 2049}, "input"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}},
+         "logit_bias"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": [[i, 1] for i in range(1025)]},
+         "logit_bias"),
+        ("/v1/chat/completions", {"messages": MSGS, "tools": [
+            {"type": "function", "function": {"name": f"f{i}", "description": "x" * 1000}}
+            for i in range(300)]}, "tools"),
     ],
 )
 def test_what_the_front_can_know_is_wrong_is_400_naming_the_field(

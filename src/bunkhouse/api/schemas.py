@@ -35,6 +35,9 @@ def Number(lo: float, hi: float) -> Any:
     return Annotated[float, BeforeValidator(_number), Field(ge=lo, le=hi)]
 
 
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request (OpenAI's documented limit)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (each is work per sampled token)
+
 Stop = StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None  # OpenAI: up to 4
 
 
@@ -56,8 +59,10 @@ class _Request(BaseModel):
     frequency_penalty: Number(-2, 2) | None = None  # type: ignore[valid-type]
     seed: StrictInt | None = None
     # OpenAI's map of token id to bias, or llama.cpp's list of [token or text, bias] pairs.
-    logit_bias: (dict[Annotated[str, Field(pattern=r"^\d{1,10}$")], Number(-100, 100)]  # type: ignore[valid-type]
-                 | list[Any] | None) = None
+    logit_bias: (Annotated[dict[Annotated[str, Field(pattern=r"^\d{1,10}$")],
+                                Number(-100, 100)],  # type: ignore[valid-type]
+                           Field(max_length=MAX_LOGIT_BIAS)]
+                 | Annotated[list[Any], Field(max_length=MAX_LOGIT_BIAS)] | None) = None
     user: StrictStr | None = None
 
 
@@ -156,8 +161,10 @@ Tokens = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class EmbeddingRequest(_Request):
-    input: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | Tokens
-            | Annotated[list[Tokens], Field(min_length=1)])
+    input: (NonEmptyText
+            | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+            | Tokens
+            | Annotated[list[Tokens], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: StrictInt | None = Field(default=None, ge=1)
 
@@ -165,12 +172,13 @@ class EmbeddingRequest(_Request):
 # A union's first error names one branch (``input.str``); these say what is accepted instead.
 _UNION_MESSAGES = {
     "input": "must be a non-empty string, a non-empty list of non-empty strings, a "
-             "non-empty list of token ids (>= 0), or a list of such lists",
+             "non-empty list of token ids (>= 0), or a list of such lists; at most "
+             f"{MAX_EMBEDDING_INPUTS} inputs",
     "prompt": "must be a string, a non-empty list of strings, a non-empty list of token ids "
               "(>= 0), or a list of such lists",
     "stop": "must be a string or a list of at most 4 strings",
     "logit_bias": "must map token ids to biases from -100 to 100 (or be llama.cpp's list of "
-                  "[token, bias] pairs)",
+                  f"[token, bias] pairs), at most {MAX_LOGIT_BIAS} of them",
     "content": "must be a string, null, or a list of content parts, each an object whose "
                "type is one of " + ", ".join(PART_TYPES),
 }

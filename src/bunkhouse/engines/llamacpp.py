@@ -74,7 +74,8 @@ _EXTENSION_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def check_extensions(body: dict[str, Any]) -> None:
-    """Raise InvalidRequest naming an extension field given with the wrong JSON type."""
+    """Raise InvalidRequest naming an extension field given with the wrong JSON type, or
+    beyond its bound (:data:`EXTENSION_BOUNDS`)."""
     for name, types in _EXTENSION_TYPES.items():
         value = body.get(name)
         if value is None:
@@ -83,6 +84,14 @@ def check_extensions(body: dict[str, Any]) -> None:
         if wrong or not isinstance(value, types):
             kinds = " or ".join(_JSON_NAMES[t] for t in types)
             raise InvalidRequest(f"{name} must be {kinds}", param=name)
+        bounds = EXTENSION_BOUNDS.get(name)
+        if bounds is not None and isinstance(value, int) and not bounds[0] <= value <= bounds[1]:
+            raise InvalidRequest(f"{name} must be from {bounds[0]} to {bounds[1]}", param=name)
+
+
+# Extension fields that multiply work or output, bounded: n_probs as OpenAI bounds
+# top_logprobs (each token's answer carries that many alternatives).
+EXTENSION_BOUNDS: dict[str, tuple[int, int]] = {"n_probs": (0, 20)}
 
 
 _JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",

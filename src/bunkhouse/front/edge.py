@@ -15,6 +15,7 @@ what depends on the model and on field aliases, and builds the body the worker g
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 from pydantic import BaseModel
@@ -38,6 +39,7 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
             _check_message(model, i, message)
         if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        _check_tools_size(body.get("tools"))
     if path == "/v1/embeddings":
         _check_embeddings(model, body)
     engine = engine_for(model)
@@ -49,6 +51,15 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
 @functools.cache
 def _forwarded_fields(schema: type[BaseModel], engine: str) -> frozenset[str]:
     return known_fields(schema) | ENGINES[engine].forwarded_fields()
+
+
+MAX_TOOLS_BYTES = 256 * 1024  # the tools' JSON: the template renders them into every prompt
+
+
+def _check_tools_size(tools: Any) -> None:
+    if tools and len(json.dumps(tools, ensure_ascii=False).encode()) > MAX_TOOLS_BYTES:
+        raise InvalidRequest(f"tools take more than {MAX_TOOLS_BYTES // 1024} KiB of JSON; "
+                             "send fewer or shorter tool definitions", param="tools")
 
 
 def _check_embeddings(model: CatalogModel, body: dict[str, Any]) -> None:
