@@ -45,7 +45,7 @@ from bunkhouse.errors import ConfigError
 
 DEFAULT_ENGINE = "llama.cpp"
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,11 +126,17 @@ def default_cache_dir() -> Path:
 
 
 def check_model_id(model_id: str, where: str) -> str:
-    if not _ID_RE.match(model_id):
+    """``model_id`` if it is 1-128 letters, digits and ``. _ : / -``, starting with a letter
+    or digit, and survives a trip through a URL path (no empty, ``.`` or ``..`` segment,
+    which clients collapse); else ConfigError."""
+    if not _ID_RE.fullmatch(model_id):
         raise ConfigError(
             f"{where}: model id {model_id!r} must be 1-128 characters of letters, digits "
             "and . _ : / - (starting with a letter or digit)"
         )
+    if any(part in ("", ".", "..") for part in model_id.split("/")):
+        raise ConfigError(f"{where}: model id {model_id!r} has an empty, '.' or '..' path "
+                          "segment, which no URL can reach; name it without one")
     return model_id
 
 

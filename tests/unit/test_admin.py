@@ -142,6 +142,9 @@ def test_bad_bodies_are_400(admin: Setup) -> None:
     assert _register(admin, str(admin.root / "ok.gguf"), colour="red").status_code == 400
     assert _register(admin, 42).status_code == 400
     assert _register(admin, str(admin.root / "ok.gguf"), model_id="bad id!").status_code == 400
+    for unreachable in ("abc\n", "a/../b", "a//b", "a/."):  # no URL reaches these ids
+        resp = _register(admin, str(admin.root / "ok.gguf"), model_id=unreachable)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "id", resp.text
     assert _register(admin, str(admin.root / "ok.gguf"), parallel=0).status_code == 400
 
 
