@@ -3,6 +3,7 @@ memory sampling, and the engine's own server as a peer."""
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -20,7 +21,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bunkhouse.catalog import CatalogModel, build_catalog
+from bunkhouse.catalog import Catalog, CatalogModel, build_catalog
 from bunkhouse.config import Settings
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
@@ -134,7 +135,14 @@ def bunkhouse_argv() -> list[str]:
 
 
 def packaged(model_id: str) -> CatalogModel:
-    return build_catalog(Settings()).get(model_id)
+    return _packaged_catalog().get(model_id)
+
+
+@functools.cache
+def _packaged_catalog() -> Catalog:
+    """Built once per run: a build reads every model file's header (and, the first time,
+    assembles and checks the packaged files)."""
+    return build_catalog(Settings())
 
 
 @contextmanager

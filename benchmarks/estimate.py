@@ -46,6 +46,7 @@ from bunkhouse.engines.llamacpp import (
     SWA_STREAM_BYTES,
 )
 from bunkhouse.residency.estimate import estimate
+from bunkhouse.supervisor.handle import process_memory
 from bunkhouse.supervisor.launcher import LocalLauncher
 from bunkhouse.supervisor.process import LaunchOptions, WorkerProcess
 
@@ -62,17 +63,10 @@ _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "
 
 def hwm_bytes(pid: int) -> int:
     """The process's peak resident set (VmHWM), bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    memory = process_memory(pid)
+    if memory is None:
+        raise RuntimeError(f"pid {pid} is gone")
+    return memory.peak
 
 
 async def text_of(worker: WorkerProcess, tokens: int, salt: int) -> str:
@@ -124,7 +118,8 @@ async def drive(worker: WorkerProcess, model: CatalogModel,
                   for salt in range(min(o.parallel, max(1, MICRO_BATCH // embed_tokens)))]
         await post("/v1/embeddings", {"input": inputs})
         steps["embeddings"] = hwm_bytes(pid)
-    steps["rss_end"] = rss_bytes(pid)
+    end = process_memory(pid)
+    steps["rss_end"] = end.resident if end else 0
     return steps, longest
 
 

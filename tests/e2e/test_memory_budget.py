@@ -14,6 +14,7 @@ import pytest
 
 from bunkhouse.catalog import Catalog
 from bunkhouse.residency.estimate import estimate
+from bunkhouse.supervisor.handle import process_memory
 from tests.e2e.server import Server, serve
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
@@ -24,10 +25,9 @@ CONTEXT = 1024
 
 def _peak(pid: int) -> int:
     """A worker's resident high-water mark (VmHWM), bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmHWM for pid {pid}")
+    memory = process_memory(pid)
+    assert memory is not None, f"pid {pid} is gone"
+    return memory.peak
 
 
 def _post(server: Server, path: str, body: dict[str, object]) -> httpx.Response:

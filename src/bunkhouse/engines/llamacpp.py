@@ -193,14 +193,14 @@ class LlamaCppClient:
     async def health(self, timeout_s: float) -> bool:
         try:
             return (await self._get("/health", timeout_s)).status_code == 200
-        except (EngineUnavailable, httpx.TimeoutException):
+        except EngineUnavailable:
             return False
 
     async def probe(self, timeout_s: float) -> bool:
         # /slots is served by the engine's scheduling loop; /health by the HTTP thread alone.
         try:
             return (await self._get("/slots", timeout_s)).status_code == 200
-        except (EngineUnavailable, httpx.HTTPError):
+        except EngineUnavailable:
             return False
 
     async def count_tokens(self, prompt: str | Messages) -> int:
@@ -317,12 +317,16 @@ def _pad(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def _swa_stream(info: GGUFInfo, slot: int) -> int:
+    """Tokens a slot's sliding-window layers attend over: its context, capped at window + one
+    micro-batch."""
+    return min(slot, (info.sliding_window or slot) + N_UBATCH)
+
+
 def _swa_cells(info: GGUFInfo, context: int, parallel: int) -> int:
     """Cells of each sliding-window layer: every slot has its own stream (``kv_unified`` is
-    off), of its slot's context capped at window + one micro-batch, padded to 256
-    (llama.cpp's llama_kv_cache_iswa)."""
-    window = info.sliding_window or context
-    return parallel * _pad(min(context // parallel, window + N_UBATCH), _SWA_PAD)
+    off), padded to 256 (llama.cpp's llama_kv_cache_iswa)."""
+    return parallel * _pad(_swa_stream(info, context // parallel), _SWA_PAD)
 
 
 def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int) -> int:
@@ -353,9 +357,9 @@ def compute_bytes(model: CatalogModel) -> int:
     ffn = model.info.feed_forward_length or _DEFAULT_FFN
     vocab = model.info.vocab_size or 0
     swa = swa_long = 0  # sliding-window cells the other slots attend over (unpadded)
-    if _swa_layers(model.info) and model.info.sliding_window:
+    if _swa_layers(model.info):
         slot = o.context // o.parallel
-        swa = min(slot, model.info.sliding_window + N_UBATCH) * (o.parallel - 1)
+        swa = _swa_stream(model.info, slot) * (o.parallel - 1)
         swa_long = max(0, min(slot, _SWA_LONG) - N_UBATCH)
     return int(FFN_TENSORS * N_UBATCH * ffn * LOGIT_BYTES
                + SLOT_VOCAB_BYTES * vocab * o.parallel

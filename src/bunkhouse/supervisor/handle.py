@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import psutil
+
 from bunkhouse.engines.contract import EngineClient
 
 
@@ -31,6 +33,26 @@ class WorkerMemory:
 
     resident: int
     peak: int
+
+
+def process_memory(pid: int) -> WorkerMemory | None:
+    """A local process's resident memory now and its high-water mark, from one read of
+    ``/proc/PID/status`` (Linux); elsewhere psutil's RSS stands for both. None if the
+    process is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+        resident = int(fields["VmRSS"].split()[0]) * 1024
+        return WorkerMemory(resident, max(resident, int(fields["VmHWM"].split()[0]) * 1024))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, IndexError):
+        try:
+            rss = int(psutil.Process(pid).memory_info().rss)
+        except psutil.Error:
+            return None
+        return WorkerMemory(rss, rss)
+    return None
 
 
 class WorkerHandle(Protocol):

@@ -20,14 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 
 from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import EngineClient
 from bunkhouse.errors import WorkerLoadFailed
-from bunkhouse.supervisor.handle import Placement, WorkerMemory
+from bunkhouse.supervisor.handle import Placement, WorkerMemory, process_memory
 
 log = logging.getLogger(__name__)
 
@@ -158,11 +157,7 @@ class WorkerProcess:
         """The worker process's resident memory now and at its peak (None once it stopped)."""
         if self.pid is None or self.state not in (WorkerState.STARTING, WorkerState.READY):
             return None
-        try:
-            resident = int(psutil.Process(self.pid).memory_info().rss)
-        except psutil.Error:
-            return None
-        return WorkerMemory(resident, max(resident, _peak_rss(self.pid)))
+        return process_memory(self.pid)
 
     def _set_state(self, new: WorkerState, reason: str) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -297,14 +292,3 @@ async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, model_id:
         proc.kill()
     await proc.wait()
 
-
-def _peak_rss(pid: int) -> int:
-    """The process's resident high-water mark (Linux ``VmHWM``), bytes; 0 if unknown."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
