@@ -127,6 +127,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-root", action="append", default=[], type=Path,
                        metavar="DIR", help="where runtime-registered model files may live "
                                            "(repeatable; default: the --models-dir roots)")
+    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                       help="also serve requests whose Host is NAME (repeatable; .example.com "
+                            "for every name under it, * for any). Bound to a loopback address, "
+                            "only localhost and IP addresses are served: a web page cannot "
+                            "reach this server through DNS rebinding")
     serve.add_argument("--max-body", type=_size, default=defaults.MAX_BODY_BYTES,
                        metavar="SIZE",
                        help="largest request body; larger ones get 413 (16MiB)")
@@ -212,6 +217,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             settings,
             allow_runtime_load=args.allow_runtime_load,
             allowed_roots=tuple(args.allowed_root),
+            allowed_hosts=tuple(args.allowed_host),
             api_keys=_keys(args.api_key, args.api_key_file, "BUNKHOUSE_API_KEYS"),
             admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS"),
             max_body_bytes=args.max_body,
@@ -259,6 +265,7 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     from bunkhouse.front.admission import ComputeGate
     from bunkhouse.front.app import build_app
     from bunkhouse.front.auth import Keys
+    from bunkhouse.front.site import SitePolicy, is_loopback_bind
     from bunkhouse.residency.estimate import default_budget_bytes
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
     from bunkhouse.supervisor.launcher import LocalLauncher
@@ -287,7 +294,11 @@ def serve(settings: Settings, catalog: Catalog) -> int:
                         allow_runtime_load=settings.allow_runtime_load,
                         roots=settings.allowed_roots or settings.models_dirs,
                         defaults=settings.defaults,
-                        drain_grace_s=settings.stop_grace_s))
+                        drain_grace_s=settings.stop_grace_s),
+                    site=SitePolicy.for_bind(settings.host, settings.allowed_hosts))
+    if not is_loopback_bind(settings.host) and not settings.api_keys:
+        log.warning("listening on %s without --api-key: anyone who can reach this address "
+                    "can use every model; set keys (docs/security.md)", settings.host)
     if settings.allow_runtime_load and not settings.admin_keys:
         log.warning("--allow-runtime-load has no effect without an --admin-key")
     if settings.api_keys:

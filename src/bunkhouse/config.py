@@ -110,6 +110,7 @@ class Settings:
     max_body_bytes: int = d.MAX_BODY_BYTES
     allow_runtime_load: bool = False  # POST /v1/models by path (admin key needed as well)
     allowed_roots: tuple[Path, ...] = ()  # for runtime paths; empty: the model roots
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides local ones (front/site.py)
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     ready_timeout_s: float = d.READY_TIMEOUT_S
     stop_grace_s: float = d.STOP_GRACE_S

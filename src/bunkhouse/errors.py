@@ -28,6 +28,10 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
 Lower layers raise these with ``raise ... from`` the original exception; the HTTP edge turns
 them into ``{"error": {"message", "type", "code", "param"}}`` in one place
 (:func:`error_body`). Nothing matches on message text.
+
+``message`` is what any caller may read: it names no server path and quotes no file or
+process output. What only the operator should see (a worker's last output lines, a file's
+path) goes in ``detail``: the log always has it, and an admin-key caller gets it appended.
 """
 
 from __future__ import annotations
@@ -42,10 +46,16 @@ class BunkhouseError(Exception):
     type: ClassVar[str] = "server_error"
     code: ClassVar[str] = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None,
+                 detail: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.detail = detail  # for the log and admin-key callers only (module doc)
+
+    def full_message(self) -> str:
+        """The message with its detail: for the log and for admin-key callers."""
+        return f"{self.message}\n{self.detail}" if self.detail else self.message
 
     def headers(self) -> dict[str, str]:
         """Extra HTTP headers that go with this error (e.g. ``Retry-After``)."""
@@ -132,7 +142,7 @@ class MethodNotAllowed(BunkhouseError):
 
 
 class WorkerLoadFailed(BunkhouseError):
-    """A worker did not become ready; the message quotes the last lines of its stderr."""
+    """A worker did not become ready; the detail quotes the last lines of its output."""
 
     status = 503
     code = "model_load_failed"
@@ -183,9 +193,10 @@ class EngineUnavailable(BunkhouseError):
     code = "engine_unavailable"
 
 
-def error_body(err: BunkhouseError) -> dict[str, Any]:
-    """The OpenAI-style envelope for ``err``."""
-    return envelope(err.message, err.type, err.code, err.param)
+def error_body(err: BunkhouseError, *, detail: bool = False) -> dict[str, Any]:
+    """The OpenAI-style envelope for ``err``; with its detail only when ``detail``."""
+    return envelope(err.full_message() if detail else err.message, err.type, err.code,
+                    err.param)
 
 
 def envelope(

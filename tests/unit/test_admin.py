@@ -60,7 +60,7 @@ def _make(tmp_path: Path, allow: bool) -> Iterator[Setup]:
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
     app = build_app(catalog, residency, keys=Keys(["client-key"], ["admin-key"]),
                     admin_options=AdminOptions(allow_runtime_load=allow, roots=(root,)))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         yield Setup(client, root, outside, starts, failing, residency)
 
 
@@ -165,13 +165,13 @@ def test_a_failed_registration_leaves_no_ghost_and_a_new_one_gets_a_fresh_slot_g
         admin: Setup) -> None:
     admin.failing.add("bad.gguf")
     assert _register(admin, str(admin.root / "bad.gguf"), parallel=1).status_code == 400
-    assert "rt" not in admin.client.get("/health").json()["models"]
+    assert "rt" not in admin.client.get("/health", headers=CLIENT).json()["models"]
     stats = admin.client.get("/stats", headers=CLIENT).json()
     assert "rt" not in [m["id"] for m in stats["models"]]
     resp = _register(admin, str(admin.root / "ok.gguf"), parallel=3, queue=5)
     assert resp.status_code == 200, resp.text
     assert resp.json()["parallel"] == 3 and resp.json()["queue"] == 5
-    assert admin.client.get("/health").json()["models"]["rt"] == "ready"
+    assert admin.client.get("/health", headers=CLIENT).json()["models"]["rt"] == "ready"
     assert admin.client.delete("/v1/models/rt", headers=ADMIN).status_code == 204
     assert _register(admin, str(admin.root / "ok.gguf"), parallel=2).status_code == 200
     assert admin.residency is not None and admin.residency.slots("rt").slots == 2

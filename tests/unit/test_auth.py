@@ -18,7 +18,8 @@ KEYS = Keys(client=["client-secret"], admin=["admin-secret"])
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    with TestClient(app_without_workers(tmp_path, keys=KEYS, max_body_bytes=1000)) as c:
+    with TestClient(app_without_workers(tmp_path, keys=KEYS, max_body_bytes=1000),
+                    base_url="http://localhost") as c:
         yield c
 
 
@@ -87,3 +88,34 @@ def test_deeply_nested_json_is_400(client: TestClient) -> None:
     body = b'{"prompt": "x", "x": ' + b"[" * 70 + b"]" * 70 + b"}"
     resp = client.post("/v1/completions", content=body, headers=headers)
     assert resp.status_code == 400 and "nests deeper" in resp.json()["error"]["message"]
+
+
+def test_every_route_is_in_the_access_table_and_the_table_names_no_dead_route(
+        tmp_path: Path) -> None:
+    from starlette.routing import Route
+
+    from bunkhouse.front.auth import ACCESS
+    app = app_without_workers(tmp_path, keys=KEYS)
+    served = {(m, r.path) for r in app.routes if isinstance(r, Route) for m in r.methods or ()
+              if m != "HEAD"}
+    assert served == set(ACCESS)
+    assert {p for (_, p), level in ACCESS.items() if level is Level.OPEN} == {
+        "/health", "/openapi.json"}
+    inference = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
+    assert all(level is Level.ADMIN for (m, p), level in ACCESS.items()
+               if m in ("POST", "DELETE") and p not in inference)
+
+
+def test_health_shows_model_states_only_to_a_client_level_caller(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health", headers={"x-api-key": "wrong"}).json() == {"status": "ok"}
+    for key in ("client-secret", "admin-secret"):
+        assert "models" in client.get("/health", headers={"x-api-key": key}).json()
+
+
+def test_level_of() -> None:
+    assert KEYS.level_of(_request({})) is Level.OPEN
+    assert KEYS.level_of(_request({"x-api-key": "client-secret"})) is Level.CLIENT
+    assert KEYS.level_of(_request({"authorization": "Bearer admin-secret"})) is Level.ADMIN
+    assert Keys().level_of(_request({})) is Level.CLIENT  # no client key: inference is open
+    assert Keys().level_of(_request({"x-api-key": "x"})) is Level.CLIENT

@@ -14,7 +14,7 @@ from tests.helpers import app_without_workers
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    with TestClient(app_without_workers(tmp_path)) as c:
+    with TestClient(app_without_workers(tmp_path), base_url="http://localhost") as c:
         yield c
 
 
@@ -160,7 +160,7 @@ def test_chat_on_a_model_without_a_template_is_400_saying_how_to_fix_it(tmp_path
     from tests.helpers import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "base.gguf", chat_template=None)
-    with TestClient(app_without_workers(tmp_path)) as c:
+    with TestClient(app_without_workers(tmp_path), base_url="http://localhost") as c:
         err = _assert_envelope(c.post("/v1/chat/completions", json={
             "model": "base", "messages": MSGS}), 400, "invalid_request")
     assert err["param"] == "messages" and "chat_template" in str(err["message"])

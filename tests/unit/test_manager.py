@@ -46,6 +46,7 @@ class FakeWorker:
         self.engine = LlamaCppClient(transport or httpx.MockTransport(self._slots), m.id)
         self.on_exit: Callable[[], None] | None = None
         self.exit_cause: str | None = None
+        self.exit_detail: str | None = None
         self.answers = True  # to probes
 
     def _slots(self, request: httpx.Request) -> httpx.Response:

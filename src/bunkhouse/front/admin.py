@@ -107,8 +107,8 @@ class Admin:
         except BaseException as e:
             self.residency.discard(model.id)  # catalog entry, residency entry, slot gate
             if isinstance(e, WorkerLoadFailed):
-                raise InvalidRequest(f"{body.path} is not a loadable model: {e.message}",
-                                     param="path") from e
+                raise InvalidRequest(f"{body.path} is not a loadable model: "  # admins only
+                                     f"{e.full_message()}", param="path") from e
             raise
         log.info("model %s: registered at runtime from %s", model.id, model.path)
         return JSONResponse(self.describe(model))

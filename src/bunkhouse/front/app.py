@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -37,10 +38,11 @@ from bunkhouse.errors import (
 )
 from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
-from bunkhouse.front.auth import Keys, Level
+from bunkhouse.front.auth import Keys, Level, access
 from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
 from bunkhouse.front.proxy import forward, stream_broke
+from bunkhouse.front.site import SiteGuard, SitePolicy
 from bunkhouse.residency.manager import Lease, ResidencyManager
 
 log = logging.getLogger(__name__)
@@ -54,11 +56,13 @@ class Front:
     """Route handlers over one catalog and one residency manager."""
 
     def __init__(self, catalog: Catalog, residency: ResidencyManager,
-                 compute: ComputeGate, max_body_bytes: int = DEFAULT_MAX_BODY) -> None:
+                 compute: ComputeGate, max_body_bytes: int = DEFAULT_MAX_BODY,
+                 keys: Keys | None = None) -> None:
         self.catalog = catalog
         self.residency = residency
         self.compute = compute
         self.max_body_bytes = max_body_bytes
+        self.keys = keys or Keys()
 
     def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
@@ -119,9 +123,11 @@ class Front:
 
         return broken
 
-    def model_object(self, model: CatalogModel) -> dict[str, Any]:
+    def model_object(self, model: CatalogModel, *, detail: bool = False) -> dict[str, Any]:
+        """The model as ``GET /v1/models/{id}`` shows it; ``detail`` (admin-key callers only)
+        adds ``last_error_detail``, the failed worker's last output."""
         status = self.residency.status(model.id)
-        return {
+        described = {
             "id": model.id,
             "object": "model",
             "created": model.modified,
@@ -147,15 +153,27 @@ class Front:
             "pid": status.pid,
             "last_error": status.last_error,
         }
+        if detail:
+            described["last_error_detail"] = status.last_error_detail
+        return described
+
+    def _admin(self, request: Request) -> bool:
+        return self.keys.level_of(request) is Level.ADMIN
 
     async def list_models(self, request: Request) -> Response:
-        data = [self.model_object(m) for m in self.catalog]
+        detail = self._admin(request)
+        data = [self.model_object(m, detail=detail) for m in self.catalog]
         return JSONResponse({"object": "list", "data": data})
 
     async def get_model(self, request: Request) -> Response:
-        return JSONResponse(self.model_object(self.catalog.get(request.path_params["model_id"])))
+        model = self.catalog.get(request.path_params["model_id"])
+        return JSONResponse(self.model_object(model, detail=self._admin(request)))
 
     async def health(self, request: Request) -> Response:
+        """Liveness, open to all; each model's state only to a caller the client key (or
+        its absence) admits."""
+        if self.keys.level_of(request) < Level.CLIENT:
+            return JSONResponse({"status": "ok"})
         states = {s.id: s.state for s in self.residency.statuses()}
         return JSONResponse({"status": "ok", "models": states})
 
@@ -167,7 +185,8 @@ class Front:
             "used_bytes": used,
             "free_bytes": budget - used,
             "peak_used_bytes": r.peak_bytes,
-            "models": [self.model_object(m) for m in self.catalog],
+            "models": [self.model_object(m, detail=self._admin(request))
+                       for m in self.catalog],
             "event_counts": r.events.counts,
             "events": [e.as_dict() for e in r.events.recent(100)],
         })
@@ -201,38 +220,55 @@ class _Held:
             self._releases.pop()()
 
 
-async def _bunkhouse_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, BunkhouseError)
-    if exc.status >= 500 and not isinstance(exc, ShuttingDown):  # a stop is no error
-        log.error("%s %s: %s", request.method, request.url.path, exc.message)
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers())
+Handler = Callable[[Request, Exception], Awaitable[Response]]
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    err: BunkhouseError
-    if exc.status_code == 405:
-        err = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
-    else:
-        err = NotFound(f"no route {request.method} {request.url.path}")
-    return await _bunkhouse_error(request, err)
+def _error_handlers(keys: Keys) -> dict[Any, Handler]:
+    """Every error rendered once, here: the detail of an error (a worker's output, server
+    paths) only to an admin-key caller, and always to the log."""
 
+    async def bunkhouse_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, BunkhouseError)
+        if exc.status >= 500 and not isinstance(exc, ShuttingDown):  # a stop is no error
+            log.error("%s %s: %s", request.method, request.url.path[:200], exc.full_message())
+        elif exc.detail:
+            log.info("%s %s: %s", request.method, request.url.path[:200], exc.full_message())
+        body = error_body(exc, detail=keys.level_of(request) is Level.ADMIN)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers())
 
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return await _bunkhouse_error(request, BunkhouseError("internal error; see the server log"))
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        err: BunkhouseError
+        path = request.url.path[:200]
+        if exc.status_code == 405:
+            err = MethodNotAllowed(f"{request.method} is not allowed on {path}")
+        else:
+            err = NotFound(f"no route {request.method} {path}")
+        return await bunkhouse_error(request, err)
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path[:200], exc_info=exc)
+        return await bunkhouse_error(request, BunkhouseError("internal error; see the server log"))
+
+    return {BunkhouseError: bunkhouse_error, HTTPException: http_error, Exception: unexpected}
 
 
 def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[str] = (),
               on_shutdown: Callable[[], None] | None = None,
               compute: ComputeGate | None = None, keys: Keys | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY,
-              admin_options: AdminOptions | None = None) -> Starlette:
-    front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes)
-    admin = Admin(catalog, residency, admin_options or AdminOptions(), front.model_object)
+              admin_options: AdminOptions | None = None,
+              site: SitePolicy | None = None) -> Starlette:
+    """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
+    default serves loopback names only, as when bound to 127.0.0.1."""
     keys = keys or Keys()
-    client = functools.partial(keys.guard, Level.CLIENT)
-    control = functools.partial(keys.guard, Level.ADMIN)
+    front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys)
+    admin = Admin(catalog, residency, admin_options or AdminOptions(),
+                  functools.partial(front.model_object, detail=True))
+
+    def route(method: str, path: str, handler: Callable[[Request], Awaitable[Response]]
+              ) -> Route:
+        return Route(path, keys.guard(access(method, path), handler), methods=[method])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -253,25 +289,18 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
                 on_shutdown()
 
     routes = [
-        Route("/v1/chat/completions",
-              client(front.generation("/v1/chat/completions", ChatCompletionRequest)),
-              methods=["POST"]),
-        Route("/v1/completions",
-              client(front.generation("/v1/completions", CompletionRequest)), methods=["POST"]),
-        Route("/v1/embeddings",
-              client(front.generation("/v1/embeddings", EmbeddingRequest)), methods=["POST"]),
-        Route("/v1/models", client(front.list_models), methods=["GET"]),
-        Route("/v1/models", control(admin.register), methods=["POST"]),
-        Route("/v1/models/{model_id:path}/{action}", control(admin.action), methods=["POST"]),
-        Route("/v1/models/{model_id:path}", client(front.get_model), methods=["GET"]),
-        Route("/v1/models/{model_id:path}", control(admin.delete), methods=["DELETE"]),
-        Route("/health", front.health, methods=["GET"]),
-        Route("/stats", client(front.stats), methods=["GET"]),
-        Route("/openapi.json", _openapi, methods=["GET"]),
+        route("POST", "/v1/chat/completions",
+              front.generation("/v1/chat/completions", ChatCompletionRequest)),
+        route("POST", "/v1/completions", front.generation("/v1/completions", CompletionRequest)),
+        route("POST", "/v1/embeddings", front.generation("/v1/embeddings", EmbeddingRequest)),
+        route("GET", "/v1/models", front.list_models),
+        route("POST", "/v1/models", admin.register),
+        route("POST", "/v1/models/{model_id:path}/{action}", admin.action),
+        route("GET", "/v1/models/{model_id:path}", front.get_model),
+        route("DELETE", "/v1/models/{model_id:path}", admin.delete),
+        route("GET", "/health", front.health),
+        route("GET", "/stats", front.stats),
+        route("GET", "/openapi.json", _openapi),
     ]
-    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-        BunkhouseError: _bunkhouse_error,
-        HTTPException: _http_error,
-        Exception: _unexpected,
-    }
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    return Starlette(routes=routes, exception_handlers=_error_handlers(keys), lifespan=lifespan,
+                     middleware=[Middleware(SiteGuard, policy=site or SitePolicy())])

@@ -1,10 +1,13 @@
-"""API keys at the HTTP edge.
+"""API keys at the HTTP edge, and the access table: who may call which route.
 
 Two kinds of key: client keys open the inference endpoints; admin keys open those and the
 control endpoints. With no client key configured the inference endpoints are open (as
 Ollama, llama-server and LM Studio are by default); control endpoints always need an admin
 key. A key is read from ``Authorization: Bearer KEY`` or ``x-api-key: KEY``, compared in
 constant time against every configured key, and never logged.
+
+:data:`ACCESS` names the level of every route, in one place; the app is built from it, and a
+route missing from it is an error at startup (docs/security.md prints the same table).
 """
 
 from __future__ import annotations
@@ -21,10 +24,36 @@ from bunkhouse.errors import Forbidden, Unauthorized
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-class Level(enum.Enum):
-    OPEN = "open"  # liveness
-    CLIENT = "client"  # inference, listings
-    ADMIN = "admin"  # runtime control
+class Level(enum.IntEnum):
+    OPEN = 0  # liveness, the API description
+    CLIENT = 1  # inference, listings, stats: open when no client key is configured
+    ADMIN = 2  # every change of state: off when no admin key is configured
+
+
+ACCESS: dict[tuple[str, str], Level] = {
+    ("GET", "/health"): Level.OPEN,  # model detail only to a CLIENT-level caller
+    ("GET", "/openapi.json"): Level.OPEN,
+    ("POST", "/v1/chat/completions"): Level.CLIENT,
+    ("POST", "/v1/completions"): Level.CLIENT,
+    ("POST", "/v1/embeddings"): Level.CLIENT,
+    ("GET", "/v1/models"): Level.CLIENT,
+    ("GET", "/v1/models/{model_id:path}"): Level.CLIENT,
+    ("GET", "/stats"): Level.CLIENT,
+    ("POST", "/v1/models"): Level.ADMIN,
+    ("POST", "/v1/models/{model_id:path}/{action}"): Level.ADMIN,
+    ("DELETE", "/v1/models/{model_id:path}"): Level.ADMIN,
+}
+"""(method, route path) → the level a caller needs. Internal detail (a worker's output, server
+paths) goes only to ADMIN-level callers, whatever the route."""
+
+
+def access(method: str, path: str) -> Level:
+    """The level ``method path`` needs; KeyError for a route the table does not name."""
+    try:
+        return ACCESS[(method, path)]
+    except KeyError:
+        raise KeyError(f"route {method} {path} is not in the access table "
+                       "(bunkhouse.front.auth.ACCESS); add it") from None
 
 
 def _matches(candidate: str, keys: Iterable[str]) -> bool:
@@ -69,6 +98,15 @@ class Keys:
             raise Unauthorized("the API key is not valid")
         if not (is_admin or _matches(key, self.client)):
             raise Unauthorized("the API key is not valid")
+
+    def level_of(self, request: Request) -> Level:
+        """The highest level the request's key (or its absence) opens; never raises."""
+        key = presented_key(request)
+        if key is not None and self.admin and _matches(key, self.admin):
+            return Level.ADMIN
+        if not self.client or (key is not None and _matches(key, self.client)):
+            return Level.CLIENT
+        return Level.OPEN
 
     def guard(self, level: Level, handler: Handler) -> Handler:
         async def guarded(request: Request) -> Response:

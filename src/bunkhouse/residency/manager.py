@@ -115,7 +115,8 @@ class _Entry:
         self.loading: asyncio.Task[None] | None = None
         self.stopping: asyncio.Task[None] | None = None  # the drain under way
         self.on_absent: list[Callable[[], None]] = []
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # for any caller: no paths, no worker output
+        self.last_error_detail: str | None = None  # the worker's output: log and admins only
         self.retired = False  # being deleted: admits nothing new, ever
         # supervision
         self.spawned_at = 0.0
@@ -154,6 +155,7 @@ class ModelStatus:
     last_used: float | None  # wall clock, None if never used
     pid: int | None
     last_error: str | None
+    last_error_detail: str | None = None  # for admin-key callers only
 
 
 class Lease:
@@ -208,6 +210,7 @@ class ResidencyManager:
             measured_bytes=e.measured, pinned=e.pinned, leases=e.leases,
             last_used=e.last_used + self._wall_offset if e.last_used else None,
             pid=e.worker.placement.pid if e.worker else None, last_error=e.last_error,
+            last_error_detail=e.last_error_detail,
         )
 
     def statuses(self) -> list[ModelStatus]:
@@ -531,7 +534,7 @@ class ResidencyManager:
         entry.worker = worker
         memory = worker.memory()
         entry.measured = memory.peak if memory else None
-        entry.last_error = None
+        entry.last_error = entry.last_error_detail = None
         entry.next_delay_s = 0.0
         entry.probe_failures = entry.failed_requests = 0
         entry.ready_at = self._clock()
@@ -552,7 +555,7 @@ class ResidencyManager:
         if entry.state is State.LOADING and cancelled:
             self._set_state(entry, State.ABSENT, error.message)
         elif entry.state is State.LOADING:
-            self._count_failure(entry, error.message)
+            self._count_failure(entry, error.message, detail=error.detail)
             self._set_state(entry, State.FAILED, error.message)
         self._wake(entry, error)
 
@@ -619,20 +622,22 @@ class ResidencyManager:
             return
         cause = worker.exit_cause or f"worker ({worker.placement}) exited"
         if entry.died is worker:  # already counted: only a better cause may come later
-            entry.last_error = cause
+            entry.last_error, entry.last_error_detail = cause, worker.exit_detail
             return
         entry.died = worker
         self.events.emit(entry.model.id, "crashed", cause)
         if entry.state is State.DRAINING:  # it was being stopped anyway: no respawn
-            entry.last_error = cause
+            entry.last_error, entry.last_error_detail = cause, worker.exit_detail
             return
         served_s = self._clock() - entry.ready_at
-        may_retry = self._count_failure(entry, cause, served_s=served_s)
+        may_retry = self._count_failure(entry, cause, served_s=served_s,
+                                        detail=worker.exit_detail)
         self._set_state(entry, State.DRAINING, "crashed")
         entry.respawn = may_retry
         entry.stopping = self._spawn_task(self._finish_drain(entry, "crashed", crashed=True))
 
-    def _count_failure(self, entry: _Entry, cause: str, served_s: float = 0.0) -> bool:
+    def _count_failure(self, entry: _Entry, cause: str, served_s: float = 0.0,
+                       detail: str | None = None) -> bool:
         """Count a failure against the restart budget; True: it may be tried again. A worker
         that served for at least the budget's window ends a crash loop: earlier failures are
         forgotten. Past the budget the model is failed for the cool-down (it goes to
@@ -643,7 +648,7 @@ class ResidencyManager:
         entry.failures.append(now)
         quick = now - entry.spawned_at < self.options.restart.quick_death_s
         entry.quick_deaths = entry.quick_deaths + 1 if quick else 0
-        entry.last_error = cause
+        entry.last_error, entry.last_error_detail = cause, detail
         decision = restart.decide(self.options.restart, entry.failures, entry.quick_deaths, now)
         if isinstance(decision, restart.GiveUp):
             entry.failed_until = now + self.options.restart.cooldown_s

@@ -60,7 +60,8 @@ class WorkerHandle(Protocol):
     ``on_exit`` is called once after that."""
 
     on_exit: Callable[[], None] | None
-    exit_cause: str | None
+    exit_cause: str | None  # why it exited, for any caller (no output, no paths)
+    exit_detail: str | None  # its last output: for the log and admin-key callers
 
     @property
     def placement(self) -> Placement: ...

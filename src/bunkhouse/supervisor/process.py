@@ -118,7 +118,8 @@ class WorkerProcess:
         self._spawner = spawner
         self.state = WorkerState.NEW
         self.on_exit: Callable[[], None] | None = None  # called once if it dies while ready
-        self.exit_cause: str | None = None
+        self.exit_cause: str | None = None  # why it exited, for any caller
+        self.exit_detail: str | None = None  # its last output: for the log and admins
         self._proc: asyncio.subprocess.Process | None = None
         self._stderr: deque[str] = deque(maxlen=_STDERR_LINES)
         self._tasks: list[asyncio.Task[None]] = []
@@ -200,21 +201,19 @@ class WorkerProcess:
                 await self._drain_output()
                 raise WorkerLoadFailed(
                     f"model {self.model.id!r} failed to load (worker exited with code "
-                    f"{proc.returncode}){self._reason()}. Last lines of its output:\n"
-                    f"{self.stderr_tail()}"
-                )
+                    f"{proc.returncode}); the server log has its output",
+                    detail=f"{self._reason()}Last lines of its output:\n{self.stderr_tail()}")
         raise WorkerLoadFailed(
             f"model {self.model.id!r} was not ready within "
-            f"{self.launch.options.ready_timeout_s:.0f} s. "
-            f"Last lines of its output:\n{self.stderr_tail()}"
-        )
+            f"{self.launch.options.ready_timeout_s:.0f} s; the server log has its output",
+            detail=f"Last lines of its output:\n{self.stderr_tail()}")
 
     def _reason(self) -> str:
         """The worker's own one-line reason (``error: ...``, its last words before exit 3),
         put first: the engine may log more lines after it while it shuts down."""
         for line in reversed(self._stderr):
             if line.startswith("error: "):
-                return f": {line[len('error: '):]}"
+                return f"Its reason: {line[len('error: '):]}\n"
         return ""
 
     async def _healthy(self) -> bool:
@@ -239,8 +238,8 @@ class WorkerProcess:
         self._set_state(WorkerState.EXITED, f"exit code {code}")  # not alive from now on
         await self._drain_output()  # its last words make the cause
         self.exit_cause = f"worker exited with code {code}"
-        if self.stderr_tail(1):
-            self.exit_cause += f"; its last output: {self.stderr_tail(3)}"
+        self.exit_detail = f"its last output:\n{self.stderr_tail(3)}" if self.stderr_tail(1) \
+            else None
         log.error("model %s: worker pid %d exited unexpectedly with code %s; last output:\n%s",
                   self.model.id, proc.pid, code, self.stderr_tail())
         if self.on_exit is not None:
