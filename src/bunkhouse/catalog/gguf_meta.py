@@ -57,6 +57,7 @@ class GGUFInfo:
     vocab_size: int | None = None  # tokens in the vocabulary (the output layer's rows)
     feed_forward_length: int | None = None  # the FFN's hidden width
     pooling: bool = False  # an embedding model: it declares how it pools
+    split_count: int = 1  # files the model is split into (the engine finds them by name)
 
     @property
     def has_chat_template(self) -> bool:
@@ -210,4 +211,5 @@ def read_gguf_info(path: Path) -> GGUFInfo:
                     or _int(fields, "tokenizer.ggml.tokens.count")),
         pooling=f"{arch}.pooling_type" in fields,
         feed_forward_length=_int(fields, f"{arch}.feed_forward_length"),
+        split_count=max(1, _int(fields, "split.count") or 1),
     )

@@ -12,6 +12,7 @@ import enum
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 from collections import deque
@@ -59,10 +60,12 @@ class IllegalTransition(RuntimeError):
     pass
 
 
-Spawner = Callable[[Sequence[str]], Awaitable[asyncio.subprocess.Process]]
+Spawner = Callable[[Sequence[str], Sequence[int]], Awaitable[asyncio.subprocess.Process]]
+"""Starts ``argv`` with the file descriptors ``pass_fds`` inherited at the same numbers."""
 
 
-async def spawn_local(argv: Sequence[str]) -> asyncio.subprocess.Process:
+async def spawn_local(argv: Sequence[str], pass_fds: Sequence[int] = ()
+                      ) -> asyncio.subprocess.Process:
     """Start a worker as a local child process (the placement seam: local processes now)."""
     return await asyncio.create_subprocess_exec(
         *argv,
@@ -70,7 +73,59 @@ async def spawn_local(argv: Sequence[str]) -> asyncio.subprocess.Process:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,  # a ^C at the terminal reaches the front, which stops workers
+        pass_fds=tuple(pass_fds),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedModel:
+    """A model file opened by the front for one worker start."""
+
+    fd: int
+    worker_path: str  # what the worker opens: the descriptor itself, or a checked real path
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def open_model_file(model: CatalogModel) -> OpenedModel:
+    """Open ``model``'s file for a worker and check, on the opened file itself, that it is
+    the file the catalog checked when the model was registered: the same real path (no file
+    or directory swapped for a symlink since: that is how a path inside the allowed roots
+    is turned into one outside), a regular file, the same size (the memory estimate was
+    made from it). The worker is handed the descriptor (``/proc/self/fd/N``), so what it maps
+    is what was checked. A model split into several files is handed by its real path (the
+    engine finds the other parts by name), checked the same way just before the spawn.
+
+    Raises WorkerLoadFailed: the message names no path; the detail (log, admins) does."""
+    try:
+        fd = os.open(model.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise WorkerLoadFailed(f"model {model.id!r}: its file cannot be opened "
+                               f"({e.strerror}); the server log has the path",
+                               detail=f"{model.path}: {e}") from e
+    opened = OpenedModel(fd, f"/proc/self/fd/{fd}")
+    try:
+        st = os.fstat(fd)
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        if real != str(model.path) or not stat.S_ISREG(st.st_mode):
+            raise WorkerLoadFailed(
+                f"model {model.id!r}: its file is no longer the file that was checked when "
+                "the model was registered (it, or a directory above it, now leads elsewhere); "
+                "refused", detail=f"{model.path} now opens {real}")
+        if st.st_size != model.size_bytes:
+            raise WorkerLoadFailed(
+                f"model {model.id!r}: its file changed since it was catalogued (size "
+                f"{model.size_bytes} -> {st.st_size} bytes); restart the server, or delete "
+                "and register the model again, so that its memory estimate is remade",
+                detail=str(model.path))
+    except BaseException:
+        opened.close()
+        raise
+    if model.info.split_count > 1:
+        opened = OpenedModel(fd, real)
+    return opened
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +147,16 @@ class WorkerLaunch:
     snapshot_dir: Path | None = None  # where the worker saves and restores slots' KV state
 
 
-def worker_argv(model: CatalogModel, launch: WorkerLaunch) -> list[str]:
+def worker_argv(model: CatalogModel, launch: WorkerLaunch,
+                model_path: str | None = None) -> list[str]:
+    """The worker's command line; ``model_path`` replaces the catalogued path (the file
+    descriptor :func:`open_model_file` opened)."""
     engine = engine_for(model)
     snapshots = ["--snapshot-dir", str(launch.snapshot_dir)] if launch.snapshot_dir else []
     return [
         sys.executable, "-m", "bunkhouse.worker",
         "--model-id", model.id,
-        "--model-path", str(model.path),
+        "--model-path", model_path or str(model.path),
         "--socket", str(launch.socket),
         "--engine", launch.options.worker_engine or engine.worker_engine,
         "--parent-pid", str(os.getpid()),
@@ -173,7 +231,17 @@ class WorkerProcess:
         self._set_state(WorkerState.STARTING, "spawn")
         self.launch.socket.unlink(missing_ok=True)
         self.started_at = time.monotonic()
-        self._proc = await self._spawner(worker_argv(self.model, self.launch))
+        try:
+            opened = open_model_file(self.model)
+        except WorkerLoadFailed:
+            self._set_state(WorkerState.FAILED, "model file refused")
+            await self.stop()
+            raise
+        try:
+            self._proc = await self._spawner(
+                worker_argv(self.model, self.launch, opened.worker_path), (opened.fd,))
+        finally:
+            opened.close()  # the worker holds its own copy
         self._tasks.append(asyncio.create_task(self._read_output(self._proc)))
         try:
             await self._health_gate(self._proc)

@@ -1,0 +1,128 @@
+"""A hostile client against `bunkhouse serve` with keys and runtime loading on: model files
+checked at every load, no internals shown to a client key, no DNS rebinding."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+
+from bunkhouse.catalog import Catalog
+from tests.e2e.server import Server, serve
+from tests.helpers import write_tiny_gguf
+
+ADMIN = {"authorization": "Bearer admin-k"}
+CLIENT = {"authorization": "Bearer client-k"}
+SECRET = "SECRET-CONTENT-OF-A-PRIVATE-FILE"
+
+
+def _maps_of_workers(server: Server) -> str:
+    maps = ""
+    for proc in server.workers():
+        with contextlib.suppress(OSError):
+            maps += Path(f"/proc/{proc.pid}/maps").read_text()
+    return maps
+
+
+def _load(server: Server, model_id: str) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/models/{model_id}/load", headers=ADMIN, timeout=180)
+
+
+def _unload(server: Server, model_id: str) -> None:
+    resp = httpx.post(f"{server.url}/v1/models/{model_id}/unload", headers=ADMIN, timeout=60)
+    assert resp.status_code == 204, resp.text
+
+
+def _no_internals(text: str, tmp_path: Path) -> None:
+    assert SECRET not in text and str(tmp_path) not in text and "/proc/" not in text, text
+
+
+def test_model_files_are_checked_at_every_load_and_clients_see_no_internals(
+        tmp_path: Path, packaged_catalog: Catalog) -> None:
+    gemma = packaged_catalog.get("gemma-3-270m").path
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    shutil.copy(gemma, root / "sub" / "t.gguf")
+    (outside / "secret.txt").write_text(SECRET * 1000)
+    os.symlink(gemma, outside / "t.gguf")  # a real GGUF, outside the roots
+    broken = write_tiny_gguf(tmp_path / "models" / "broken.gguf")  # no weights: cannot load
+    with serve(tmp_path, "--no-packaged", "--models-dir", str(broken.parent),
+               "--admin-key", "admin-k", "--api-key", "client-k", "--allow-runtime-load",
+               "--allowed-root", str(root)) as server:
+        path = str(root / "sub" / "t.gguf")
+        resp = httpx.post(f"{server.url}/v1/models", headers=ADMIN, timeout=180,
+                          json={"id": "t", "path": path, "context": 512, "parallel": 1})
+        assert resp.status_code == 200, resp.text
+        _unload(server, "t")
+
+        # The file swapped for a symlink to a file outside the roots: refused at load.
+        os.replace(path, root / "kept.gguf")
+        os.symlink(outside / "secret.txt", path)
+        resp = _load(server, "t")
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "model_load_failed"
+        assert SECRET not in _maps_of_workers(server) and not server.workers()
+        client_view = httpx.get(f"{server.url}/v1/models/t", headers=CLIENT).json()
+        assert client_view["state"] == "failed" and "last_error_detail" not in client_view
+        _no_internals(json.dumps(client_view), tmp_path)
+        chat = httpx.post(f"{server.url}/v1/completions", headers=CLIENT, timeout=60,
+                          json={"model": "t", "prompt": "a", "max_tokens": 2})
+        assert chat.status_code == 503
+        _no_internals(chat.text, tmp_path)
+        admin_view = httpx.get(f"{server.url}/v1/models/t", headers=ADMIN).json()
+        assert str(outside / "secret.txt") in admin_view["last_error_detail"]
+
+        # Put back, it loads again; then a directory above it swapped for a symlink.
+        os.replace(root / "kept.gguf", path)
+        assert _load(server, "t").status_code == 200
+        _unload(server, "t")
+        os.rename(root / "sub", root / "sub.orig")
+        os.symlink(outside, root / "sub")
+        resp = _load(server, "t")
+        assert resp.status_code == 503, resp.text
+        assert str(gemma) not in _maps_of_workers(server) and not server.workers()
+
+        # A model whose worker fails: its output (with server paths) only for the admin key.
+        resp = httpx.post(f"{server.url}/v1/completions", headers=CLIENT, timeout=120,
+                          json={"model": "broken", "prompt": "a", "max_tokens": 2})
+        assert resp.status_code == 503 and "failed to load" in resp.json()["error"]["message"]
+        _no_internals(resp.text, tmp_path)
+        listing = httpx.get(f"{server.url}/v1/models", headers=CLIENT).text
+        _no_internals(listing, tmp_path)
+        stats = httpx.get(f"{server.url}/stats", headers=CLIENT).text
+        _no_internals(stats, tmp_path)
+        admin_view = httpx.get(f"{server.url}/v1/models/broken", headers=ADMIN).json()
+        assert "llama" in admin_view["last_error_detail"].lower()
+
+        # Failed registrations leave nothing behind; /health shows no models without a key.
+        for i in range(20):
+            resp = httpx.post(f"{server.url}/v1/models", headers=ADMIN, timeout=60,
+                              json={"id": f"bad{i}", "path": str(root / "nope.gguf")})
+            assert resp.status_code == 400
+        health = httpx.get(f"{server.url}/health", headers=CLIENT).json()
+        assert set(health["models"]) == {"t", "broken"}
+        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_rebinding_and_cross_site_requests_are_refused_but_curl_works(
+        tmp_path: Path) -> None:
+    with serve(tmp_path, "--preload", "gemma-3-270m") as server:
+        body = json.dumps({"model": "gemma-3-270m", "prompt": "The sky is", "max_tokens": 2})
+        rebound = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60,
+                             headers={"host": "attacker.example:8080",
+                                      "content-type": "application/json"})
+        assert rebound.status_code == 403 and "--allowed-host" in rebound.text
+        cross = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60,
+                           headers={"content-type": "text/plain",
+                                    "origin": "https://attacker.example"})
+        assert cross.status_code == 403
+        # `curl -d` sends a form content type and no Origin: served.
+        curl = httpx.post(f"{server.url}/v1/completions", content=body, timeout=120,
+                          headers={"content-type": "application/x-www-form-urlencoded"})
+        assert curl.status_code == 200 and curl.json()["choices"][0]["text"]
+        local = httpx.get(f"http://localhost:{server.url.rsplit(':', 1)[1]}/health")
+        assert local.status_code == 200
