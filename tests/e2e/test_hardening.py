@@ -126,3 +126,58 @@ def test_rebinding_and_cross_site_requests_are_refused_but_curl_works(
         assert curl.status_code == 200 and curl.json()["choices"][0]["text"]
         local = httpx.get(f"http://localhost:{server.url.rsplit(':', 1)[1]}/health")
         assert local.status_code == 200
+
+
+def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(
+        tmp_path: Path) -> None:
+    import struct
+    import subprocess
+    import sys
+    import threading
+
+    from gguf import GGUFValueType
+
+    from bunkhouse.catalog.gguf_meta import MAX_ARRAY_ITEMS
+    from tests import hostile_gguf
+    hostile = hostile_gguf.write_all(tmp_path / "models")
+    listing = subprocess.run([sys.executable, "-m", "bunkhouse", "models", "--no-packaged",
+                              "--models-dir", str(tmp_path / "models")],
+                             capture_output=True, text=True, timeout=120)
+    assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
+    assert "skipping" in listing.stderr
+    # The most items an array may hold, each an empty string: a slow scan, then a 400.
+    root = tmp_path / "root"
+    root.mkdir()
+    items = MAX_ARRAY_ITEMS
+    slow = root / "slow.gguf"
+    with slow.open("wb") as f:
+        f.write(hostile_gguf.header([hostile_gguf.kv("x", GGUFValueType.ARRAY, b"")]))
+        f.write(struct.pack("<IQ", GGUFValueType.STRING, items))
+        f.write(bytes(8 * items))
+    with serve(tmp_path, "--no-packaged", "--models-dir", str(tmp_path / "models"),
+               "--admin-key", "admin-k", "--allow-runtime-load", "--allowed-root",
+               str(root)) as server:
+        answered: list[int] = []
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                answered.append(httpx.get(f"{server.url}/health", timeout=60).status_code)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            for i, path in enumerate([slow, *hostile]):
+                target = root / f"h{i}.gguf"
+                if path != slow:
+                    target.write_bytes(path.read_bytes())
+                resp = httpx.post(f"{server.url}/v1/models", headers=ADMIN, timeout=120,
+                                  json={"id": f"r{i}", "path": str(slow if path == slow
+                                                                   else target)})
+                error = resp.json()["error"]
+                assert (resp.status_code, error["param"]) == (400, "path") or \
+                    (resp.status_code, error["code"]) == (503, "model_too_large"), resp.text
+        finally:
+            done.set()
+            poller.join()
+        assert answered and set(answered) == {200}

@@ -176,6 +176,8 @@ def _from_dirs(settings: Settings) -> Iterator[CatalogModel]:
                 yield _model(model_id, path.resolve(), "models_dir", settings)
             except GGUFError as e:
                 log.warning("skipping %s: %s", path, e.message)
+            except OSError as e:  # unreadable, gone since the listing, a name too long
+                log.warning("skipping %s: %s", path, e)
 
 
 def build_catalog(settings: Settings) -> Catalog:

@@ -5,6 +5,12 @@ The header is scanned with the ``gguf`` package's type codes and key names, but 
 150k-token vocabulary on 2 cores), while serving needs a dozen scalars. The scanner below
 skips the large arrays by their lengths and reads the rest (about 50 ms), and the unit tests
 check it against ``GGUFReader`` on the same files.
+
+A model file is untrusted input (a download, a runtime registration). Every count and length
+the header declares is checked against the bytes the file has left before it is used, arrays
+nest at most :data:`MAX_ARRAY_DEPTH` deep, an array holds at most :data:`MAX_ARRAY_ITEMS`
+items and a header at most :data:`MAX_KEYS` keys; anything else wrong is a ``GGUFError``,
+never another exception. The scan is blocking file work: the front runs it off the event loop.
 """
 
 from __future__ import annotations
@@ -21,6 +27,20 @@ from bunkhouse.errors import GGUFError
 
 # Numeric arrays longer than this (per-layer tables are far shorter) are skipped, not read.
 _MAX_KEPT_ARRAY = 4096
+
+MAX_ARRAY_DEPTH = 8
+"""Arrays of arrays nest at most this deep (real models nest none)."""
+
+MAX_ARRAY_ITEMS = 1 << 22
+"""Items in one array: 4,194,304, 16x the largest vocabulary shipped today (Gemma 3's 262,144
+tokens); it bounds the scan's time on a file of tiny items (about 1 s on one core)."""
+
+MAX_KEYS = 1 << 16
+"""Metadata keys in one header (real models have tens)."""
+
+MAX_VALUE = 1 << 48
+"""Largest count or size a model's metadata may state; beyond it (or negative, or not a finite
+number) the key counts as absent."""
 
 _SCALAR_FORMATS: dict[int, str] = {
     GGUFValueType.UINT8: "<B",
@@ -98,6 +118,16 @@ class _Cursor:
             raise GGUFError(f"{self.path}: truncated GGUF value at byte {self.pos}")
         self.pos += n
 
+    def count(self, min_item_bytes: int, limit: int, what: str) -> int:
+        """A declared count of items, each taking at least ``min_item_bytes``: refused when
+        over ``limit`` or when the file has not that many bytes left."""
+        n: int = self.unpack("<Q")
+        if n > limit or n * min_item_bytes > len(self.buf) - self.pos:
+            raise GGUFError(f"{self.path}: GGUF header declares {n} {what} at byte "
+                            f"{self.pos - 8}, more than the file can hold or than the "
+                            f"limit of {limit}")
+        return n
+
 
 def _value(cur: _Cursor, vtype: int) -> Any:
     if vtype == GGUFValueType.STRING:
@@ -110,22 +140,26 @@ def _value(cur: _Cursor, vtype: int) -> Any:
     return cur.unpack(fmt)
 
 
-def _array(cur: _Cursor) -> list[Any] | None:
+def _array(cur: _Cursor, depth: int = 1) -> list[Any] | None:
+    if depth > MAX_ARRAY_DEPTH:
+        raise GGUFError(f"{cur.path}: GGUF arrays nested deeper than {MAX_ARRAY_DEPTH} at "
+                        f"byte {cur.pos}")
     etype = cur.unpack("<I")
-    count = cur.unpack("<Q")
     if etype == GGUFValueType.STRING:
-        for _ in range(count):
+        for _ in range(cur.count(8, MAX_ARRAY_ITEMS, "strings")):
             cur.skip(cur.unpack("<Q"))
         return None
     if etype == GGUFValueType.ARRAY:
-        for _ in range(count):
-            _array(cur)
+        for _ in range(cur.count(12, MAX_ARRAY_ITEMS, "arrays")):
+            _array(cur, depth + 1)
         return None
     fmt = _SCALAR_FORMATS.get(etype)
     if fmt is None:
         raise GGUFError(f"{cur.path}: unknown GGUF array type {etype} at byte {cur.pos}")
+    size = struct.calcsize(fmt)
+    count = cur.count(size, 1 << 62, "numbers")  # skipped in one step: no item limit
     if count > _MAX_KEPT_ARRAY:
-        cur.skip(struct.calcsize(fmt) * count)
+        cur.skip(size * count)
         return None
     return [cur.unpack(fmt) for _ in range(count)]
 
@@ -137,16 +171,15 @@ def read_fields(path: Path, strings: frozenset[str] = frozenset()
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _read_header(_Cursor(buf, path), strings)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, OverflowError, struct.error) as e:  # e.g. an empty file
         raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
 
 
 def _string_array(cur: _Cursor) -> list[str]:
     etype = cur.unpack("<I")
-    count = cur.unpack("<Q")
     if etype != GGUFValueType.STRING:
         raise GGUFError(f"{cur.path}: expected an array of strings at byte {cur.pos}")
-    return [cur.string() for _ in range(count)]
+    return [cur.string() for _ in range(cur.count(8, MAX_ARRAY_ITEMS, "strings"))]
 
 
 def _read_header(cur: _Cursor, strings: frozenset[str]) -> tuple[dict[str, Any], int]:
@@ -156,11 +189,13 @@ def _read_header(cur: _Cursor, strings: frozenset[str]) -> tuple[dict[str, Any],
     version = cur.unpack("<I")
     if version not in (2, 3):
         raise GGUFError(f"{cur.path}: unsupported GGUF version {version}")
-    tensor_count = cur.unpack("<Q")
-    kv_count = cur.unpack("<Q")
+    tensor_count = cur.count(0, 1 << 24, "tensors")  # tensor infos follow the metadata
+    kv_count = cur.count(12, MAX_KEYS, "metadata keys")  # key length, type, value
     fields: dict[str, Any] = {}
     for _ in range(kv_count):
         key = cur.string()
+        if len(key) > 65535:  # the GGUF spec's bound on key length
+            raise GGUFError(f"{cur.path}: a GGUF metadata key of {len(key)} bytes")
         vtype = cur.unpack("<I")
         if key in strings and vtype == GGUFValueType.ARRAY:
             fields[key] = _string_array(cur)
@@ -175,10 +210,16 @@ def _read_header(cur: _Cursor, strings: frozenset[str]) -> tuple[dict[str, Any],
 
 
 def _int(fields: dict[str, Any], key: str) -> int | None:
+    """A count or size from the metadata; None when absent, negative, not a finite number
+    or over MAX_VALUE (what a hostile file may state: never trusted as a number)."""
     value = fields.get(key)
     if isinstance(value, list):  # per-layer tables: the largest entry bounds memory
-        value = max(value) if value else None
-    return int(value) if isinstance(value, int | float) else None
+        value = max((v for v in value if isinstance(v, int | float)), default=None)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if value != value or not 0 <= value <= MAX_VALUE:  # NaN, negative, absurd
+        return None
+    return int(value)
 
 
 def read_gguf_info(path: Path) -> GGUFInfo:

@@ -17,6 +17,7 @@ one of the allowed roots. Changes live in memory: the config file stays the sour
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -100,7 +101,7 @@ class Admin:
             raise InvalidRequest(e.message, param="id") from e
         if body.id in self.catalog:
             raise Conflict(f"model id {body.id!r} is already in use", param="id")
-        model = self._model(body)
+        model = await self._model(body)
         self.residency.add(model)
         try:
             (await self.residency.acquire(model)).release()
@@ -113,17 +114,25 @@ class Admin:
         log.info("model %s: registered at runtime from %s", model.id, model.path)
         return JSONResponse(self.describe(model))
 
-    def _model(self, body: RegisterRequest) -> CatalogModel:
+    async def _model(self, body: RegisterRequest) -> CatalogModel:
         if "\0" in body.path:
             raise InvalidRequest("path contains a NUL byte", param="path")
-        real = inside_roots(body.path, self.options.roots)
-        if real is None:
-            log.warning("refused a runtime model path outside the allowed roots: %r", body.path)
-            raise Forbidden("path is outside the allowed model roots", param="path")
-        if not real.is_file():
-            raise InvalidRequest("path is not a file", param="path")
         try:
-            info = read_gguf_info(real)
+            real = inside_roots(body.path, self.options.roots)
+        except (OSError, ValueError) as e:
+            raise InvalidRequest(f"path cannot be resolved: {e}", param="path") from e
+        if real is None:
+            log.warning("refused a runtime model path outside the allowed roots: %r",
+                        body.path[:300])
+            raise Forbidden("path is outside the allowed model roots", param="path")
+        try:
+            if not real.is_file():
+                raise InvalidRequest("path is not a file", param="path")
+            # A large or hostile header takes a while to scan: off the event loop.
+            info = await asyncio.to_thread(read_gguf_info, real)
+            st = real.stat()
+        except OSError as e:  # a name too long, no permission, gone meanwhile
+            raise InvalidRequest(f"path cannot be read: {e.strerror}", param="path") from e
         except GGUFError as e:
             raise InvalidRequest(f"not a GGUF model: {e.message}", param="path") from e
         overrides = {k: v for k, v in (("context", body.context), ("parallel", body.parallel),
@@ -135,7 +144,6 @@ class Admin:
             raise InvalidRequest(e.message) from e
         if info.context_length and options.context > info.context_length:
             options = replace(options, context=info.context_length)
-        st = real.stat()
         return CatalogModel(body.id, real, "runtime", info, options, st.st_size,
                             modified=int(st.st_mtime), pinned=body.pinned, ttl_s=body.ttl)
 

@@ -1,0 +1,120 @@
+"""Malformed-GGUF fuzz: hostile headers fed to the scanner, the catalog scan, the memory
+estimate and runtime registration. Nothing but a skip with a warning or a 400."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import hypothesis
+import pytest
+from hypothesis import strategies as st
+from starlette.testclient import TestClient
+
+from bunkhouse.catalog import CatalogModel, build_catalog
+from bunkhouse.catalog.gguf_meta import GGUFInfo, read_gguf_info
+from bunkhouse.config import EngineOptions, Settings
+from bunkhouse.engines import engine_for
+from bunkhouse.errors import GGUFError
+from bunkhouse.front.admin import AdminOptions
+from bunkhouse.front.app import build_app
+from bunkhouse.front.auth import Keys
+from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+from tests import hostile_gguf
+from tests.helpers import write_tiny_gguf
+from tests.unit.test_manager import FakeWorker
+
+CASES = list(hostile_gguf.hostile_headers())
+
+
+def _scan(path: Path) -> GGUFInfo | None:
+    """The scan's only outcomes: an info, or GGUFError (anything else fails the test)."""
+    try:
+        info = read_gguf_info(path)
+    except GGUFError:
+        return None
+    model = CatalogModel("m", path, "models_dir", info, EngineOptions(), 1 << 20)
+    total = engine_for(model).estimate(model).total  # a hostile info still estimates
+    assert isinstance(total, int) and total > 0
+    return info
+
+
+@pytest.mark.parametrize(("name", "data"), CASES, ids=[name for name, _ in CASES])
+def test_each_hostile_header_is_a_gguf_error_or_a_bounded_info(
+        tmp_path: Path, name: str, data: bytes) -> None:
+    path = tmp_path / "h.gguf"
+    path.write_bytes(data)
+    info = _scan(path)
+    if info is not None:
+        for value in dataclasses.astuple(info):
+            assert not isinstance(value, float)
+            assert not isinstance(value, int) or 0 <= value <= 1 << 64
+
+
+@hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+@hypothesis.given(st.data())
+def test_random_damage_to_a_valid_header(data: st.DataObject) -> None:
+    raw = bytearray(hostile_gguf.valid())
+    for _ in range(data.draw(st.integers(1, 6))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    raw = raw[: data.draw(st.integers(0, len(raw)))]
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "r.gguf"
+        path.write_bytes(bytes(raw))
+        _scan(path)
+
+
+def test_the_catalog_scan_skips_every_hostile_file_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    paths = hostile_gguf.write_all(tmp_path / "models")
+    write_tiny_gguf(tmp_path / "models" / "good.gguf")
+    with caplog.at_level(logging.WARNING):
+        catalog = build_catalog(Settings(models_dirs=(tmp_path / "models",),
+                                         include_packaged=False))
+    assert "good" in catalog
+    skipped = [p for p in paths if p.stem not in catalog]
+    assert skipped and all(f"skipping {p}" in caplog.text for p in skipped)
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Iterator[tuple[TestClient, Path]]:
+    root = tmp_path / "root"
+    write_tiny_gguf(root / "good.gguf")
+    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False))
+
+    async def start(model: CatalogModel) -> Any:
+        return FakeWorker(model)
+
+    residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
+    app = build_app(catalog, residency, keys=Keys(admin=["a"]),
+                    admin_options=AdminOptions(allow_runtime_load=True, roots=(root,)))
+    with TestClient(app, base_url="http://localhost") as client:
+        yield client, root
+
+
+def test_registering_a_hostile_file_is_a_400_never_a_500(
+        app: tuple[TestClient, Path]) -> None:
+    client, root = app
+    paths = hostile_gguf.write_all(root / "hostile")
+    for i, path in enumerate(paths):
+        resp = client.post("/v1/models", headers={"x-api-key": "a"},
+                           json={"id": f"h{i}", "path": str(path)})
+        assert resp.status_code in (200, 400, 503), (path, resp.text)
+        if resp.status_code == 400:
+            assert resp.json()["error"]["param"] == "path"
+    assert client.get("/health").status_code == 200
+
+
+def test_a_path_with_a_component_over_255_bytes_is_a_400(app: tuple[TestClient, Path]) -> None:
+    client, root = app
+    resp = client.post("/v1/models", headers={"x-api-key": "a"},
+                       json={"id": "long", "path": str(root / ("a" * 300) / "m.gguf")})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "path"
+    resp = client.post("/v1/models", headers={"x-api-key": "a"},
+                       json={"id": "long", "path": str(root / ("a" * 300))})
+    assert resp.status_code == 400
