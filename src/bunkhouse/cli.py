@@ -265,6 +265,7 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     from bunkhouse.front.admission import ComputeGate
     from bunkhouse.front.app import build_app
     from bunkhouse.front.auth import Keys
+    from bunkhouse.front.heads import HeadLimits, bounded_http
     from bunkhouse.front.site import SitePolicy, is_loopback_bind
     from bunkhouse.residency.estimate import default_budget_bytes
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
@@ -315,6 +316,7 @@ def serve(settings: Settings, catalog: Catalog) -> int:
         # Only a last resort: _Server cuts every stream cleanly after the grace, by then.
         timeout_graceful_shutdown=int(2 * settings.stop_grace_s) + 10,
         log_config=None,
+        http=bounded_http(HeadLimits()),  # size, count and time bounds on request heads
     )
 
     async def stop_workers() -> None:

@@ -40,3 +40,14 @@ HEALTH_POLL_S = 0.05
 
 CONNECT_TIMEOUT_S = 5.0
 """Connecting to a worker's socket (a Unix socket connects in microseconds when it is up)."""
+
+MAX_HEAD_BYTES = 64 * 1024
+"""Largest request head (request line and headers); larger gets 431. nginx's default buffers
+allow 32 KiB, Node's 16 KiB; 64 KiB leaves room for long tokens and cookies."""
+
+MAX_HEADERS = 100
+"""Most header fields in one request; more gets 431 (Apache's LimitRequestFields default)."""
+
+HEAD_TIMEOUT_S = 10.0
+"""Seconds a client has to send a request head, from connecting or from its last answer's end;
+then 408 and the connection closes (a slowloris holds no connection longer)."""
