@@ -154,8 +154,9 @@ class InsufficientMemory(BunkhouseError):
     status = 503
     code = "insufficient_memory"
 
-    def __init__(self, message: str, *, retry_after_s: int = 5) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, retry_after_s: int = 5,
+                 detail: str | None = None) -> None:
+        super().__init__(message, detail=detail)
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:

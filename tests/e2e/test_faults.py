@@ -42,8 +42,9 @@ def test_a_crash_loop_ends_in_failed_after_the_budget(tmp_path: Path) -> None:
         assert _kinds(server, "crashy").count("loading") == 4  # 1 + 3 restarts: no storm
         last = _ask(server, "crashy")
         assert last.status_code == 503 and int(last.headers["retry-after"]) > 0
-        assert "weights are garbage" in last.json()["error"]["message"]
+        assert "failed to load" in last.json()["error"]["message"]
         assert server.model("crashy")["state"] == "failed"
+    assert "weights are garbage" in server.log.read_text()  # the worker's reason: logged
 
 
 def test_a_worker_crashing_mid_stream_is_respawned(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -9,12 +11,13 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import BunkhouseError, error_body
+from bunkhouse.front.assemble import LineSplitter, sse_lines
 from bunkhouse.front.proxy import forward
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -176,3 +179,58 @@ def test_an_engine_refusal_about_a_field_names_it(message: str, param: str) -> N
 
     resp = _front(handler).post("/c", json={})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+
+
+def _never_disconnects() -> Request:
+    async def receive() -> dict[str, object]:
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/embeddings", {"input": ["a", "b"]}),  # one piece from the engine
+    ("/v1/chat/completions", {"messages": [], "n": 2}),  # several choices
+])
+def test_a_plain_answer_the_engine_sends_whole_is_relayed_as_it_arrives(
+        path: str, body: dict[str, object]) -> None:
+    """The front hands the client the first bytes while the engine is still sending: it
+    never holds the whole answer (it would wait forever here if it did)."""
+    async def run() -> None:
+        rest = asyncio.Event()
+
+        async def upstream_body() -> AsyncIterator[bytes]:
+            yield b'{"data": ['
+            await rest.wait()
+            yield b"1]}"
+
+        def handler(req: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, content=upstream_body(),
+                                  headers={"content-type": "application/json",
+                                           "content-length": "14"})
+
+        done: list[bool] = []
+        upstream = LlamaCppClient(httpx.MockTransport(handler), "m")
+        resp = await asyncio.wait_for(
+            forward(upstream, path, body, stream=False, request=_never_disconnects(),
+                    model_id="m", on_done=lambda: done.append(True)), 60)
+        assert isinstance(resp, StreamingResponse)
+        assert resp.headers["content-length"] == "14" and not done
+        chunks = resp.body_iterator
+        assert await anext(chunks) == b'{"data": ['
+        rest.set()
+        assert [c async for c in chunks] == [b"1]}"]
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("cuts", [[1], [5, 6], [3, 17, 18, 40], list(range(1, 80))])
+def test_lines_split_across_chunks_are_joined(cuts: list[int]) -> None:
+    data = ('data: {"text": "é\u2028x"}\r\n\r\ndata: {"n": 2}\r\rdata: [DONE]\n').encode()
+    edges = [0, *[c for c in cuts if c < len(data)], len(data)]
+    splitter, lines = LineSplitter(), []
+    for a, b in itertools.pairwise(edges):
+        lines += splitter.feed(data[a:b])
+    lines += splitter.close()
+    assert [ln for ln in lines if ln] == [ln for ln in sse_lines(data) if ln]

@@ -28,43 +28,93 @@ class StreamError(Exception):
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
-def sse_lines(data: bytes) -> list[str]:
-    """An event stream's lines, split only where the SSE format ends a line (CRLF, LF, CR).
+class LineSplitter:
+    """An event stream's lines as its bytes arrive, split only where the SSE format ends a
+    line (CRLF, LF, CR).
 
-    Not ``str.splitlines``: it also splits at U+2028, U+2029, U+0085 and other characters
-    that JSON leaves unescaped, so a generated text holding one would break its event apart.
-    """
+    Not ``str.splitlines``, nor httpx's ``aiter_lines`` (which behaves like it): they also
+    split at U+2028, U+2029, U+0085 and other characters that JSON leaves unescaped, so a
+    generated text holding one would break its event apart."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The lines ``chunk`` completes; a trailing CR waits for a possible LF."""
+        parts = _LINE_END.split(self._rest + chunk)
+        self._rest = parts.pop()
+        if self._rest == b"" and chunk.endswith(b"\r"):  # CR now, maybe LF next
+            last = parts.pop()
+            self._rest = last + b"\r"
+        return [p.decode("utf-8", errors="replace") for p in parts]
+
+    def close(self) -> list[str]:
+        rest, self._rest = self._rest, b""
+        return [line.decode("utf-8", errors="replace")
+                for line in _LINE_END.split(rest)] if rest else []
+
+
+def sse_lines(data: bytes) -> list[str]:
+    """All of an event stream's lines (see :class:`LineSplitter`)."""
     return [line.decode("utf-8", errors="replace") for line in _LINE_END.split(data)]
+
+
+DONE = "[DONE]"
+
+
+def data_event(line: str) -> dict[str, Any] | str | None:
+    """The JSON object of a ``data:`` line; :data:`DONE` at the end of the stream; None for
+    anything else. An error event raises StreamError; unreadable JSON raises ValueError."""
+    if not line.startswith("data: "):
+        return None
+    payload = line[len("data: "):]
+    if payload == DONE:
+        return DONE
+    event = json.loads(payload)
+    if not isinstance(event, dict):
+        return None  # nothing of an answer in it
+    if "error" in event:
+        raise StreamError(event)
+    return event
 
 
 def sse_events(lines: Iterable[str]) -> list[dict[str, Any]]:
     """The JSON payloads of ``data:`` lines, up to ``[DONE]``; errors raise StreamError."""
     events: list[dict[str, Any]] = []
     for line in lines:
-        if not line.startswith("data: "):
-            continue
-        payload = line[len("data: "):]
-        if payload == "[DONE]":
+        event = data_event(line)
+        if event == DONE:
             break
-        event = json.loads(payload)
-        if not isinstance(event, dict):
-            continue  # nothing of an answer in it
-        if "error" in event:
-            raise StreamError(event)
-        events.append(event)
+        if isinstance(event, dict):
+            events.append(event)
     return events
 
 
-def _top(events: list[dict[str, Any]], obj: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"object": obj}
-    for event in events:
+class Assembly:
+    """Folds a stream's events, one at a time, into one plain answer: what it holds grows
+    with the answer, never with the stream's bytes."""
+
+    object = ""
+
+    def __init__(self) -> None:
+        self._top: dict[str, Any] = {"object": self.object}
+
+    def add(self, event: dict[str, Any]) -> None:
         for key in _TOP_FIELDS:
-            if key in event and key not in out:
-                out[key] = event[key]
+            if key in event and key not in self._top:
+                self._top[key] = event[key]
         for key in ("usage", "timings"):
             if key in event:
-                out[key] = event[key]
-    return out
+                self._top[key] = event[key]
+        for ch in event.get("choices") or []:
+            if isinstance(ch, dict):
+                self._choice(ch)
+
+    def _choice(self, ch: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def result(self) -> dict[str, Any]:
+        raise NotImplementedError
 
 
 def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
@@ -79,28 +129,33 @@ def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) ->
             call["function"][key] += fn[key]
 
 
-def assemble_chat(events: list[dict[str, Any]]) -> dict[str, Any]:
+class ChatAssembly(Assembly):
     """One ``chat.completion`` from ``chat.completion.chunk`` events."""
-    choices: dict[int, dict[str, Any]] = {}
-    for event in events:
-        for ch in event.get("choices") or []:
-            c = choices.setdefault(ch.get("index", 0), {"content": [], "reasoning": [],
-                                                        "tools": {}, "logprobs": [],
-                                                        "finish_reason": None})
-            delta = ch.get("delta") or {}
-            if delta.get("content"):
-                c["content"].append(delta["content"])
-            if delta.get("reasoning_content"):
-                c["reasoning"].append(delta["reasoning_content"])
-            for call in delta.get("tool_calls") or []:
-                _merge_tool_call(c["tools"], call)
-            if (ch.get("logprobs") or {}).get("content"):
-                c["logprobs"].extend(ch["logprobs"]["content"])
-            if ch.get("finish_reason"):
-                c["finish_reason"] = ch["finish_reason"]
-    out = _top(events, "chat.completion")
-    out["choices"] = [_chat_choice(i, c) for i, c in sorted(choices.items())]
-    return out
+
+    object = "chat.completion"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._choices: dict[int, dict[str, Any]] = {}
+
+    def _choice(self, ch: dict[str, Any]) -> None:
+        c = self._choices.setdefault(ch.get("index", 0), {
+            "content": [], "reasoning": [], "tools": {}, "logprobs": [], "finish_reason": None})
+        delta = ch.get("delta") or {}
+        if delta.get("content"):
+            c["content"].append(delta["content"])
+        if delta.get("reasoning_content"):
+            c["reasoning"].append(delta["reasoning_content"])
+        for call in delta.get("tool_calls") or []:
+            _merge_tool_call(c["tools"], call)
+        if (ch.get("logprobs") or {}).get("content"):
+            c["logprobs"].extend(ch["logprobs"]["content"])
+        if ch.get("finish_reason"):
+            c["finish_reason"] = ch["finish_reason"]
+
+    def result(self) -> dict[str, Any]:
+        return {**self._top,
+                "choices": [_chat_choice(i, c) for i, c in sorted(self._choices.items())]}
 
 
 def _chat_choice(index: int, c: dict[str, Any]) -> dict[str, Any]:
@@ -117,21 +172,44 @@ def _chat_choice(index: int, c: dict[str, Any]) -> dict[str, Any]:
     return choice
 
 
-def assemble_completion(events: list[dict[str, Any]]) -> dict[str, Any]:
+class CompletionAssembly(Assembly):
     """One ``text_completion`` from streamed completion events."""
-    texts: dict[int, list[str]] = {}
-    logprobs: dict[int, list[Any]] = {}
-    finish: dict[int, str | None] = {}
+
+    object = "text_completion"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._texts: dict[int, list[str]] = {}
+        self._logprobs: dict[int, list[Any]] = {}
+        self._finish: dict[int, str | None] = {}
+
+    def _choice(self, ch: dict[str, Any]) -> None:
+        i = ch.get("index", 0)
+        self._texts.setdefault(i, []).append(ch.get("text") or "")
+        if (ch.get("logprobs") or {}).get("content"):
+            self._logprobs.setdefault(i, []).extend(ch["logprobs"]["content"])
+        if ch.get("finish_reason"):
+            self._finish[i] = ch["finish_reason"]
+
+    def result(self) -> dict[str, Any]:
+        lp = self._logprobs
+        return {**self._top, "choices": [
+            {"index": i, "text": "".join(t),
+             "logprobs": {"content": lp[i]} if i in lp else None,
+             "finish_reason": self._finish.get(i)} for i, t in sorted(self._texts.items())]}
+
+
+def _fold(assembly: Assembly, events: list[dict[str, Any]]) -> dict[str, Any]:
     for event in events:
-        for ch in event.get("choices") or []:
-            i = ch.get("index", 0)
-            texts.setdefault(i, []).append(ch.get("text") or "")
-            if (ch.get("logprobs") or {}).get("content"):
-                logprobs.setdefault(i, []).extend(ch["logprobs"]["content"])
-            if ch.get("finish_reason"):
-                finish[i] = ch["finish_reason"]
-    out = _top(events, "text_completion")
-    out["choices"] = [{"index": i, "text": "".join(t),
-                       "logprobs": {"content": logprobs[i]} if i in logprobs else None,
-                       "finish_reason": finish.get(i)} for i, t in sorted(texts.items())]
-    return out
+        assembly.add(event)
+    return assembly.result()
+
+
+def assemble_chat(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``chat.completion`` from all of a stream's events (see :class:`ChatAssembly`)."""
+    return _fold(ChatAssembly(), events)
+
+
+def assemble_completion(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``text_completion`` from all of a stream's events."""
+    return _fold(CompletionAssembly(), events)

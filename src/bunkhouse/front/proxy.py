@@ -3,6 +3,11 @@
 A client that disconnects cancels the upstream request: for a stream, Starlette cancels the
 body iterator and closing the upstream response closes the socket, which llama.cpp notices at
 its next token; for a plain request the upstream call is raced against the disconnect.
+
+The front never holds a whole upstream answer: a plain answer the engine makes in one piece
+(embeddings, several choices) is relayed as its bytes arrive, and one assembled from a stream
+(front/assemble.py) is folded event by event; an engine's error body is read up to
+:data:`MAX_ERROR_BYTES`.
 """
 
 from __future__ import annotations
@@ -22,16 +27,19 @@ from starlette.types import Receive, Scope, Send
 from bunkhouse.engines.contract import EngineClient
 from bunkhouse.errors import BunkhouseError, EngineUnavailable, error_body
 from bunkhouse.front.assemble import (
+    DONE,
+    Assembly,
+    ChatAssembly,
+    CompletionAssembly,
+    LineSplitter,
     StreamError,
-    assemble_chat,
-    assemble_completion,
-    sse_events,
-    sse_lines,
+    data_event,
 )
 
 log = logging.getLogger(__name__)
 
-_JSON = {"content-type": "application/json"}
+MAX_ERROR_BYTES = 1 << 20
+"""Most of an engine's error body read (its errors are a few hundred bytes)."""
 
 
 def _engine_error(engine: EngineClient, status: int, body: bytes, route: str) -> JSONResponse:
@@ -50,9 +58,9 @@ def stream_broke(model_id: str, error: Exception) -> BunkhouseError:
     return EngineUnavailable(f"model {model_id!r}: worker stream broke: {error!r}")
 
 
-_ASSEMBLERS: dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]] = {
-    "/v1/chat/completions": assemble_chat,
-    "/v1/completions": assemble_completion,
+_ASSEMBLERS: dict[str, Callable[[], Assembly]] = {
+    "/v1/chat/completions": ChatAssembly,
+    "/v1/completions": CompletionAssembly,
 }
 
 
@@ -81,10 +89,7 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)
         return await _forward_stream(engine, path, body, model_id, on_done, broken)
-    try:
-        return await _forward_once(engine, path, body, request, model_id, assembler)
-    finally:
-        on_done()
+    return await _forward_once(engine, path, body, request, model_id, assembler, on_done)
 
 
 async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id: str,
@@ -93,11 +98,31 @@ async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id
     resp = await engine.generate(path, body)
     if resp.status_code >= 400:
         try:
-            return _engine_error(engine, resp.status_code, await resp.aread(), path)
+            return _engine_error(engine, resp.status_code, await _read_error(resp), path)
         finally:
             await resp.aclose()
             on_done()
     return _Relay(resp, model_id, on_done, on_broken)
+
+
+async def _raw(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's bytes as they arrive (all at once if the transport read it already, as
+    httpx does for a response made from bytes)."""
+    if resp.is_stream_consumed:
+        yield resp.content
+        return
+    async for chunk in resp.aiter_raw():
+        yield chunk
+
+
+async def _read_error(resp: httpx.Response) -> bytes:
+    """An error body, at most MAX_ERROR_BYTES of it."""
+    content = b""
+    async for chunk in _raw(resp):
+        content += chunk
+        if len(content) >= MAX_ERROR_BYTES:
+            break
+    return content[:MAX_ERROR_BYTES]
 
 
 class _Relay(StreamingResponse):
@@ -105,12 +130,18 @@ class _Relay(StreamingResponse):
     even when the client is gone before the first byte (the body iterator never starts)."""
 
     def __init__(self, upstream: httpx.Response, model_id: str, on_done: Callable[[], None],
-                 on_broken: Callable[[Exception], BunkhouseError]) -> None:
+                 on_broken: Callable[[Exception], BunkhouseError] | None) -> None:
+        """``on_broken`` None: a plain answer, relayed with its length, so that a client
+        sees a break as a short body rather than as an event."""
+        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        length = upstream.headers.get("content-length")
+        if on_broken is None and length is not None:
+            headers["content-length"] = length
         super().__init__(
             _relay(upstream, model_id, on_broken),
             status_code=upstream.status_code,
             media_type=upstream.headers.get("content-type", "text/event-stream"),
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            headers=headers,
         )
         self._upstream = upstream
         self._on_done = on_done
@@ -124,14 +155,16 @@ class _Relay(StreamingResponse):
 
 
 async def _relay(resp: httpx.Response, model_id: str,
-                 on_broken: Callable[[Exception], BunkhouseError]) -> AsyncIterator[bytes]:
+                 on_broken: Callable[[Exception], BunkhouseError] | None
+                 ) -> AsyncIterator[bytes]:
     try:
-        async for chunk in resp.aiter_raw():
+        async for chunk in _raw(resp):
             yield chunk
     except httpx.TransportError as e:
-        log.warning("model %s: stream from worker broke: %r", model_id, e)
-        err = on_broken(e)
-        yield b"event: error\ndata: " + json.dumps(error_body(err)).encode() + b"\n\n"
+        log.warning("model %s: answer from worker broke: %r", model_id, e)
+        if on_broken is not None:
+            err = on_broken(e)
+            yield b"event: error\ndata: " + json.dumps(error_body(err)).encode() + b"\n\n"
     finally:
         await resp.aclose()
 
@@ -143,12 +176,13 @@ def _single(data: dict[str, Any]) -> bool:
     return data.get("n", 1) == 1 and not several
 
 
-Assembler = Callable[[list[dict[str, Any]]], dict[str, Any]]
+Assembler = Callable[[], Assembly]
 
 
 async def _forward_once(engine: EngineClient, path: str, body: bytes, request: Request,
-                        model_id: str, assembler: Assembler | None) -> Response:
-    call = asyncio.create_task(_call(engine, path, body, model_id, assembler))
+                        model_id: str, assembler: Assembler | None,
+                        on_done: Callable[[], None]) -> Response:
+    call = asyncio.create_task(_call(engine, path, body, model_id, assembler, on_done))
     gone = asyncio.create_task(_client_gone(request))
     try:
         done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -163,24 +197,50 @@ async def _forward_once(engine: EngineClient, path: str, body: bytes, request: R
 
 
 async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
-                assembler: Assembler | None) -> Response:
-    resp = await engine.generate(path, body)
+                assembler: Assembler | None, on_done: Callable[[], None]) -> Response:
+    """The answer to a plain request. ``on_done`` runs here once the exchange is over, or,
+    for an answer relayed as it arrives, when the relay ends."""
+    relayed = False
     try:
-        content = await resp.aread()
+        resp = await engine.generate(path, body)
+        try:
+            if resp.status_code >= 400:
+                return _engine_error(engine, resp.status_code, await _read_error(resp), path)
+            if assembler is None:
+                relayed = True
+                return _Relay(resp, model_id, on_done, None)
+            return await _assemble(engine, path, resp, model_id, assembler())
+        finally:
+            if not relayed:
+                await resp.aclose()
+    finally:
+        if not relayed:
+            on_done()
+
+
+async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model_id: str,
+                    assembly: Assembly) -> Response:
+    """Fold the engine's stream into one answer as it arrives."""
+    lines = LineSplitter()
+    try:
+        async for chunk in _raw(resp):
+            for line in lines.feed(chunk):
+                event = data_event(line)
+                if event == DONE:
+                    return JSONResponse(assembly.result())
+                if isinstance(event, dict):
+                    assembly.add(event)
+        for line in lines.close():
+            event = data_event(line)
+            if isinstance(event, dict):
+                assembly.add(event)
     except httpx.TransportError as e:
         raise EngineUnavailable(f"model {model_id!r}: worker answer broke: {e!r}") from e
-    finally:
-        await resp.aclose()
-    if resp.status_code >= 400:
-        return _engine_error(engine, resp.status_code, content, path)
-    if assembler is None:
-        return Response(content, status_code=resp.status_code, headers=_JSON)
-    try:
-        return JSONResponse(assembler(sse_events(sse_lines(content))))
     except StreamError as e:
         return _engine_error(engine, 500, json.dumps(e.body).encode(), path)
     except ValueError as e:
         raise EngineUnavailable(f"model {model_id!r}: unreadable stream from worker: {e}") from e
+    return JSONResponse(assembly.result())
 
 
 async def _client_gone(request: Request) -> None:

@@ -476,7 +476,8 @@ class ResidencyManager:
             if remaining > 0:
                 raise ModelFailed(
                     f"model {entry.model.id!r} is failed: {entry.last_error}; it will be "
-                    f"tried again in {remaining:.0f} s", retry_after_s=max(1, int(remaining)))
+                    f"tried again in {remaining:.0f} s", retry_after_s=max(1, int(remaining)),
+                    detail=entry.last_error_detail)
             entry.failures.clear()
             entry.quick_deaths = 0
             entry.failed_until = None
