@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import psutil
 
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
@@ -126,6 +127,36 @@ def test_rebinding_and_cross_site_requests_are_refused_but_curl_works(
         assert curl.status_code == 200 and curl.json()["choices"][0]["text"]
         local = httpx.get(f"http://localhost:{server.url.rsplit(':', 1)[1]}/health")
         assert local.status_code == 200
+        _amplification_and_bad_text_are_400(server)
+
+
+def _amplification_and_bad_text_are_400(server: Server) -> None:
+    gemma, url = "gemma-3-270m", server.url
+    front = psutil.Process(server.proc.pid)
+    for route, body, param in [
+        ("completions", {"prompt": "a", "max_tokens": 16, "n_probs": 300000}, "n_probs"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                              "top_logprobs": 300000}, "top_logprobs"),
+        ("completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(5000)}},
+         "logit_bias"),
+        ("completions", {"prompt": "a", "stop": ["x"] * 50}, "stop"),
+        ("embeddings", {"input": ["a"] * 3000}, "input"),
+        ("completions", {"prompt": "\ud800 a", "max_tokens": 2}, "prompt"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]},
+         "messages.0.content"),
+        ("embeddings", {"input": ["ok", "\ud800"]}, "input.1"),
+    ]:
+        raw = json.dumps({"model": gemma, **body}).replace("\\\\u", "\\u")
+        resp = httpx.post(f"{url}/v1/{route}", content=raw, timeout=60,
+                          headers={"content-type": "application/json"})
+        assert resp.status_code == 400, (route, param, resp.text)
+        assert resp.json()["error"]["param"] == param, resp.text
+    # At the caps, answers are bounded and the front stays small while relaying them.
+    before = front.memory_info().rss
+    resp = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": gemma, "prompt": "a", "max_tokens": 16, "n_probs": 20})
+    assert resp.status_code == 200 and len(resp.content) < 1 << 20
+    assert front.memory_info().rss - before < 64 << 20
 
 
 def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(

@@ -21,7 +21,7 @@ event loop, once per model file, and only for prompts long enough that they migh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +74,7 @@ def _token_bytes(token: str, model: str, decoder: dict[str, int]) -> bytes:
     return token.replace(_SPM_SPACE, " ").encode()
 
 
-@cache
+@lru_cache(maxsize=8)  # a few models; runtime registrations must not grow it
 def pair_table(path: Path, mtime_ns: int) -> PairTable | None:
     """The pair table of the GGUF at ``path`` (cached per file version), or None when its
     vocabulary is of a kind this bound does not understand. Raises GGUFError."""
