@@ -100,6 +100,11 @@ def hostile_headers() -> Iterator[tuple[str, bytes]]:
                                 u32("llama.attention.head_count", 1),
                                 u32("llama.vocab_size", 0xFFFFFFFF),
                                 u32("llama.attention.sliding_window", 0)])
+    yield "2^40 sliding-window layers", header([
+        arch("gemma3"), kv("gemma3.block_count", T.UINT64, Q.pack(1 << 40)),
+        u32("gemma3.attention.sliding_window", 512), u32("gemma3.context_length", 1024),
+        u32("gemma3.embedding_length", 64), u32("gemma3.attention.head_count", 4)])
+    yield "architecture of 1 MiB", header([arch("a" * (1 << 20))])
     yield "invalid UTF-8 key and architecture", header([
         kv("general.architecture", T.STRING, string(b"\xff\xfe\xc0")), string(b"\xff")
         + struct.pack("<I", T.UINT8) + b"\1"])

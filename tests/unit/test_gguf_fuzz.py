@@ -118,3 +118,22 @@ def test_a_path_with_a_component_over_255_bytes_is_a_400(app: tuple[TestClient, 
     resp = client.post("/v1/models", headers={"x-api-key": "a"},
                        json={"id": "long", "path": str(root / ("a" * 300))})
     assert resp.status_code == 400
+
+
+def test_a_fifo_is_never_opened_blocking(app: tuple[TestClient, Path], tmp_path: Path) -> None:
+    """A FIFO in place of a model file would block whoever opens it until a writer comes."""
+    import os
+
+    from bunkhouse.errors import WorkerLoadFailed
+    from bunkhouse.supervisor.process import open_model_file
+    client, root = app
+    os.mkfifo(root / "fifo.gguf")
+    with pytest.raises(GGUFError, match="not a regular file"):
+        read_gguf_info(root / "fifo.gguf")
+    resp = client.post("/v1/models", headers={"x-api-key": "a"},
+                       json={"id": "f", "path": str(root / "fifo.gguf")})
+    assert resp.status_code == 400
+    good = build_catalog(Settings(models_dirs=(root,), include_packaged=False)).get("good")
+    os.replace(root / "fifo.gguf", root / "good.gguf")  # the registered file, now a FIFO
+    with pytest.raises(WorkerLoadFailed, match="no longer the file"):
+        open_model_file(good)

@@ -16,6 +16,8 @@ never another exception. The scan is blocking file work: the front runs it off t
 from __future__ import annotations
 
 import mmap
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,10 +171,19 @@ def read_fields(path: Path, strings: frozenset[str] = frozenset()
     """All scalar and short numeric-array metadata of ``path``, and its tensor count; the
     string arrays named in ``strings`` (e.g. the vocabulary) are read too, as lists."""
     try:
-        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        # O_NONBLOCK: a FIFO swapped in for a model file must not block the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise GGUFError(f"{path}: not a regular file")
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
             return _read_header(_Cursor(buf, path), strings)
     except (OSError, ValueError, OverflowError, struct.error) as e:  # e.g. an empty file
         raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
+    finally:
+        os.close(fd)
 
 
 def _string_array(cur: _Cursor) -> list[str]:
@@ -226,8 +237,8 @@ def read_gguf_info(path: Path) -> GGUFInfo:
     """Read the serving-relevant metadata of the GGUF file at ``path``."""
     fields, tensor_count = read_fields(path)
     arch = fields.get("general.architecture")
-    if not isinstance(arch, str):
-        raise GGUFError(f"{path}: GGUF file has no general.architecture")
+    if not isinstance(arch, str) or not 0 < len(arch) <= 64:
+        raise GGUFError(f"{path}: GGUF file has no general.architecture (a short string)")
     head_count = _int(fields, f"{arch}.attention.head_count")
     embedding = _int(fields, f"{arch}.embedding_length")
     default_head_dim = embedding // head_count if embedding and head_count else None

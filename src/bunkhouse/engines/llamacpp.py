@@ -310,7 +310,7 @@ def _swa_layers(info: GGUFInfo) -> int:
     pattern = _SWA_PATTERNS.get(info.architecture)
     if not info.sliding_window or pattern is None:
         return 0  # unknown pattern: count every layer at full context (over, never under)
-    return sum(1 for il in range(layers) if (il + 1) % pattern != 0)
+    return layers - layers // pattern  # layer il is full when (il + 1) % pattern == 0
 
 
 def _pad(n: int, to: int) -> int:

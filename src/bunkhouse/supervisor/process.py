@@ -100,7 +100,8 @@ def open_model_file(model: CatalogModel) -> OpenedModel:
 
     Raises WorkerLoadFailed: the message names no path; the detail (log, admins) does."""
     try:
-        fd = os.open(model.path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO swapped in must not block the front; cleared below for a file
+        fd = os.open(model.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise WorkerLoadFailed(f"model {model.id!r}: its file cannot be opened "
                                f"({e.strerror}); the server log has the path",
@@ -114,6 +115,7 @@ def open_model_file(model: CatalogModel) -> OpenedModel:
                 f"model {model.id!r}: its file is no longer the file that was checked when "
                 "the model was registered (it, or a directory above it, now leads elsewhere); "
                 "refused", detail=f"{model.path} now opens {real}")
+        os.set_blocking(fd, True)
         if st.st_size != model.size_bytes:
             raise WorkerLoadFailed(
                 f"model {model.id!r}: its file changed since it was catalogued (size "
