@@ -56,6 +56,12 @@ def test_bound_to_all_interfaces_any_host_is_served(tmp_path: Path) -> None:
     ({"content-type": "text/plain", "origin": "http://localhost:3000"}, False),  # a local page
     ({"content-type": "text/plain", "sec-fetch-site": "same-origin"}, False),
     ({"content-type": "application/json", "origin": "https://evil.example"}, False),  # preflight
+    ({"origin": "https://evil.example"}, True),  # a fetch of raw bytes: no content type
+    ({"content-type": "", "sec-fetch-site": "cross-site"}, True),
+    ({"content-type": "text/plain", "origin": "http://203.0.113.7"}, True),  # another machine
+    ({"content-type": "text/plain", "origin": "http://127.0.0.1:3000"}, False),
+    ({"content-type": "text/plain", "origin": "http://[::1"}, True),  # unparseable
+    ({}, False),  # curl --data-binary with the content type removed, no Origin
 ])
 def test_cross_site_simple_bodies_are_refused(client: TestClient, headers: dict[str, str],
                                               refused: bool) -> None:

@@ -11,10 +11,11 @@ Ollama applies them, checked before any route:
   and get 403. Bound to any other address, the operator chose to serve the network; keys are
   the protection then (docs/security.md).
 - **Cross-site bodies.** A body whose content type a browser may send cross-site without a
-  preflight (``text/plain``, form types) is refused when the request comes from another site
-  (``Sec-Fetch-Site: cross-site``, or an ``Origin`` that is neither this server nor a local
-  or allowed host). ``curl -d`` sends such a content type too, but no ``Origin``: it keeps
-  working, as Ollama's and llama.cpp's docs show it.
+  preflight (``text/plain``, form types, or none at all: a ``fetch`` of raw bytes, a
+  ``sendBeacon``) is refused when the request comes from another site
+  (``Sec-Fetch-Site: cross-site``, or an ``Origin`` that is neither this server nor a
+  loopback address, a local name or an allowed host). ``curl -d`` sends such a content type
+  too, but no ``Origin``: it keeps working, as Ollama's and llama.cpp's docs show it.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class SitePolicy:
     @staticmethod
     def _simple_body(headers: Headers) -> bool:
         media = headers.get("content-type", "").partition(";")[0].strip().lower()
-        return media in _SIMPLE_TYPES
+        return media in _SIMPLE_TYPES or not media
 
     def _cross_site(self, headers: Headers) -> bool:
         if headers.get("sec-fetch-site", "").lower() == "cross-site":
@@ -110,10 +111,17 @@ class SitePolicy:
         origin = headers.get("origin")
         if origin is None:
             return False  # not a browser's cross-origin request (curl, SDKs)
-        parts = urlsplit(origin)
+        try:
+            parts = urlsplit(origin)
+            name = (parts.hostname or "").lower()
+        except ValueError:  # not a URL: "null" and worse
+            return True
         if parts.netloc and parts.netloc.lower() == headers.get("host", "").lower():
             return False  # same origin
-        return not self.local_name((parts.hostname or "").lower())
+        try:
+            return not ipaddress.ip_address(name).is_loopback  # a page served from an address
+        except ValueError:
+            return not self.local_name(name)
 
 
 class SiteGuard:
