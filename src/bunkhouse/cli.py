@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -277,6 +278,7 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     if settings.worker_engine:
         _check_importable(settings.worker_engine)
     _check_port_free(settings.host, settings.port)
+    _raise_open_files_limit()
     launcher = LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
                                            settings.worker_engine))
     residency = ResidencyManager(
@@ -326,6 +328,19 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     server = _Server(config, stop_workers, settings.stop_grace_s, serving)
     server.run()
     return 0 if server.started else 1
+
+
+def _raise_open_files_limit(target: int = 65536) -> None:
+    """Raise this process's open-files soft limit towards ``target`` (within the hard limit),
+    as nginx's worker_rlimit_nofile does: each client connection holds a descriptor, and the
+    common default of 1,024 lets a thousand idle connections lock every client out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (OSError, ValueError) as e:
+            log.warning("could not raise the open-files limit from %d: %s", soft, e)
 
 
 def _check_port_free(host: str, port: int) -> None:

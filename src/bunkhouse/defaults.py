@@ -48,6 +48,14 @@ allow 32 KiB, Node's 16 KiB; 64 KiB leaves room for long tokens and cookies."""
 MAX_HEADERS = 100
 """Most header fields in one request; more gets 431 (Apache's LimitRequestFields default)."""
 
+BODY_TIMEOUT_S = 20.0
+"""Seconds a client has to send a request body, plus one second for every BODY_MIN_RATE bytes
+it has sent (Apache mod_reqtimeout's default, body=20,MinRate=500); then the connection
+closes."""
+
+BODY_MIN_RATE = 500
+"""Bytes per second a slow body must keep up (see BODY_TIMEOUT_S)."""
+
 HEAD_TIMEOUT_S = 10.0
 """Seconds a client has to send a request head, from connecting or from its last answer's end;
 then 408 and the connection closes (a slowloris holds no connection longer)."""

@@ -17,6 +17,7 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     │   └── ModelNotFound               404 invalid_request_error / model_not_found
     ├── Conflict                        409 invalid_request_error / conflict
     ├── MethodNotAllowed                405 invalid_request_error / method_not_allowed
+    ├── ClientGone                      499 (the client left before its body was read)
     ├── QueueFull                       429 resource_admission / queue_full (+ Retry-After)
     ├── WorkerLoadFailed                503 server_error / model_load_failed
     ├── InsufficientMemory              503 server_error / insufficient_memory (+ Retry-After)
@@ -139,6 +140,14 @@ class MethodNotAllowed(BunkhouseError):
     status = 405
     type = "invalid_request_error"
     code = "method_not_allowed"
+
+
+class ClientGone(BunkhouseError):
+    """The client disconnected while its request was read: nobody gets the answer."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
 
 
 class WorkerLoadFailed(BunkhouseError):

@@ -92,3 +92,46 @@ def test_connections_dribbling_their_heads_are_closed(tmp_path: Path) -> None:
             for s in socks:
                 s.close()
         assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_trailers_slow_bodies_and_cut_bodies_hold_nothing(tmp_path: Path) -> None:
+    with serve(tmp_path, "--no-packaged") as server:
+        front = psutil.Process(server.proc.pid)
+        before = front.memory_info().rss
+        # Endless trailers after a chunked body: refused once they pass the head bound.
+        trailer = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: " + b"a" * (32 << 20))
+        assert _send_head(server, trailer).startswith(b"HTTP/1.1 400 ")
+        assert front.memory_info().rss - before < 64 << 20
+        # A body dribbled a byte at a time is cut once it falls behind the minimum rate.
+        with socket.create_connection(_address(server), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n")
+
+            def closed() -> bool:
+                try:
+                    sock.sendall(b" ")
+                    sock.setblocking(False)
+                    try:
+                        return sock.recv(4096) == b""
+                    except BlockingIOError:
+                        return False
+                    finally:
+                        sock.setblocking(True)
+                except OSError:
+                    return True
+                finally:
+                    time.sleep(1)
+
+            wait_for(closed, defaults.BODY_TIMEOUT_S + 120, "the slow body's connection to close")
+        # A client gone mid-body is no server error.
+        with socket.create_connection(_address(server), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mod")
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
+        soft = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+        assert int(soft.split()[3]) > 1024 or "unlimited" in soft or \
+            int(soft.split()[3]) == int(soft.split()[4])  # raised as far as the hard limit
+    log = server.log.read_text()
+    assert "Traceback" not in log and "internal error" not in log

@@ -145,6 +145,9 @@ def test_models_listing_without_workers(client: TestClient) -> None:
          "logit_bias"),
         ("/v1/completions", {"prompt": "a", "logit_bias": [[i, 1] for i in range(1025)]},
          "logit_bias"),
+        ("/v1/chat/completions", {"messages": MSGS, "reasoning_format": "zzz"},
+         "reasoning_format"),
+        ("/v1/completions", {"model": "'" * 100_000, "prompt": "a"}, "model"),
         ("/v1/chat/completions", {"messages": MSGS, "tools": [
             {"type": "function", "function": {"name": f"f{i}", "description": "x" * 1000}}
             for i in range(300)]}, "tools"),
@@ -201,3 +204,11 @@ def test_a_huge_integer_is_not_called_invalid_json(client: TestClient) -> None:
                            "invalid_request")
     assert "thousands of digits" in str(err["message"])
     assert "sys.set_int_max_str_digits" not in str(err["message"])
+
+
+def test_an_unknown_model_is_named_in_at_most_a_few_hundred_characters(
+        client: TestClient) -> None:
+    err = _assert_envelope(client.post("/v1/models/" + "x" * 5000), 405, "method_not_allowed")
+    resp = client.get("/v1/models/" + "x" * 5000)
+    assert resp.status_code == 404 and len(resp.content) < 1000
+    assert err["message"]

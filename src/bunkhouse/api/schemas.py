@@ -19,9 +19,9 @@ from pydantic import (
     StrictStr,
     ValidationError,
 )
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from bunkhouse.errors import InvalidRequest, RequestTooLarge
+from bunkhouse.errors import ClientGone, InvalidRequest, RequestTooLarge
 
 
 def _number(value: Any) -> Any:
@@ -47,7 +47,7 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    model: StrictStr | None = None
+    model: Annotated[StrictStr, Field(max_length=256)] | None = None  # ids: at most 128
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=0)
@@ -297,9 +297,12 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise RequestTooLarge(f"request body is {declared} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"request body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect as e:  # gone mid-body (or cut for sending it too slowly)
+        raise ClientGone("the client disconnected before its request body was read") from e
     return b"".join(chunks)

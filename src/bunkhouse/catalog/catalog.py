@@ -94,8 +94,9 @@ class Catalog:
         found = self._models.get(model_id)
         if found is None:
             known = ", ".join(self._models) or "(none)"
+            shown = model_id if len(model_id) <= 200 else f"{model_id[:200]}..."
             raise ModelNotFound(
-                f"model {model_id!r} not found; known models: {known}", param="model"
+                f"model {shown!r} not found; known models: {known}", param="model"
             )
         return found
 

@@ -87,6 +87,16 @@ def check_extensions(body: dict[str, Any]) -> None:
         bounds = EXTENSION_BOUNDS.get(name)
         if bounds is not None and isinstance(value, int) and not bounds[0] <= value <= bounds[1]:
             raise InvalidRequest(f"{name} must be from {bounds[0]} to {bounds[1]}", param=name)
+        choices = EXTENSION_CHOICES.get(name)
+        if choices is not None and value not in choices:
+            raise InvalidRequest(f"{name} must be one of {', '.join(sorted(choices))}",
+                                 param=name)
+
+
+# Extension fields with a fixed set of values (llama.cpp's common_reasoning_format_from_name).
+EXTENSION_CHOICES: dict[str, frozenset[str]] = {
+    "reasoning_format": frozenset({"none", "auto", "deepseek", "deepseek-legacy"}),
+}
 
 
 # Extension fields that multiply work or output, bounded: n_probs as OpenAI bounds
@@ -113,6 +123,7 @@ def refused_field(message: str, path: str) -> str | None:
 _FIELD = re.compile(r"Field '([A-Za-z_][A-Za-z0-9_.]*)'")
 _FIELD_HINTS: list[tuple[re.Pattern[str], dict[str, str]]] = [
     (re.compile(r"grammar", re.IGNORECASE), {"": "grammar"}),
+    (re.compile(r"reasoning format", re.IGNORECASE), {"": "reasoning_format"}),
     (re.compile(r"json.?schema|\$ref", re.IGNORECASE), {"": "response_format"}),
     (re.compile(r"invalid tokens?", re.IGNORECASE),
      {"": "prompt", "/v1/embeddings": "input", "/v1/chat/completions": "messages"}),
@@ -125,7 +136,7 @@ N_UBATCH = EMBEDDING_BATCH  # the micro-batch every worker runs with (set explic
 _REFUSALS = re.compile(
     r"json\.exception|is not supported|input is too large|increase the physical batch size"
     r"|failed to parse|unsupported|out of range|invalid token"
-    r"|exceeds the available context size|invalid|must be|cannot be|required|empty",
+    r"|exceeds the available context size|invalid|must be|cannot be|required|empty|unknown",
     re.IGNORECASE)
 
 

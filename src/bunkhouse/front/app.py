@@ -47,6 +47,8 @@ from bunkhouse.residency.manager import Lease, ResidencyManager
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
+
 DEFAULT_MAX_BODY = defaults.MAX_BODY_BYTES
 
 Schema = type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
@@ -63,6 +65,9 @@ class Front:
         self.compute = compute
         self.max_body_bytes = max_body_bytes
         self.keys = keys or Keys()
+        # Large bodies parsed at once: each takes a few times its size while pydantic checks
+        # it, so sixteen 15 MiB bodies at once took the front past 1 GB.
+        self._parsing = asyncio.Semaphore(2)
 
     def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
         def parse(body: bytes) -> tuple[Any, dict[str, Any]]:
@@ -71,9 +76,9 @@ class Front:
 
         async def handler(request: Request) -> Response:
             body = await read_body(request, self.max_body_bytes)
-            parsed, data = await _cpu(len(body), parse, body)
+            parsed, data = await self._cpu(len(body), parse, body)
             model = self.catalog.get(parsed.model)
-            data = await _cpu(len(body), prepare, path, schema, model, data)
+            data = await self._cpu(len(body), prepare, path, schema, model, data)
             await refuse_before_load(model, path, data, functools.partial(_pair_table, model))
             lease = await self.residency.acquire(model)
             held = _Held(lease.release)
@@ -105,6 +110,14 @@ class Front:
             return response
 
         return handler
+
+    async def _cpu(self, size: int, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)``: inline for a small input; for a large one on a thread, two at a
+        time."""
+        if size < LARGE_BODY_BYTES:
+            return fn(*args)
+        async with self._parsing:
+            return await asyncio.to_thread(fn, *args)
 
     def _check_still_served(self, lease: Lease) -> None:
         """After waiting for a slot and a compute turn: the front may have begun stopping, or
@@ -198,16 +211,6 @@ class Front:
 LARGE_BODY_BYTES = 64 * 1024
 """Bodies from this size on are parsed and checked on a thread, not on the event loop (a
 16 MiB body takes a few hundred milliseconds of CPU to parse and validate)."""
-
-R = TypeVar("R")
-
-
-async def _cpu(size: int, fn: Callable[..., R], *args: Any) -> R:
-    """``fn(*args)``: inline for a small input, on a thread for a large one."""
-    if size < LARGE_BODY_BYTES:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
-
 
 async def _pair_table(model: CatalogModel) -> PairTable | None:
     """The model's vocabulary pair table, read off the event loop once per file version."""

@@ -1,4 +1,5 @@
-"""Bounds on HTTP request heads: size, header count, and the time to send them.
+"""Bounds on HTTP requests as they arrive: head size, header count, the time to send a head
+and a body, and bytes the parser holds without progress.
 
 uvicorn's httptools protocol (the one it picks when httptools is installed, as here) bounds
 the URL but neither the header block nor the time a client may take to send it: a 64 MB
@@ -10,11 +11,16 @@ keeps uvicorn's parser and everything else; we write it because uvicorn has no s
 (its h11 protocol bounds the head's size only, and is slower per streamed token).
 
 - a head over :data:`~bunkhouse.defaults.MAX_HEAD_BYTES` gets 431 and the connection closes;
-  the parser holds at most that plus one read (asyncio reads at most 256 KiB at a time);
+  the parser holds at most that plus one read (asyncio reads at most 256 KiB at a time); so
+  do a chunked body's trailers (400), and anything else the parser buffers without making
+  progress;
 - more than :data:`~bunkhouse.defaults.MAX_HEADERS` header fields: 431;
 - a head not complete :data:`~bunkhouse.defaults.HEAD_TIMEOUT_S` after the connection opened
   or its last answer ended: 408 and the connection closes (idle kept-alive connections are
-  closed sooner by uvicorn's keep-alive timeout).
+  closed sooner by uvicorn's keep-alive timeout);
+- a body not complete :data:`~bunkhouse.defaults.BODY_TIMEOUT_S` after its head, plus a second
+  per :data:`~bunkhouse.defaults.BODY_MIN_RATE` bytes received: the connection closes (the
+  app sees the client gone).
 """
 
 from __future__ import annotations
@@ -33,13 +39,16 @@ class HeadLimits:
     max_bytes: int = defaults.MAX_HEAD_BYTES
     max_headers: int = defaults.MAX_HEADERS
     timeout_s: float = defaults.HEAD_TIMEOUT_S
+    body_timeout_s: float = defaults.BODY_TIMEOUT_S
+    body_min_rate: int = defaults.BODY_MIN_RATE
 
 
 class _HeadRefused(Exception):
     """Raised inside a parser callback to stop parsing a refused head."""
 
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout",
+            431: b"Request Header Fields Too Large"}
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -50,16 +59,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._awaiting_head = True  # from connect, or an answer's end, to a complete head
-        self._head_bytes = 0
+        self._unparsed = 0  # bytes fed since the parser last made progress
         self._header_count = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_started = 0.0
+        self._body_bytes = 0
         self._refused = False
 
     # -- the clock ------------------------------------------------------------------------
 
     def _await_head(self) -> None:
         self._awaiting_head = True
-        self._head_bytes = self._header_count = 0
+        self._header_count = 0
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self.limits.timeout_s, self._head_late)
 
@@ -68,6 +80,26 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def _body_done(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_check(self) -> None:
+        """The body's deadline: BODY_TIMEOUT_S after its head, a second more per
+        BODY_MIN_RATE bytes received."""
+        self._body_timer = None
+        deadline = (self._body_started + self.limits.body_timeout_s
+                    + self._body_bytes / self.limits.body_min_rate)
+        left = deadline - self.loop.time()
+        if left > 0:
+            self._body_timer = self.loop.call_later(left, self._body_check)
+        elif not self.transport.is_closing():
+            self.logger.info("closed a connection whose request body was too slow "
+                             "(%d bytes in %.0f s)", self._body_bytes,
+                             self.loop.time() - self._body_started)
+            self.transport.close()  # the app's receive() sees http.disconnect
 
     def _head_late(self) -> None:
         self._head_timer = None
@@ -94,16 +126,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_done()
+        self._body_done()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        self._unparsed += len(data)
         super().data_received(data)
-        if self._awaiting_head and not self._refused:
-            self._head_bytes += len(data)
-            if self._head_bytes > self.limits.max_bytes:
+        if self._unparsed > self.limits.max_bytes and not self._refused:
+            if self._awaiting_head:
                 self._refuse(431, f"the request head is over {self.limits.max_bytes} bytes")
+            else:  # a chunked body's trailers, or a chunk header that never ends
+                self._refuse(400, f"over {self.limits.max_bytes} bytes of request framing")
 
     def send_400_response(self, msg: str) -> None:
         if not self._refused:  # a refusal already answered
@@ -122,7 +157,22 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_done()
+        self._unparsed = 0
         super().on_headers_complete()
+        self._body_started, self._body_bytes = self.loop.time(), 0
+        if self._body_timer is None:
+            self._body_timer = self.loop.call_later(self.limits.body_timeout_s,
+                                                    self._body_check)
+
+    def on_body(self, body: bytes) -> None:
+        self._unparsed = 0
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._unparsed = 0
+        self._body_done()
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
