@@ -212,3 +212,39 @@ def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(
             done.set()
             poller.join()
         assert answered and set(answered) == {200}
+
+
+def test_every_part_of_a_split_model_is_checked_and_counted(
+        tmp_path: Path, packaged_catalog: Catalog) -> None:
+    from tests.helpers import split_gguf
+    gemma = packaged_catalog.get("gemma-3-270m").path
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    first, second = split_gguf(gemma, root / "sp.gguf")
+    total = first.stat().st_size + second.stat().st_size
+    shutil.copy(second, outside / second.name)
+    other = shutil.copy(first, root / "ot-00001-of-00002.gguf")
+    os.symlink(outside / second.name, root / "ot-00002-of-00002.gguf")
+    with serve(tmp_path, "--no-packaged", "--admin-key", "admin-k", "--allow-runtime-load",
+               "--allowed-root", str(root)) as server:
+        resp = httpx.post(f"{server.url}/v1/models", headers=ADMIN, timeout=180,
+                          json={"id": "sp", "path": str(first), "context": 512, "parallel": 1})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["size_bytes"] == total and resp.json()["estimated_bytes"] > total
+        answer = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": "sp", "prompt": "The sky is", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+        assert str(outside) not in _maps_of_workers(server)
+        _unload(server, "sp")
+        # A part that leads outside the roots: refused at registration and at every load.
+        resp = httpx.post(f"{server.url}/v1/models", headers=ADMIN, timeout=60,
+                          json={"id": "ot", "path": str(other)})
+        assert resp.status_code == 403 and resp.json()["error"]["param"] == "path"
+        os.replace(second, root / "kept.gguf")
+        os.symlink(outside / second.name, second)
+        resp = _load(server, "sp")
+        assert resp.status_code == 503, resp.text
+        assert str(outside) not in _maps_of_workers(server) and not server.workers()
+        os.replace(root / "kept.gguf", second)
+        assert _load(server, "sp").status_code == 200

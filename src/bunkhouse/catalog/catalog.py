@@ -117,13 +117,38 @@ def _effective_options(
     return options
 
 
+def model_files(path: Path, split_count: int) -> list[Path]:
+    """Every file of the model whose first (or only) file is ``path``: llama.cpp finds the
+    parts of a split model by name (``NAME-00001-of-00003.gguf``, ``-00002-``, ...), next to
+    the first. Raises GGUFError when the name does not say so, or a part is missing."""
+    if split_count <= 1:
+        return [path]
+    shard = _SHARD_RE.search(path.name.removesuffix(".gguf"))
+    if shard is None or int(shard.group(1)) != 1 or int(shard.group(2)) != split_count:
+        raise GGUFError(f"{path}: a model split into {split_count} files must be named "
+                        f"NAME-00001-of-{split_count:05d}.gguf")
+    prefix = path.name[: shard.start()]
+    files = [path.with_name(f"{prefix}-{i:05d}-of-{split_count:05d}.gguf")
+             for i in range(1, split_count + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise GGUFError(f"{path}: parts of the split model are missing: {', '.join(missing)}")
+    return files
+
+
+def files_size(files: list[Path]) -> int:
+    """All parts' bytes together (what the memory estimate counts as weights)."""
+    return sum(f.stat().st_size for f in files)
+
+
 def _model(model_id: str, path: Path, source: str, settings: Settings,
            entry: ModelEntry | None = None) -> CatalogModel:
     info = read_gguf_info(path)
     overrides = entry.options if entry else {}
     options = _effective_options(settings.defaults, overrides, info, f"model {model_id!r}")
     st = path.stat()
-    return CatalogModel(model_id, path, source, info, options, st.st_size,
+    size = files_size(model_files(path, info.split_count))
+    return CatalogModel(model_id, path, source, info, options, size,
                         modified=int(st.st_mtime), pinned=entry.pinned if entry else False,
                         ttl_s=entry.ttl_s if entry else None,
                         chat_template=entry.chat_template if entry else None,

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api.schemas import parse_json_object, read_body, validate
 from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.catalog.catalog import files_size, model_files
 from bunkhouse.catalog.gguf_meta import read_gguf_info
 from bunkhouse.config import EngineOptions, check_model_id, engine_options
 from bunkhouse.defaults import DRAIN_GRACE_S
@@ -131,6 +132,13 @@ class Admin:
             # A large or hostile header takes a while to scan: off the event loop.
             info = await asyncio.to_thread(read_gguf_info, real)
             st = real.stat()
+            files = model_files(real, info.split_count)
+            outside = [f for f in files if inside_roots(str(f), self.options.roots) != f]
+            if outside:  # a part that is a link, or leads out of the roots
+                log.warning("refused a runtime model whose parts lead elsewhere: %s", outside)
+                raise Forbidden("a part of the split model is outside the allowed model "
+                                "roots, or a link", param="path")
+            size = files_size(files)
         except OSError as e:  # a name too long, no permission, gone meanwhile
             raise InvalidRequest(f"path cannot be read: {e.strerror}", param="path") from e
         except GGUFError as e:
@@ -144,7 +152,7 @@ class Admin:
             raise InvalidRequest(e.message) from e
         if info.context_length and options.context > info.context_length:
             options = replace(options, context=info.context_length)
-        return CatalogModel(body.id, real, "runtime", info, options, st.st_size,
+        return CatalogModel(body.id, real, "runtime", info, options, size,
                             modified=int(st.st_mtime), pinned=body.pinned, ttl_s=body.ttl)
 
     def _known(self, request: Request) -> CatalogModel:

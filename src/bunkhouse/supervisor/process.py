@@ -11,6 +11,7 @@ import contextlib
 import enum
 import logging
 import os
+import shutil
 import signal
 import stat
 import sys
@@ -24,9 +25,10 @@ import httpx
 
 from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
+from bunkhouse.catalog.catalog import model_files
 from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import EngineClient
-from bunkhouse.errors import WorkerLoadFailed
+from bunkhouse.errors import GGUFError, WorkerLoadFailed
 from bunkhouse.supervisor.handle import Placement, WorkerMemory, process_memory
 
 log = logging.getLogger(__name__)
@@ -79,55 +81,86 @@ async def spawn_local(argv: Sequence[str], pass_fds: Sequence[int] = ()
 
 @dataclass(frozen=True, slots=True)
 class OpenedModel:
-    """A model file opened by the front for one worker start."""
+    """A model's files opened by the front for one worker start."""
 
-    fd: int
-    worker_path: str  # what the worker opens: the descriptor itself, or a checked real path
+    fds: tuple[int, ...]
+    worker_path: str  # what the worker opens: a path to the descriptors it inherits
+    link_dir: Path | None = None  # a split model's links to them, removed with close()
+
+    def close_descriptors(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        self.close_descriptors()
+        if self.link_dir is not None:
+            shutil.rmtree(self.link_dir, ignore_errors=True)
 
 
-def open_model_file(model: CatalogModel) -> OpenedModel:
-    """Open ``model``'s file for a worker and check, on the opened file itself, that it is
+def open_model_file(model: CatalogModel, link_dir: Path | None = None) -> OpenedModel:
+    """Open ``model``'s files for a worker and check, on each opened file itself, that it is
     the file the catalog checked when the model was registered: the same real path (no file
     or directory swapped for a symlink since: that is how a path inside the allowed roots
-    is turned into one outside), a regular file, the same size (the memory estimate was
-    made from it). The worker is handed the descriptor (``/proc/self/fd/N``), so what it maps
-    is what was checked. A model split into several files is handed by its real path (the
-    engine finds the other parts by name), checked the same way just before the spawn.
+    is turned into one outside), a regular file (a FIFO would block), the same total size
+    (the memory estimate was made from it). The worker is handed the descriptors, so what it
+    maps is what was checked: ``/proc/self/fd/N`` for one file; for a model split into
+    several files (the engine finds the parts by name), ``link_dir`` gets links named as the
+    parts, each to ``/proc/self/fd/N``, which the worker resolves to its own inherited copy.
 
     Raises WorkerLoadFailed: the message names no path; the detail (log, admins) does."""
     try:
+        files = model_files(model.path, model.info.split_count)
+    except GGUFError as e:
+        raise WorkerLoadFailed(f"model {model.id!r}: a part of its files is missing",
+                               detail=e.message) from e
+    fds: list[int] = []
+    try:
+        size = 0
+        for path in files:
+            fd = _open_checked(model, path)
+            fds.append(fd)
+            size += os.fstat(fd).st_size
+        if size != model.size_bytes:
+            raise WorkerLoadFailed(
+                f"model {model.id!r}: its file changed since it was catalogued (size "
+                f"{model.size_bytes} -> {size} bytes); restart the server, or delete "
+                "and register the model again, so that its memory estimate is remade",
+                detail=str(model.path))
+        if len(fds) == 1:
+            return OpenedModel((fds[0],), f"/proc/self/fd/{fds[0]}")
+        if link_dir is None:
+            raise WorkerLoadFailed(f"model {model.id!r}: a split model needs a link directory")
+        link_dir.mkdir(mode=0o700)
+        for path, fd in zip(files, fds, strict=True):
+            (link_dir / path.name).symlink_to(f"/proc/self/fd/{fd}")
+        return OpenedModel(tuple(fds), str(link_dir / files[0].name), link_dir)
+    except BaseException:
+        OpenedModel(tuple(fds), "", link_dir if len(fds) > 1 else None).close()
+        raise
+
+
+def _open_checked(model: CatalogModel, path: Path) -> int:
+    """``path`` opened for reading, if it is still the regular file registered."""
+    try:
         # O_NONBLOCK: a FIFO swapped in must not block the front; cleared below for a file
-        fd = os.open(model.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise WorkerLoadFailed(f"model {model.id!r}: its file cannot be opened "
                                f"({e.strerror}); the server log has the path",
-                               detail=f"{model.path}: {e}") from e
-    opened = OpenedModel(fd, f"/proc/self/fd/{fd}")
+                               detail=f"{path}: {e}") from e
     try:
-        st = os.fstat(fd)
         real = os.readlink(f"/proc/self/fd/{fd}")
-        if real != str(model.path) or not stat.S_ISREG(st.st_mode):
+        if real != str(path) or not stat.S_ISREG(os.fstat(fd).st_mode):
             raise WorkerLoadFailed(
                 f"model {model.id!r}: its file is no longer the file that was checked when "
                 "the model was registered (it, or a directory above it, now leads elsewhere); "
-                "refused", detail=f"{model.path} now opens {real}")
+                "refused", detail=f"{path} now opens {real}")
         os.set_blocking(fd, True)
-        if st.st_size != model.size_bytes:
-            raise WorkerLoadFailed(
-                f"model {model.id!r}: its file changed since it was catalogued (size "
-                f"{model.size_bytes} -> {st.st_size} bytes); restart the server, or delete "
-                "and register the model again, so that its memory estimate is remade",
-                detail=str(model.path))
     except BaseException:
-        opened.close()
+        os.close(fd)
         raise
-    if model.info.split_count > 1:
-        opened = OpenedModel(fd, real)
-    return opened
+    return fd
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +216,7 @@ class WorkerProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._stderr: deque[str] = deque(maxlen=_STDERR_LINES)
         self._tasks: list[asyncio.Task[None]] = []
+        self._model_links: Path | None = None  # a split model's links, until it has loaded
         self._stopping: asyncio.Future[None] | None = None
         # A fresh connection per request: llama.cpp's server may close a kept-alive
         # connection after a stream without saying so, and the next request on it fails
@@ -234,16 +268,18 @@ class WorkerProcess:
         self.launch.socket.unlink(missing_ok=True)
         self.started_at = time.monotonic()
         try:
-            opened = open_model_file(self.model)
+            opened = open_model_file(self.model, self.launch.socket.with_suffix(".model"))
         except WorkerLoadFailed:
             self._set_state(WorkerState.FAILED, "model file refused")
             await self.stop()
             raise
         try:
             self._proc = await self._spawner(
-                worker_argv(self.model, self.launch, opened.worker_path), (opened.fd,))
+                worker_argv(self.model, self.launch, opened.worker_path), opened.fds)
         finally:
-            opened.close()  # the worker holds its own copy
+            # the worker holds its own copies; the links to them only until it has loaded
+            opened.close_descriptors()
+        self._model_links = opened.link_dir
         self._tasks.append(asyncio.create_task(self._read_output(self._proc)))
         try:
             await self._health_gate(self._proc)
@@ -255,6 +291,7 @@ class WorkerProcess:
             await self.stop()  # never leave a half-started worker behind
             raise
         self.ready_at = time.monotonic()
+        self._remove_model_links()
         self._set_state(
             WorkerState.READY, f"pid {self._proc.pid} in {self.ready_at - self.started_at:.1f} s"
         )
@@ -341,7 +378,13 @@ class WorkerProcess:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.launch.socket.unlink(missing_ok=True)
+        self._remove_model_links()
         self._set_state(WorkerState.STOPPED, "stopped")
+
+    def _remove_model_links(self) -> None:
+        if self._model_links is not None:
+            shutil.rmtree(self._model_links, ignore_errors=True)
+            self._model_links = None
 
 
 async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, model_id: str) -> None:
