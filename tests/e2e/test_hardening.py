@@ -145,6 +145,10 @@ def _amplification_and_bad_text_are_400(server: Server) -> None:
         ("chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]},
          "messages.0.content"),
         ("embeddings", {"input": ["ok", "\ud800"]}, "input.1"),
+        ("completions", {"prompt": "x", "max_tokens": 2,
+                         "grammar": 'root ::= (("a"{0,30}){0,30}){0,30}'}, "grammar"),
+        ("completions", {"prompt": "x", "max_tokens": 2, "json_schema": {
+            "type": "string", "pattern": "^((a{0,45}){0,45}){0,45}$"}}, "json_schema"),
     ]:
         raw = json.dumps({"model": gemma, **body}).replace("\\\\u", "\\u")
         resp = httpx.post(f"{url}/v1/{route}", content=raw, timeout=60,
@@ -157,6 +161,9 @@ def _amplification_and_bad_text_are_400(server: Server) -> None:
         "model": gemma, "prompt": "a", "max_tokens": 16, "n_probs": 20})
     assert resp.status_code == 200 and len(resp.content) < 1 << 20
     assert front.memory_info().rss - before < 64 << 20
+    flat = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": gemma, "prompt": "x", "max_tokens": 2, "grammar": 'root ::= "a"{0,5000}'})
+    assert flat.status_code == 200, flat.text  # a flat repetition costs little: served
 
 
 def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(

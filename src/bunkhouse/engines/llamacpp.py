@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from bunkhouse.defaults import CONNECT_TIMEOUT_S
+from bunkhouse.engines import grammar_cost
 from bunkhouse.engines.contract import (
     EngineRefused,
     MemoryEstimate,
@@ -276,6 +277,7 @@ class LlamaCpp:
 
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         check_extensions(body)
+        grammar_cost.check_request(body)
 
     def forwarded_fields(self) -> frozenset[str]:
         return EXTENSION_FIELDS
