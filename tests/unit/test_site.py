@@ -83,3 +83,30 @@ def test_loopback_binds(bind: str, loopback: bool) -> None:
 
 def test_no_host_header_is_served() -> None:
     assert SitePolicy().refusal("GET", Headers({})) is None
+
+
+def test_an_http11_request_needs_exactly_one_host() -> None:
+    import asyncio
+
+    from bunkhouse.front.site import SiteGuard
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("refused before the app")
+
+    async def status(headers: list[tuple[bytes, bytes]], version: str) -> int:
+        sent: list[dict[str, object]] = []
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": b""}
+
+        scope = {"type": "http", "method": "GET", "path": "/health", "headers": headers,
+                 "http_version": version, "query_string": b""}
+        await SiteGuard(app, SitePolicy())(scope, receive, send)  # type: ignore[arg-type]
+        return int(sent[0]["status"])  # type: ignore[call-overload]
+
+    two = [(b"host", b"localhost"), (b"host", b"evil.example")]
+    assert asyncio.run(status(two, "1.1")) == 400
+    assert asyncio.run(status([], "1.1")) == 400

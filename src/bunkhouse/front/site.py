@@ -30,7 +30,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from bunkhouse.errors import Forbidden, error_body
+from bunkhouse.errors import BunkhouseError, Forbidden, InvalidRequest, error_body
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +134,16 @@ class SiteGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            reason = self.policy.refusal(scope["method"], Headers(scope=scope))
-            if reason is not None:
+            headers = Headers(scope=scope)
+            hosts = headers.getlist("host")
+            err: BunkhouseError | None = None
+            if len(hosts) > 1 or (not hosts and scope.get("http_version") == "1.1"):
+                err = InvalidRequest("an HTTP/1.1 request needs exactly one Host header "
+                                     "(RFC 9112)")
+            elif (reason := self.policy.refusal(scope["method"], headers)) is not None:
                 log.warning("refused %s %s: %s", scope["method"], scope["path"][:200], reason)
                 err = Forbidden(reason)
+            if err is not None:
                 await JSONResponse(error_body(err), status_code=err.status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
