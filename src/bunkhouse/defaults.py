@@ -56,6 +56,10 @@ closes."""
 BODY_MIN_RATE = 500
 """Bytes per second a slow body must keep up (see BODY_TIMEOUT_S)."""
 
+BODIES_IN_FLIGHT_BYTES = 256 * 1024 * 1024
+"""Request body bytes the front holds at once, all requests together; a request that would
+pass it gets 503 ``server_busy`` with Retry-After (each body alone is bounded by --max-body)."""
+
 HEAD_TIMEOUT_S = 10.0
 """Seconds a client has to send a request head, from connecting or from its last answer's end;
 then 408 and the connection closes (a slowloris holds no connection longer)."""

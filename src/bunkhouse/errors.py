@@ -24,6 +24,7 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     ├── ModelTooLarge                   503 server_error / model_too_large
     ├── ModelFailed                     503 server_error / model_failed (+ Retry-After)
     ├── ShuttingDown                    503 server_error / shutting_down
+    ├── ServerBusy                      503 server_error / server_busy (+ Retry-After)
     └── EngineUnavailable               502 server_error / engine_unavailable
 
 Lower layers raise these with ``raise ... from`` the original exception; the HTTP edge turns
@@ -194,6 +195,16 @@ class ShuttingDown(BunkhouseError):
     def __init__(self, model_id: str | None = None) -> None:
         about = f"model {model_id!r}: " if model_id else ""
         super().__init__(f"{about}the server is shutting down; retry once it is back")
+
+
+class ServerBusy(BunkhouseError):
+    """The front holds as many request bodies as it may; retry shortly."""
+
+    status = 503
+    code = "server_busy"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
 
 
 class EngineUnavailable(BunkhouseError):

@@ -119,3 +119,32 @@ def test_level_of() -> None:
     assert KEYS.level_of(_request({"authorization": "Bearer admin-secret"})) is Level.ADMIN
     assert Keys().level_of(_request({})) is Level.CLIENT  # no client key: inference is open
     assert Keys().level_of(_request({"x-api-key": "x"})) is Level.CLIENT
+
+
+def test_bodies_held_at_once_are_bounded() -> None:
+    import asyncio
+
+    from bunkhouse.api.schemas import BodyBudget, read_body
+    from bunkhouse.errors import ServerBusy
+
+    def request(chunks: list[bytes], gate: asyncio.Event) -> Request:
+        async def receive() -> dict[str, object]:
+            if len(chunks) == 1:
+                await gate.wait()  # hold the last chunk back: the body is still being read
+            return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)}
+
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+    async def run() -> None:
+        budget, gate = BodyBudget(1000), asyncio.Event()
+        slow = asyncio.create_task(read_body(request([b"a" * 600, b"b"], gate), 10_000, budget))
+        await asyncio.sleep(0.1)
+        assert budget.held == 600
+        with pytest.raises(ServerBusy):
+            await read_body(request([b"c" * 600, b""], asyncio.Event()), 10_000, budget)
+        gate.set()
+        assert await slow == b"a" * 600 + b"b"
+        assert budget.held == 0
+        assert await read_body(request([b"c" * 600, b""], gate), 10_000, budget) == b"c" * 600
+
+    asyncio.run(run())

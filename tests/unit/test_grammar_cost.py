@@ -3,9 +3,12 @@ against llama.cpp (its module doc) and on grammars people use."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from bunkhouse.engines.grammar_cost import TooCostly, check_grammar, check_request, check_schema
 from bunkhouse.errors import InvalidRequest
@@ -79,3 +82,47 @@ def test_the_request_check_names_the_field(body: dict[str, Any], param: str) -> 
     with pytest.raises(InvalidRequest) as info:
         check_request(body)
     assert info.value.param == param
+
+
+DOUBLING = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1} r{i + 1}\n" for i in range(12)) + \
+    'r12 ::= "a" | ""\n'
+
+
+@pytest.mark.parametrize("grammar", [
+    'root ::= ("a" | ""){0,250}',  # found by a second newcomer round: 502, worker replaced
+    'root ::= ("a" | ""){0,150}',  # 18 s
+    'root ::= x{0,250}\nx ::= "a" | ""',
+    DOUBLING,  # no quantifier at all: 4,096 parts that can match nothing, 11.5 s, replaced
+    DOUBLING.replace("r12", "r8").split("r8 ::= r9")[0] + 'r8 ::= "a" | ""\n',  # 256: 14 s
+])
+def test_things_that_can_match_nothing_count_as_repeating(grammar: str) -> None:
+    with pytest.raises(TooCostly):
+        check_grammar(grammar)
+
+
+def test_alternations_of_non_empty_things_pass() -> None:
+    check_grammar('root ::= ("a" | "b"){0,100}')
+    check_grammar('root ::= ("a" | ""){0,30}')
+    check_grammar("root ::= " + " ".join(['"a"?'] * 64))  # 0.5 s
+    check_grammar("root ::= r0\n" + "".join(f"r{i} ::= r{i + 1} r{i + 1}\n" for i in range(12))
+                  + 'r12 ::= "a" | "b"\n')
+
+
+@pytest.mark.parametrize("text", ["(" * 5000 + '"a"' + ")" * 5000, ")" * 100 + "(((", '"\\',
+                                  "[", "a{", "{3,1}", "x ::= y\ny ::= x", "root ::= |||"])
+def test_odd_text_is_checked_or_refused_never_a_crash(text: str) -> None:
+    for check in (check_grammar, lambda t: check_schema({"pattern": t})):
+        with contextlib.suppress(TooCostly):
+            check(text)
+
+
+@hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+@hypothesis.given(st.text(alphabet='()[]{}|?*+"\\ax:=,0123456789\n ', max_size=200))
+def test_random_grammar_text_is_checked_or_refused(text: str) -> None:
+    test_odd_text_is_checked_or_refused_never_a_crash(text)
+    test_odd_text_is_checked_or_refused_never_a_crash("root ::= " + text)
+
+
+def test_a_stray_parenthesis_hides_nothing() -> None:
+    with pytest.raises(TooCostly):
+        check_grammar('root ::= ) ("a" | ""){0,250}')

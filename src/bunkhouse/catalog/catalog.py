@@ -123,6 +123,8 @@ def model_files(path: Path, split_count: int) -> list[Path]:
     the first. Raises GGUFError when the name does not say so, or a part is missing."""
     if split_count <= 1:
         return [path]
+    if split_count > 999:
+        raise GGUFError(f"{path}: a model split into {split_count} files (at most 999)")
     shard = _SHARD_RE.search(path.name.removesuffix(".gguf"))
     if shard is None or int(shard.group(1)) != 1 or int(shard.group(2)) != split_count:
         raise GGUFError(f"{path}: a model split into {split_count} files must be named "
@@ -132,7 +134,9 @@ def model_files(path: Path, split_count: int) -> list[Path]:
              for i in range(1, split_count + 1)]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise GGUFError(f"{path}: parts of the split model are missing: {', '.join(missing)}")
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise GGUFError(f"{path}: parts of the split model are missing: "
+                        f"{', '.join(missing[:3])}{more}")
     return files
 
 

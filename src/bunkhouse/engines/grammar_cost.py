@@ -11,26 +11,37 @@ failed the model for every client. Measured on 2 cores with Gemma 3 270M (the ti
     ("a"{0,10}){0,30}           0.20 s      ("a"{0,10}){0,100}         9.3 s
     (("a"{0,10}){0,10}){0,10}   2.8 s       ("a"{0,2}){0,200}          > 12 s (replaced)
     x{0,200} with x ::= "a"?    > 14 s      "a"{0,5000}                0.1 s
+    ("a" | ""){0,100}           1.8 s       ("a" | ""){0,150}          18 s
+    rules doubling 6 deep to "a" | "" (64 parts that can match nothing)        0.57 s
+    the same 8 deep (256 parts)            > 14 s (replaced); to "a" | "b": 1.9 s (4,096)
     JSON schema: an array of strings, maxItems 300: 3.1 s
 
-So: a repetition whose operand can repeat may have an upper bound of at most
-:data:`MAX_NESTED_BOUND`, and the bounds along a chain of nested repetitions may multiply to
-at most :data:`MAX_NESTED_PRODUCT`; a JSON schema's ``maxItems``/``minItems`` are at most
-:data:`MAX_SCHEMA_ITEMS`, and its ``pattern`` regexes follow the grammar rule. A flat
-repetition (``"a"{0,5000}``) costs little and is not bounded here.
+So: a repetition whose operand can repeat or match nothing may have an upper bound of at
+most :data:`MAX_NESTED_BOUND`, the bounds along a chain of nested repetitions may multiply
+to at most :data:`MAX_NESTED_PRODUCT`, and a rule may expand to at most
+:data:`MAX_NULLABLE_RUN` parts that can match nothing; a JSON schema's ``maxItems`` and
+``minItems`` are at most :data:`MAX_SCHEMA_ITEMS`, and its ``pattern`` regexes follow the
+grammar rules. A flat repetition (``"a"{0,5000}``) costs little and is not bounded here.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from bunkhouse.errors import InvalidRequest
 
 MAX_NESTED_BOUND = 32
 MAX_NESTED_PRODUCT = 1000
+MAX_NULLABLE_RUN = 64
 MAX_SCHEMA_ITEMS = 100
+
+MAX_GRAMMAR_BYTES = 64 * 1024
+"""Largest grammar text (llama.cpp's own JSON grammar is under 1 KiB)."""
+
+_MAX_RULE_DEPTH = 200  # rules naming rules, deeper than this: refused, not recursed into
+_MAX_GROUP_DEPTH = 64  # parentheses, likewise
 
 _BOUND = re.compile(r"\{\s*(\d*)\s*(?:(,)\s*(\d*)\s*)?\}")
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -42,9 +53,167 @@ class TooCostly(ValueError):
 
 @dataclass
 class _Operand:
-    weight: int = 1  # the largest product of repetition bounds inside it (1: none)
-    repeats: bool = False  # it can repeat: a quantifier inside it, or in a rule it names
-    refs: set[str] = field(default_factory=set)
+    """What a piece of a grammar can do, as far as the cost rule is concerned."""
+
+    weight: int = 1  # the largest product of nested repetition bounds inside it (1: none)
+    risky: bool = False  # it can repeat or match nothing: repeating it multiplies the work
+    nullable: bool = False  # it can match nothing
+    nulls: int = 0  # positions that can match nothing, once expanded
+
+
+def _seq(items: list[_Operand]) -> _Operand:
+    """A sequence: it matches nothing only if every part can."""
+    if not items:
+        return _Operand(risky=True, nullable=True, nulls=1)  # "" or an empty group
+    return _Operand(weight=max(i.weight for i in items), risky=any(i.risky for i in items),
+                    nullable=all(i.nullable for i in items), nulls=sum(i.nulls for i in items))
+
+
+def _alt(branches: list[_Operand]) -> _Operand:
+    if len(branches) == 1:
+        return branches[0]
+    nullable = any(b.nullable for b in branches)
+    return _Operand(weight=max(b.weight for b in branches),
+                    risky=nullable or any(b.risky for b in branches), nullable=nullable,
+                    nulls=max(b.nulls for b in branches) + int(nullable))
+
+
+def _repeat(operand: _Operand, low: int, high: int | None) -> _Operand:
+    """``operand`` repeated ``low`` to ``high`` times (None: unbounded); raises TooCostly."""
+    if operand.risky and high is not None:
+        if high > MAX_NESTED_BOUND:
+            raise TooCostly(f"a repetition of up to {high} of something that can itself repeat "
+                            f"or match nothing (at most {MAX_NESTED_BOUND})")
+        if operand.weight * high > MAX_NESTED_PRODUCT:
+            raise TooCostly(f"nested repetitions multiply to {operand.weight * high} "
+                            f"(at most {MAX_NESTED_PRODUCT})")
+    if operand.risky and high is None and low > 0 and operand.nullable:
+        raise TooCostly("an unbounded repetition of something that can match nothing")
+    bound = high if high is not None else max(low, 1)
+    weight = operand.weight * bound if operand.risky else max(operand.weight, bound)
+    nullable = low == 0 or operand.nullable
+    nulls = max(operand.nulls, 1) * bound if operand.nullable else int(nullable)
+    return _Operand(weight=weight, risky=True, nullable=nullable, nulls=nulls)
+
+
+class _Parser:
+    """A recursive-descent reading of GBNF (or, with ``regex``, of a regex), computing the
+    :class:`_Operand` of each rule; a rule's references are read first, once each."""
+
+    def __init__(self, rules: dict[str, str], regex: bool) -> None:
+        self.rules = rules
+        self.regex = regex
+        self.done: dict[str, _Operand] = {}
+        self.active: list[str] = []
+        self.text, self.i = "", 0  # what is being read, and where
+        self.depth = 0  # groups open
+
+    def rule(self, name: str) -> _Operand:
+        if name in self.done:
+            return self.done[name]
+        if name in self.active or name not in self.rules:
+            return _Operand(risky=True)  # recursion repeats; an unknown name: the engine's
+        if len(self.active) >= _MAX_RULE_DEPTH:
+            raise TooCostly(f"its rules name each other more than {_MAX_RULE_DEPTH} deep")
+        self.active.append(name)
+        saved = self.text, self.i
+        found = self.read(self.rules[name])
+        self.text, self.i = saved  # back to the rule that named this one
+        self.active.pop()
+        self._check(found)
+        self.done[name] = found
+        return found
+
+    @staticmethod
+    def _check(found: _Operand) -> None:
+        if found.nulls > MAX_NULLABLE_RUN:
+            raise TooCostly(f"{found.nulls} parts in a row can match nothing (at most "
+                            f"{MAX_NULLABLE_RUN})")
+
+    def read(self, text: str) -> _Operand:
+        self.text, self.i = text, 0
+        parts = [self._alternation(top=True)]
+        while self.i < len(text):  # past a stray ')': read on, so that nothing goes unread
+            self.i += 1
+            parts.append(self._alternation(top=True))
+        result = _seq(parts)
+        self._check(result)
+        return result
+
+    def _alternation(self, top: bool = False) -> _Operand:
+        branches = [self._sequence()]
+        while self.i < len(self.text) and self.text[self.i] == "|":
+            self.i += 1
+            branches.append(self._sequence())
+        if not top and self.i < len(self.text) and self.text[self.i] == ")":
+            self.i += 1
+        return _alt(branches)
+
+    def _sequence(self) -> _Operand:
+        items: list[_Operand] = []
+        text = self.text
+        while self.i < len(text):
+            c = text[self.i]
+            if c in "|)":
+                break
+            atom = self._atom(c)
+            if atom is None:
+                continue
+            items.append(self._quantified(atom))
+        return _seq(items)
+
+    def _atom(self, c: str) -> _Operand | None:
+        text, i = self.text, self.i
+        if c.isspace() or (self.regex and c in "^$"):
+            self.i += 1
+            return None
+        if c == "#" and not self.regex:
+            while self.i < len(text) and text[self.i] != "\n":
+                self.i += 1
+            return None
+        if c == '"' and not self.regex:
+            self.i = _skip_quoted(text, i, '"')
+            empty = self.i - i <= 2
+            return _Operand(risky=empty, nullable=empty, nulls=int(empty))
+        if c == "[":
+            self.i = _skip_quoted(text, i, "]")
+            return _Operand()
+        if c == "(":
+            self.i += 1
+            if self.regex and text.startswith("?:", self.i):
+                self.i += 2
+            self.depth += 1
+            if self.depth > _MAX_GROUP_DEPTH:
+                raise TooCostly(f"groups nested deeper than {_MAX_GROUP_DEPTH}")
+            group = self._alternation()
+            self.depth -= 1
+            return group
+        if c == "\\" and self.regex:
+            self.i += 2
+            return _Operand()
+        if not self.regex and (m := _NAME.match(text, i)):
+            self.i = m.end()
+            return self.rule(m.group(0))
+        self.i += 1
+        return _Operand() if self.regex else None
+
+    def _quantified(self, atom: _Operand) -> _Operand:
+        text = self.text
+        while self.i < len(text):
+            c = text[self.i]
+            if c == "?":
+                atom, self.i = _repeat(atom, 0, 1), self.i + 1
+            elif c == "*":
+                atom, self.i = _repeat(atom, 0, None), self.i + 1
+            elif c == "+":
+                atom, self.i = _repeat(atom, 1, None), self.i + 1
+            elif c == "{" and (m := _BOUND.match(text, self.i)):
+                low = int(m.group(1) or 0)
+                high = int(m.group(3)) if m.group(3) else (None if m.group(2) else low)
+                atom, self.i = _repeat(atom, low, high), m.end()
+            else:
+                break
+        return atom
 
 
 def _skip_quoted(text: str, i: int, close: str) -> int:
@@ -53,84 +222,6 @@ def _skip_quoted(text: str, i: int, close: str) -> int:
     while i < len(text) and text[i] != close:
         i += 2 if text[i] == "\\" else 1
     return i + 1
-
-
-def _scan(text: str, rules: dict[str, _Operand] | None, regex: bool) -> _Operand:
-    """The operand a whole rule body (or regex) makes, checking every repetition in it.
-    ``rules``: what each named rule is known to be (GBNF), None for a regex."""
-    stack: list[_Operand] = [_Operand()]
-    last: _Operand | None = None
-    i = 0
-    while i < len(text):
-        c = text[i]
-        if c == "#" and not regex:
-            while i < len(text) and text[i] != "\n":
-                i += 1
-            continue
-        if c == '"' and not regex:
-            last, i = _Operand(), _skip_quoted(text, i, '"')
-        elif c == "[":
-            last, i = _Operand(), _skip_quoted(text, i, "]")
-        elif c == "\\" and regex:
-            last, i = _Operand(), i + 2
-        elif c == "(":
-            stack.append(_Operand())
-            last, i = None, i + 1
-        elif c == ")" and len(stack) > 1:
-            last = stack.pop()
-            _merge(stack[-1], last)
-            i += 1
-        elif c in "?*+" and last is not None:  # not expanded: it only makes last repeat
-            last.repeats = True
-            _merge(stack[-1], last)
-            i += 1
-        elif c == "{" and last is not None and (m := _BOUND.match(text, i)):
-            low, comma, high = m.group(1), m.group(2), m.group(3)
-            bound = int(high) if high else (int(low or 0) if not comma else None)
-            _repeat(stack[-1], last, bound)
-            i = m.end()
-        elif not regex and (m := _NAME.match(text, i)):
-            ref = m.group(0)
-            known = (rules or {}).get(ref)
-            last = _Operand(known.weight, known.repeats, {ref}) if known else \
-                _Operand(refs={ref})
-            _merge(stack[-1], last)
-            i = m.end()
-            continue
-        else:
-            last, i = (_Operand() if regex and c not in "|^$" else None), i + 1
-        if last is not None and c not in "?*+{)" and not (c == "\\" and not regex):
-            _merge(stack[-1], last)
-    while len(stack) > 1:
-        _merge(stack[-2], stack.pop())
-    return stack[0]
-
-
-def _merge(into: _Operand, part: _Operand) -> None:
-    into.weight = max(into.weight, part.weight)
-    into.repeats |= part.repeats
-    into.refs |= part.refs
-
-
-def _repeat(into: _Operand, operand: _Operand, bound: int | None) -> None:
-    """``operand`` repeated up to ``bound`` times (None: unbounded ``{m,}``)."""
-    if operand.repeats:
-        if bound is None or bound > MAX_NESTED_BOUND:
-            raise TooCostly(f"a repetition of up to {bound or 'unbounded'} of something that "
-                            f"itself repeats (at most {MAX_NESTED_BOUND})")
-        if operand.weight * bound > MAX_NESTED_PRODUCT:
-            raise TooCostly(f"nested repetitions multiply to {operand.weight * bound} "
-                            f"(at most {MAX_NESTED_PRODUCT})")
-    operand.weight = operand.weight * (bound or 1) if operand.repeats else max(
-        operand.weight, bound or 1)
-    operand.repeats = True
-    _merge(into, operand)
-
-
-MAX_GRAMMAR_BYTES = 64 * 1024
-"""Largest grammar text (llama.cpp's own JSON grammar is under 1 KiB)."""
-
-_ROUNDS = 32  # rounds to learn what each rule can do through the rules it names
 
 
 def check_grammar(grammar: str) -> None:
@@ -146,22 +237,14 @@ def check_grammar(grammar: str) -> None:
             bodies[name] = bodies.get(name, "") + "\n" + body
         elif name is not None:
             bodies[name] += "\n" + line
-    rules: dict[str, _Operand] = {}
-    for _ in range(_ROUNDS):  # what each rule can do, through the rules it names
-        changed = False
-        for rule, body in bodies.items():
-            found = _scan(body, rules, regex=False)
-            for ref in found.refs:
-                if ref in rules:
-                    _merge(found, _Operand(rules[ref].weight, rules[ref].repeats))
-            new = _Operand(min(found.weight, MAX_NESTED_PRODUCT + 1), found.repeats)
-            old = rules.get(rule)
-            if old is None or (old.weight, old.repeats) != (new.weight, new.repeats):
-                rules[rule] = new
-                changed = True
-        if not changed:
-            return
-    raise TooCostly(f"its rules name each other more than {_ROUNDS} deep")
+    parser = _Parser(bodies, regex=False)
+    for rule in bodies:
+        parser.rule(rule)
+
+
+def check_pattern(pattern: str) -> None:
+    """Raise TooCostly for a JSON schema ``pattern`` regex the same rule refuses."""
+    _Parser({}, regex=True).read(pattern[:MAX_GRAMMAR_BYTES])
 
 
 def check_schema(schema: Any, depth: int = 0) -> None:
@@ -180,7 +263,7 @@ def check_schema(schema: Any, depth: int = 0) -> None:
             raise TooCostly(f"{key} is {value} (at most {MAX_SCHEMA_ITEMS})")
     pattern = schema.get("pattern")
     if isinstance(pattern, str):
-        _scan(pattern, None, regex=True)
+        check_pattern(pattern)
     for value in schema.values():
         if isinstance(value, dict | list):
             check_schema(value, depth + 1)

@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from bunkhouse import __version__, defaults
 from bunkhouse.api.schemas import (
+    BodyBudget,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -68,6 +69,7 @@ class Front:
         # Large bodies parsed at once: each takes a few times its size while pydantic checks
         # it, so sixteen 15 MiB bodies at once took the front past 1 GB.
         self._parsing = asyncio.Semaphore(2)
+        self._bodies = BodyBudget(defaults.BODIES_IN_FLIGHT_BYTES)  # while they are read
 
     def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
         def parse(body: bytes) -> tuple[Any, dict[str, Any]]:
@@ -75,7 +77,7 @@ class Front:
             return validate(schema, data), data
 
         async def handler(request: Request) -> Response:
-            body = await read_body(request, self.max_body_bytes)
+            body = await read_body(request, self.max_body_bytes, self._bodies)
             parsed, data = await self._cpu(len(body), parse, body)
             model = self.catalog.get(parsed.model)
             data = await self._cpu(len(body), prepare, path, schema, model, data)

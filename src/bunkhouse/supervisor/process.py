@@ -151,11 +151,16 @@ def _open_checked(model: CatalogModel, path: Path) -> int:
                                detail=f"{path}: {e}") from e
     try:
         real = os.readlink(f"/proc/self/fd/{fd}")
-        if real != str(path) or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if real != str(path):
             raise WorkerLoadFailed(
                 f"model {model.id!r}: its file is no longer the file that was checked when "
                 "the model was registered (it, or a directory above it, now leads elsewhere); "
                 "refused", detail=f"{path} now opens {real}")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise WorkerLoadFailed(
+                f"model {model.id!r}: its file is no longer the file that was checked when "
+                "the model was registered (it is no longer a regular file); refused",
+                detail=f"{path} is not a regular file")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
