@@ -1,0 +1,1 @@
+"""KV state that survives eviction: the snapshot store (store.py)."""

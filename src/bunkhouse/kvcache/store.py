@@ -1,0 +1,359 @@
+"""The KV snapshot store: slots' saved KV state on disk, keyed so that a wrong file never loads.
+
+One store per front, the only writer of its directory (``--kv-cache-dir``). Per model a
+private directory (0700) holds, for each snapshot, its data file (``<digest>.bin``, written by
+the engine) and its sidecar (``<digest>.json``): what makes the data valid (the model file's
+fingerprint, the engine build, the KV layout), the token ids it covers, its size and its
+SHA-256. The digest names the key and the tokens, so an identical prefix is stored once.
+
+- **Atomic.** The engine writes into a temporary name (:meth:`SnapshotStore.staging_name`);
+  :meth:`SnapshotStore.commit` fsyncs it, hashes it, writes the sidecar to a temporary file,
+  fsyncs it and renames both into place, data first, then fsyncs the directory. A crash at any
+  point leaves either a whole snapshot or files no reader looks at (temporary names, or data
+  without a sidecar), which the next start removes.
+- **Never a wrong restore.** :meth:`SnapshotStore.find` considers only sidecars whose key
+  equals the model's key now, and whose tokens are a prefix of the request's; the longest
+  wins, and only after its data's size and checksum are checked again. Whatever fails is
+  skipped, counted by reason and logged.
+- **Bounded.** The data and sidecars of all models together stay within ``max_bytes``:
+  a commit that would pass it first removes the least recently used snapshots (restoring
+  one counts as a use); one that cannot fit alone is refused.
+
+File work is blocking: callers run these methods on a thread (they lock internally).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_DATA, _SIDECAR, _STAGING = ".bin", ".json", ".partial"
+_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotKey:
+    """What must be equal for a snapshot's KV state to be loadable into a slot."""
+
+    model: str  # the model file's fingerprint (its path, size and modification time)
+    engine: str  # the engine and its build
+    layout: tuple[tuple[str, Any], ...]  # KV layout: cache type, slot context, SWA settings
+
+    @classmethod
+    def of(cls, model: str, engine: str, layout: dict[str, Any]) -> SnapshotKey:
+        return cls(model, engine, tuple(sorted(layout.items())))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "engine": self.engine, "layout": dict(self.layout)}
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A committed snapshot: the engine restores ``model_dir / filename``."""
+
+    model_id: str
+    digest: str
+    tokens: tuple[int, ...]
+    bytes: int
+    sha256: str
+
+    @property
+    def filename(self) -> str:
+        return self.digest + _DATA
+
+
+@dataclass
+class StoreStats:
+    """Counts since the store opened, and bytes on disk now."""
+
+    written: int = 0
+    deduplicated: int = 0
+    restored: int = 0
+    evicted: int = 0
+    failed: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)  # reason -> count
+    bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["skipped"] = dict(self.skipped)
+        return out
+
+
+class SnapshotRefused(Exception):
+    """A commit that cannot be kept (too large for the budget, unreadable)."""
+
+
+def _digest(key: SnapshotKey, tokens: Sequence[int]) -> str:
+    h = hashlib.sha256(json.dumps(key.as_dict(), sort_keys=True).encode())
+    h.update(b"\0" + ",".join(map(str, tokens)).encode())
+    return h.hexdigest()[:40]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{_STAGING}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+@dataclass
+class _Entry:
+    model_id: str
+    digest: str
+    bytes: int  # data and sidecar
+    used: float  # last commit or restore (monotonic order: LRU)
+
+
+class SnapshotStore:
+    """Snapshots of every model under ``root``, at most ``max_bytes`` together."""
+
+    def __init__(self, root: Path, max_bytes: int, clock: Any = time.time) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self.stats = StoreStats()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(root, 0o700)
+        self._load()
+
+    # -- layout -----------------------------------------------------------------------
+
+    def model_dir(self, model_id: str) -> Path:
+        """The model's private directory (the worker's snapshot directory)."""
+        safe = model_id.replace("/", "--").replace(":", "-")
+        path = self.root / safe
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
+    def staging_name(self) -> str:
+        """A fresh file name for the engine to save a slot into (in the model's directory)."""
+        return f"slot-{uuid.uuid4().hex}{_STAGING}"
+
+    def _load(self) -> None:
+        """Index what a previous run left; remove half-written files and orphans."""
+        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            for path in model_dir.iterdir():
+                if path.name.endswith(_STAGING):
+                    path.unlink(missing_ok=True)  # a write a crash interrupted
+            for sidecar in model_dir.glob(f"*{_SIDECAR}"):
+                data = sidecar.with_suffix(_DATA)
+                try:
+                    meta = json.loads(sidecar.read_text())
+                    size = data.stat().st_size + sidecar.stat().st_size
+                    model_id = str(meta["model_id"])
+                except (OSError, ValueError, KeyError, TypeError):
+                    self._drop(model_dir, sidecar.stem, "unreadable")
+                    continue
+                used = sidecar.stat().st_mtime  # the last use (see _touch)
+                self._entries[(model_id, sidecar.stem)] = _Entry(model_id, sidecar.stem, size,
+                                                                 used)
+            for data in model_dir.glob(f"*{_DATA}"):
+                if not data.with_suffix(_SIDECAR).exists():
+                    data.unlink(missing_ok=True)  # its sidecar was never written
+        self.stats.bytes = sum(e.bytes for e in self._entries.values())
+
+    def _drop(self, model_dir: Path, digest: str, reason: str) -> None:
+        self.stats.skipped[reason] += 1
+        log.warning("KV snapshot %s/%s skipped and removed: %s", model_dir.name, digest, reason)
+        for suffix in (_DATA, _SIDECAR):
+            (model_dir / f"{digest}{suffix}").unlink(missing_ok=True)
+
+    # -- writing ------------------------------------------------------------------------
+
+    def commit(self, model_id: str, staged: str, key: SnapshotKey,
+               tokens: Sequence[int]) -> Snapshot:
+        """Keep the slot the engine saved as ``staged`` (in the model's directory), covering
+        ``tokens``. Raises SnapshotRefused when it cannot be kept (it is removed)."""
+        model_dir = self.model_dir(model_id)
+        staged_path = model_dir / staged
+        digest = _digest(key, tokens)
+        data = model_dir / f"{digest}{_DATA}"
+        with self._lock:
+            if (model_id, digest) in self._entries:  # the same prefix: stored once
+                try:
+                    kept = self._read(model_dir, digest, key, model_id)
+                except SnapshotRefused as e:
+                    self._forget(model_dir, model_id, digest, str(e))  # replaced below
+                else:
+                    staged_path.unlink(missing_ok=True)
+                    self._touch(model_id, digest)
+                    self.stats.deduplicated += 1
+                    return kept
+            try:
+                size = staged_path.stat().st_size
+                with staged_path.open("rb") as f:
+                    os.fsync(f.fileno())
+                checksum = _sha256(staged_path)
+                sidecar = json.dumps({
+                    "version": _VERSION, "model_id": model_id, "key": key.as_dict(),
+                    "tokens": list(tokens), "bytes": size, "sha256": checksum,
+                    "written": self._clock()}).encode()
+                total = size + len(sidecar)
+                if total > self.max_bytes:
+                    raise SnapshotRefused(f"{total} bytes is more than the whole budget of "
+                                          f"{self.max_bytes}")
+                self._make_room(total)
+                os.chmod(staged_path, 0o600)
+                os.replace(staged_path, data)
+                _write_atomic(data.with_suffix(_SIDECAR), sidecar)
+                _fsync_dir(model_dir)
+            except OSError as e:
+                self.stats.failed += 1
+                staged_path.unlink(missing_ok=True)
+                raise SnapshotRefused(f"cannot keep the snapshot: {e}") from e
+            except SnapshotRefused:
+                self.stats.failed += 1
+                staged_path.unlink(missing_ok=True)
+                raise
+            self._entries[(model_id, digest)] = _Entry(model_id, digest, total, 0.0)
+            self._touch(model_id, digest)
+            self.stats.written += 1
+            self.stats.bytes += total
+            return Snapshot(model_id, digest, tuple(tokens), size, checksum)
+
+    def _make_room(self, need: int) -> None:
+        """Remove least recently used snapshots until ``need`` more bytes fit."""
+        by_age = sorted(self._entries.values(), key=lambda e: e.used)
+        for victim in by_age:
+            if self.stats.bytes + need <= self.max_bytes:
+                return
+            self._remove(victim)
+            self.stats.evicted += 1
+
+    def _remove(self, entry: _Entry) -> None:
+        model_dir = self.model_dir(entry.model_id)
+        for suffix in (_SIDECAR, _DATA):  # the sidecar first: never a sidecar without data
+            (model_dir / f"{entry.digest}{suffix}").unlink(missing_ok=True)
+        del self._entries[(entry.model_id, entry.digest)]
+        self.stats.bytes -= entry.bytes
+
+    def _touch(self, model_id: str, digest: str) -> None:
+        entry = self._entries[(model_id, digest)]
+        entry.used = max(self._clock(), entry.used + 1e-6)
+        with contextlib.suppress(OSError):  # the order survives a restart
+            os.utime(self.model_dir(model_id) / f"{digest}{_SIDECAR}",
+                     (entry.used, entry.used))
+
+    # -- reading ------------------------------------------------------------------------
+
+    def _read(self, model_dir: Path, digest: str, key: SnapshotKey, model_id: str) -> Snapshot:
+        """The snapshot ``digest`` if it is valid for ``key``; else SnapshotRefused with the
+        reason (the caller counts it)."""
+        try:
+            meta = json.loads((model_dir / f"{digest}{_SIDECAR}").read_text())
+        except (OSError, ValueError) as e:
+            raise SnapshotRefused("unreadable sidecar") from e
+        if not isinstance(meta, dict) or meta.get("version") != _VERSION:
+            raise SnapshotRefused("unknown sidecar version")
+        if meta.get("key") != json.loads(json.dumps(key.as_dict())):
+            raise SnapshotRefused("made for another model file, engine or KV layout")
+        tokens = meta.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise SnapshotRefused("unreadable sidecar")
+        data = model_dir / f"{digest}{_DATA}"
+        try:
+            size = data.stat().st_size
+        except OSError as e:
+            raise SnapshotRefused("its data file is missing") from e
+        if size != meta.get("bytes"):
+            raise SnapshotRefused(f"its data file has {size} bytes, not {meta.get('bytes')}")
+        if _sha256(data) != meta.get("sha256"):
+            raise SnapshotRefused("its checksum does not match")
+        return Snapshot(model_id, digest, tuple(tokens), size, str(meta["sha256"]))
+
+    def candidates(self, model_id: str) -> Iterator[tuple[str, list[int] | None]]:
+        """(digest, tokens) of the model's snapshots, as their sidecars say (None when a
+        sidecar cannot be read)."""
+        model_dir = self.model_dir(model_id)
+        for (mid, digest) in list(self._entries):
+            if mid != model_id:
+                continue
+            try:
+                tokens = json.loads((model_dir / f"{digest}{_SIDECAR}").read_text())["tokens"]
+            except (OSError, ValueError, KeyError, TypeError):
+                tokens = None
+            yield digest, tokens if isinstance(tokens, list) else None
+
+    def find(self, model_id: str, key: SnapshotKey, tokens: Sequence[int],
+             min_tokens: int = 1) -> Snapshot | None:
+        """The valid snapshot covering the longest prefix of ``tokens`` (at least
+        ``min_tokens``), or None. Invalid snapshots met on the way are removed, counted by
+        reason and logged."""
+        with self._lock:
+            model_dir = self.model_dir(model_id)
+            found: list[tuple[int, str]] = []
+            for digest, covered in self.candidates(model_id):
+                if covered is None:
+                    self._forget(model_dir, model_id, digest, "unreadable sidecar")
+                elif min_tokens <= len(covered) <= len(tokens) and \
+                        list(tokens[: len(covered)]) == covered:
+                    found.append((len(covered), digest))
+            for _, digest in sorted(found, reverse=True):
+                try:
+                    snapshot = self._read(model_dir, digest, key, model_id)
+                except SnapshotRefused as e:
+                    self._forget(model_dir, model_id, digest, str(e))
+                    continue
+                self._touch(model_id, digest)
+                self.stats.restored += 1
+                return snapshot
+            return None
+
+    def _forget(self, model_dir: Path, model_id: str, digest: str, reason: str) -> None:
+        entry = self._entries.get((model_id, digest))
+        if entry is not None:
+            self.stats.bytes -= entry.bytes
+            del self._entries[(model_id, digest)]
+        self._drop(model_dir, digest, reason)
+
+    def purge(self, model_id: str | None = None) -> int:
+        """Remove every snapshot (of one model); returns how many."""
+        with self._lock:
+            victims = [e for e in self._entries.values()
+                       if model_id is None or e.model_id == model_id]
+            for entry in victims:
+                self._remove(entry)
+            return len(victims)
+
+    def snapshots(self, model_id: str | None = None) -> list[tuple[str, str, int]]:
+        """(model id, digest, bytes) of what is kept, least recently used first."""
+        with self._lock:
+            return [(e.model_id, e.digest, e.bytes)
+                    for e in sorted(self._entries.values(), key=lambda e: e.used)
+                    if model_id is None or e.model_id == model_id]

@@ -1,0 +1,173 @@
+"""The KV snapshot store at the store level: atomic commits, keys that refuse a wrong file,
+the longest prefix, the disk budget under concurrent writers, least recently used first."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from bunkhouse.kvcache.store import SnapshotKey, SnapshotRefused, SnapshotStore
+
+KEY = SnapshotKey.of("qwen.gguf:1000:1", "llama.cpp b1", {"type": "f16", "slot_context": 4096})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1
+        return self.now
+
+
+def _save(store: SnapshotStore, model: str, tokens: list[int], size: int = 1000,
+          key: SnapshotKey = KEY) -> str:
+    """What a worker does: the engine writes the slot into a staging name; then commit."""
+    staged = store.staging_name()
+    (store.model_dir(model) / staged).write_bytes(bytes([len(tokens) % 251]) * size)
+    return store.commit(model, staged, key, tokens).digest
+
+
+def _disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_the_longest_valid_prefix_is_found(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
+    _save(store, "m", [1, 2, 3])
+    longer = _save(store, "m", [1, 2, 3, 4, 5])
+    _save(store, "m", [9, 9, 9, 9, 9, 9, 9])
+    found = store.find("m", KEY, [1, 2, 3, 4, 5, 6, 7])
+    assert found is not None and found.digest == longer and found.tokens == (1, 2, 3, 4, 5)
+    assert store.find("m", KEY, [1, 2]) is None  # no snapshot is a prefix of it
+    assert store.find("m", KEY, [1, 2, 3, 4, 5, 6], min_tokens=6) is None
+    assert store.find("other", KEY, [1, 2, 3]) is None
+    assert store.stats.written == 3 and store.stats.restored == 1
+
+
+def test_an_identical_prefix_is_stored_once(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
+    first = _save(store, "m", [1, 2, 3])
+    assert _save(store, "m", [1, 2, 3]) == first
+    assert store.stats.written == 1 and store.stats.deduplicated == 1
+    assert len(list(store.model_dir("m").iterdir())) == 2  # one data file, one sidecar
+
+
+def test_twenty_conversations_never_pass_the_budget_and_the_least_recent_go_first(
+        tmp_path: Path) -> None:
+    per = 1000 + 400  # data and about a sidecar's size
+    store = SnapshotStore(tmp_path / "kv", 5 * per, clock=Clock())
+    kept_warm = _save(store, "m", [0, 0])
+    for i in range(1, 20):
+        _save(store, "m", [i, i])
+        assert _disk_bytes(tmp_path / "kv") <= store.max_bytes
+        assert store.stats.bytes == _disk_bytes(tmp_path / "kv")
+        assert store.find("m", KEY, [0, 0, 1]) is not None  # used: it stays
+    digests = [d for _, d, _ in store.snapshots("m")]
+    assert kept_warm in digests and len(digests) <= 5
+    assert store.stats.evicted >= 14
+    with pytest.raises(SnapshotRefused):
+        _save(store, "m", [7], size=10 * per)  # can never fit
+    assert _disk_bytes(tmp_path / "kv") <= store.max_bytes
+
+
+def test_concurrent_writers_keep_the_budget(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv", 8 * 1500)
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(10):
+                _save(store, f"m{n % 3}", [n, i])
+                assert store.stats.bytes <= store.max_bytes
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert _disk_bytes(tmp_path / "kv") <= store.max_bytes == 8 * 1500
+    assert store.stats.written == 80
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("flip", "checksum"),
+    ("truncate", "bytes, not"),
+    ("other model", "another model file"),
+    ("other context", "another model file, engine or KV layout"),
+    ("sidecar garbage", "unreadable sidecar"),
+    ("data gone", "missing"),
+])
+def test_an_invalid_snapshot_is_skipped_with_its_reason(tmp_path: Path, damage: str,
+                                                        reason: str) -> None:
+    store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
+    good = _save(store, "m", [1, 2])
+    bad = _save(store, "m", [1, 2, 3, 4])
+    model_dir = store.model_dir("m")
+    data, sidecar = model_dir / f"{bad}.bin", model_dir / f"{bad}.json"
+    meta = json.loads(sidecar.read_text())
+    if damage == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[10] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        data.write_bytes(data.read_bytes()[:500])
+    elif damage == "other model":
+        meta["key"]["model"] = "gemma.gguf:2:2"
+        sidecar.write_text(json.dumps(meta))
+    elif damage == "other context":
+        meta["key"]["layout"]["slot_context"] = 8192
+        sidecar.write_text(json.dumps(meta))
+    elif damage == "sidecar garbage":
+        sidecar.write_text("{not json")
+    else:
+        data.unlink()
+    found = store.find("m", KEY, [1, 2, 3, 4, 5])
+    assert found is not None and found.digest == good  # the shorter valid one instead
+    assert sum(store.stats.skipped.values()) == 1
+    assert any(reason in r for r in store.stats.skipped), store.stats.skipped
+    assert not data.exists() and not sidecar.exists()  # never looked at again
+
+
+def test_a_crash_mid_write_leaves_nothing_that_is_read(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
+    kept = _save(store, "m", [1, 2, 3])
+    model_dir = store.model_dir("m")
+    (model_dir / store.staging_name()).write_bytes(b"half a slot")  # the engine was writing
+    (model_dir / "0123abcd.bin").write_bytes(b"data whose sidecar never came")
+    (model_dir / f"{kept}.json.1234abcd.partial").write_bytes(b'{"half')
+    reopened = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
+    assert sorted(p.name for p in model_dir.iterdir()) == [f"{kept}.bin", f"{kept}.json"]
+    found = reopened.find("m", KEY, [1, 2, 3, 4])
+    assert found is not None and found.digest == kept
+
+
+def test_the_order_of_use_survives_a_restart(tmp_path: Path) -> None:
+    clock = Clock()
+    store = SnapshotStore(tmp_path / "kv", 3 * 1400, clock=clock)
+    old, new = _save(store, "m", [1]), _save(store, "m", [2])
+    assert store.find("m", KEY, [1, 5]) is not None  # old is now the most recently used
+    reopened = SnapshotStore(tmp_path / "kv", 3 * 1400, clock=clock)
+    assert [d for _, d, _ in reopened.snapshots()] == [new, old]
+
+
+def test_private_files_and_purge(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
+    digest = _save(store, "org/model:q4", [1])
+    _save(store, "other", [1])
+    model_dir = store.model_dir("org/model:q4")
+    assert stat.S_IMODE(os.stat(tmp_path / "kv").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(model_dir).st_mode) == 0o700
+    for suffix in (".bin", ".json"):
+        assert stat.S_IMODE(os.stat(model_dir / f"{digest}{suffix}").st_mode) == 0o600
+    assert store.purge("org/model:q4") == 1
+    assert not list(model_dir.iterdir())
+    assert store.purge() == 1 and store.stats.bytes == 0
