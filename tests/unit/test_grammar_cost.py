@@ -126,3 +126,13 @@ def test_random_grammar_text_is_checked_or_refused(text: str) -> None:
 def test_a_stray_parenthesis_hides_nothing() -> None:
     with pytest.raises(TooCostly):
         check_grammar('root ::= ) ("a" | ""){0,250}')
+
+
+@pytest.mark.parametrize("grammar", [
+    'root ::= "[" (tag (ws "," ws tag){0,200})? "]"\ntag ::= "\\"" [a-z]{1,20} "\\""\n'
+    'ws ::= [ \\t\\n]{0,4}',  # 0.08 s: each copy must take a ","
+    'root ::= ("a" "b"?){0,100}',  # 0.08 s
+    'root ::= ("," [a-z]{1,20}){0,100}',  # 0.06 s
+])
+def test_repeating_what_cannot_match_nothing_passes(grammar: str) -> None:
+    check_grammar(grammar)

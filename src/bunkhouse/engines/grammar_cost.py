@@ -1,11 +1,11 @@
 """A bound on the work a grammar or JSON schema costs llama.cpp before its first token.
 
 llama.cpp expands a bounded repetition ``x{m,n}`` into ``n`` nested optional copies of ``x``;
-when ``x`` can itself repeat (``?``, ``*``, ``+``, ``{..}``, directly or through the rules it
-names), the matcher's stacks multiply, and the engine's scheduling loop stalls while it
-builds them: the worker misses its liveness probes and is replaced, and three such requests
-failed the model for every client. Measured on 2 cores with Gemma 3 270M (the time of a
-2-token answer)::
+when ``x`` can match nothing (``"a"?``, ``"a"{0,2}``, ``"a" | ""``, directly or through the
+rules it names), every copy may or may not take part, the matcher's stacks multiply, and the
+engine's scheduling loop stalls while it builds them: the worker misses its liveness probes
+and is replaced, and three such requests failed the model for every client. Measured on
+2 cores with Gemma 3 270M (the time of a 2-token answer)::
 
     ("a"{0,20}){0,20}           0.16 s      ("a"{0,4}){0,100}          2.7 s
     ("a"{0,10}){0,30}           0.20 s      ("a"{0,10}){0,100}         9.3 s
@@ -14,11 +14,12 @@ failed the model for every client. Measured on 2 cores with Gemma 3 270M (the ti
     ("a" | ""){0,100}           1.8 s       ("a" | ""){0,150}          18 s
     rules doubling 6 deep to "a" | "" (64 parts that can match nothing)        0.57 s
     the same 8 deep (256 parts)            > 14 s (replaced); to "a" | "b": 1.9 s (4,096)
+    ("a" "b"?){0,100}           0.08 s      ("," [a-z]{1,20}){0,100}   0.06 s
     JSON schema: an array of strings, maxItems 300: 3.1 s
 
-So: a repetition whose operand can repeat or match nothing may have an upper bound of at
-most :data:`MAX_NESTED_BOUND`, the bounds along a chain of nested repetitions may multiply
-to at most :data:`MAX_NESTED_PRODUCT`, and a rule may expand to at most
+So: a repetition of something that can match nothing may have an upper bound of at most
+:data:`MAX_NESTED_BOUND`, the bounds along a chain of such repetitions may multiply to at
+most :data:`MAX_NESTED_PRODUCT`, and a rule may expand to at most
 :data:`MAX_NULLABLE_RUN` parts that can match nothing; a JSON schema's ``maxItems`` and
 ``minItems`` are at most :data:`MAX_SCHEMA_ITEMS`, and its ``pattern`` regexes follow the
 grammar rules. A flat repetition (``"a"{0,5000}``) costs little and is not bounded here.
@@ -56,7 +57,6 @@ class _Operand:
     """What a piece of a grammar can do, as far as the cost rule is concerned."""
 
     weight: int = 1  # the largest product of nested repetition bounds inside it (1: none)
-    risky: bool = False  # it can repeat or match nothing: repeating it multiplies the work
     nullable: bool = False  # it can match nothing
     nulls: int = 0  # positions that can match nothing, once expanded
 
@@ -64,8 +64,8 @@ class _Operand:
 def _seq(items: list[_Operand]) -> _Operand:
     """A sequence: it matches nothing only if every part can."""
     if not items:
-        return _Operand(risky=True, nullable=True, nulls=1)  # "" or an empty group
-    return _Operand(weight=max(i.weight for i in items), risky=any(i.risky for i in items),
+        return _Operand(nullable=True, nulls=1)  # "" or an empty group
+    return _Operand(weight=max(i.weight for i in items),
                     nullable=all(i.nullable for i in items), nulls=sum(i.nulls for i in items))
 
 
@@ -74,26 +74,29 @@ def _alt(branches: list[_Operand]) -> _Operand:
         return branches[0]
     nullable = any(b.nullable for b in branches)
     return _Operand(weight=max(b.weight for b in branches),
-                    risky=nullable or any(b.risky for b in branches), nullable=nullable,
+                    nullable=nullable,
                     nulls=max(b.nulls for b in branches) + int(nullable))
 
 
 def _repeat(operand: _Operand, low: int, high: int | None) -> _Operand:
-    """``operand`` repeated ``low`` to ``high`` times (None: unbounded); raises TooCostly."""
-    if operand.risky and high is not None:
+    """``operand`` repeated ``low`` to ``high`` times (None: unbounded); raises TooCostly.
+    What costs is repeating something that can match nothing: every copy may or may not
+    take part, and the matcher follows each way (``("a" "b"?){0,200}`` is cheap,
+    ``("a"?){0,200}`` is not)."""
+    if operand.nullable and high is not None:
         if high > MAX_NESTED_BOUND:
-            raise TooCostly(f"a repetition of up to {high} of something that can itself repeat "
-                            f"or match nothing (at most {MAX_NESTED_BOUND})")
+            raise TooCostly(f"a repetition of up to {high} of something that can match "
+                            f"nothing (at most {MAX_NESTED_BOUND})")
         if operand.weight * high > MAX_NESTED_PRODUCT:
             raise TooCostly(f"nested repetitions multiply to {operand.weight * high} "
                             f"(at most {MAX_NESTED_PRODUCT})")
-    if operand.risky and high is None and low > 0 and operand.nullable:
+    if operand.nullable and high is None and low > 0:
         raise TooCostly("an unbounded repetition of something that can match nothing")
     bound = high if high is not None else max(low, 1)
-    weight = operand.weight * bound if operand.risky else max(operand.weight, bound)
+    weight = operand.weight * bound if operand.nullable else max(operand.weight, bound)
     nullable = low == 0 or operand.nullable
     nulls = max(operand.nulls, 1) * bound if operand.nullable else int(nullable)
-    return _Operand(weight=weight, risky=True, nullable=nullable, nulls=nulls)
+    return _Operand(weight=weight, nullable=nullable, nulls=nulls)
 
 
 class _Parser:
@@ -112,7 +115,7 @@ class _Parser:
         if name in self.done:
             return self.done[name]
         if name in self.active or name not in self.rules:
-            return _Operand(risky=True)  # recursion repeats; an unknown name: the engine's
+            return _Operand()  # recursion: counted where it is met; an unknown name: the engine's
         if len(self.active) >= _MAX_RULE_DEPTH:
             raise TooCostly(f"its rules name each other more than {_MAX_RULE_DEPTH} deep")
         self.active.append(name)
@@ -174,7 +177,7 @@ class _Parser:
         if c == '"' and not self.regex:
             self.i = _skip_quoted(text, i, '"')
             empty = self.i - i <= 2
-            return _Operand(risky=empty, nullable=empty, nulls=int(empty))
+            return _Operand(nullable=empty, nulls=int(empty))
         if c == "[":
             self.i = _skip_quoted(text, i, "]")
             return _Operand()
