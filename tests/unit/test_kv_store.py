@@ -171,3 +171,34 @@ def test_private_files_and_purge(tmp_path: Path) -> None:
     assert store.purge("org/model:q4") == 1
     assert not list(model_dir.iterdir())
     assert store.purge() == 1 and store.stats.bytes == 0
+
+
+def _slot_file(path: Path, words: list[int], magic: int = 0x67677371, version: int = 4,
+               count: int | None = None) -> Path:
+    import struct
+    n = len(words) if count is None else count
+    path.write_bytes(struct.pack("<III", magic, version, n)
+                     + struct.pack(f"<{len(words)}i", *words) + b"state data")
+    return path
+
+
+def test_the_tokens_of_a_saved_slot_file_and_every_malformed_one_refused(tmp_path: Path) -> None:
+    from bunkhouse.engines.llamacpp import saved_tokens
+    assert saved_tokens(_slot_file(tmp_path / "ok", [-1, 1, 3, 785, 3974, 13, 0])) == \
+        [785, 3974, 13]
+    for name, args in {
+        "magic": ([-1, 1, 1, 5, 0], {"magic": 0x12345678}),
+        "version": ([-1, 1, 1, 5, 0], {"version": 3}),
+        "count": ([-1, 1, 2, 5, 0], {}),
+        "marker": ([0, 1, 1, 5, 0], {}),
+        "trailer": ([-1, 1, 1, 5, 7], {}),
+        "negative": ([-1, 1, 1, -5, 0], {}),
+        "huge": ([-1, 1, 1, 5, 0], {"count": 1 << 30}),
+        "truncated": ([-1, 1, 1, 5, 0], {"count": 50}),
+    }.items():
+        words, kwargs = args
+        with pytest.raises(ValueError):
+            saved_tokens(_slot_file(tmp_path / name, words, **kwargs))  # type: ignore[arg-type]
+    (tmp_path / "short").write_bytes(b"gg")
+    with pytest.raises(ValueError):
+        saved_tokens(tmp_path / "short")

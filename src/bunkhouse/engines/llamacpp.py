@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import re
+import struct
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -254,6 +256,37 @@ class LlamaCppClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+STATE_MAGIC = 0x67677371  # "ggsq": llama.cpp's sequence-state file
+_STATE_VERSION = 4
+
+
+def saved_tokens(path: Path) -> list[int]:
+    """The token ids a slot file saved by llama.cpp's server covers (its KV cache's).
+
+    The file starts with little-endian int32 words: the magic, the version (4), the number
+    of words in the server's token record, then that record: -1, 1, the token count N, N
+    token ids, 0 (observed with xllamacpp; the engine's state data follows). Raises
+    ValueError for anything else, so that a file of another layout is never trusted."""
+    with path.open("rb") as f:
+        head = f.read(12)
+        if len(head) < 12:
+            raise ValueError("shorter than a slot file's header")
+        magic, version, words = struct.unpack("<III", head)
+        if magic != STATE_MAGIC or version != _STATE_VERSION or not 4 <= words <= 1 << 24:
+            raise ValueError(f"not a slot file of state version {_STATE_VERSION}")
+        record = f.read(4 * words)
+    if len(record) < 4 * words:
+        raise ValueError("truncated token record")
+    values = struct.unpack(f"<{words}i", record)
+    marker, flag, count = values[:3]
+    if (marker, flag) != (-1, 1) or count != words - 4 or values[-1] != 0:
+        raise ValueError("an unknown token record")
+    tokens = list(values[3:-1])
+    if any(t < 0 for t in tokens):
+        raise ValueError("a negative token id")
+    return tokens
 
 
 class LlamaCpp:
