@@ -56,6 +56,10 @@ closes."""
 BODY_MIN_RATE = 500
 """Bytes per second a slow body must keep up (see BODY_TIMEOUT_S)."""
 
+LARGE_INPUT_BYTES = 64 * 1024
+"""Request bodies and prompt texts from this size on are parsed, checked and measured on a
+thread, not on the event loop (a 16 MiB body takes a few hundred milliseconds of CPU)."""
+
 BODIES_IN_FLIGHT_BYTES = 256 * 1024 * 1024
 """Request body bytes the front holds at once, all requests together; a request that would
 pass it gets 503 ``server_busy`` with Retry-After (each body alone is bounded by --max-body)."""

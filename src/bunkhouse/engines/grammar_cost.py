@@ -28,6 +28,7 @@ grammar rules. A flat repetition (``"a"{0,5000}``) costs little and is not bound
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,25 +275,24 @@ def check_schema(schema: Any, depth: int = 0) -> None:
 
 def check_request(body: dict[str, Any]) -> None:
     """InvalidRequest naming the field whose grammar or JSON schema is too costly."""
-    checks: list[tuple[str, Any, bool]] = [
-        ("grammar", body.get("grammar"), True),
-        ("json_schema", body.get("json_schema"), False),
-    ]
+    schemas: list[tuple[str, Any]] = [("json_schema", body.get("json_schema"))]
     response_format = body.get("response_format")
     if isinstance(response_format, dict):
         inner = response_format.get("json_schema")
         schema = inner.get("schema") if isinstance(inner, dict) else None
-        checks.append(("response_format", schema or response_format.get("schema"), False))
+        schemas.append(("response_format", schema or response_format.get("schema")))
     for i, tool in enumerate(body.get("tools") or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict):
-            checks.append((f"tools.{i}.function.parameters", fn.get("parameters"), False))
-    for param, value, is_grammar in checks:
+            schemas.append((f"tools.{i}.function.parameters", fn.get("parameters")))
+    grammar = body.get("grammar")
+    checks: list[tuple[str, Callable[[Any], None], Any]] = [
+        (param, check_schema, value) for param, value in schemas if value is not None]
+    if isinstance(grammar, str):
+        checks.insert(0, ("grammar", check_grammar, grammar))
+    for param, check, value in checks:
         try:
-            if is_grammar and isinstance(value, str):
-                check_grammar(value)
-            elif not is_grammar and value is not None:
-                check_schema(value)
+            check(value)
         except TooCostly as e:
             raise InvalidRequest(f"{param} would take the engine too long to prepare: {e}; "
                                  "bound it more tightly", param=param) from e

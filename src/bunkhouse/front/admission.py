@@ -26,6 +26,7 @@ from typing import Any
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.vocab import PairTable
+from bunkhouse.defaults import LARGE_INPUT_BYTES
 from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import Messages
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest
@@ -259,7 +260,7 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
 async def _min_tokens(pairs: PairTable, texts: list[str]) -> int:
     """The bound for ``texts`` together; a long text's on a thread (about 10 ms of CPU a
     MiB), so that the event loop never waits on it."""
-    if sum(len(t) for t in texts) < 64 * 1024:
+    if sum(len(t) for t in texts) < LARGE_INPUT_BYTES:
         return sum(pairs.min_tokens(t) for t in texts)
     return await asyncio.to_thread(lambda: sum(pairs.min_tokens(t) for t in texts))
 

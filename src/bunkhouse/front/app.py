@@ -116,7 +116,7 @@ class Front:
     async def _cpu(self, size: int, fn: Callable[..., R], *args: Any) -> R:
         """``fn(*args)``: inline for a small input; for a large one on a thread, two at a
         time."""
-        if size < LARGE_BODY_BYTES:
+        if size < defaults.LARGE_INPUT_BYTES:
             return fn(*args)
         async with self._parsing:
             return await asyncio.to_thread(fn, *args)
@@ -197,22 +197,18 @@ class Front:
 
     async def stats(self, request: Request) -> Response:
         r = self.residency
+        detail = self._admin(request)
         budget, used = r.options.budget_bytes, r.used_bytes()
         return JSONResponse({
             "budget_bytes": budget,
             "used_bytes": used,
             "free_bytes": budget - used,
             "peak_used_bytes": r.peak_bytes,
-            "models": [self.model_object(m, detail=self._admin(request))
-                       for m in self.catalog],
+            "models": [self.model_object(m, detail=detail) for m in self.catalog],
             "event_counts": r.events.counts,
             "events": [e.as_dict() for e in r.events.recent(100)],
         })
 
-
-LARGE_BODY_BYTES = 64 * 1024
-"""Bodies from this size on are parsed and checked on a thread, not on the event loop (a
-16 MiB body takes a few hundred milliseconds of CPU to parse and validate)."""
 
 async def _pair_table(model: CatalogModel) -> PairTable | None:
     """The model's vocabulary pair table, read off the event loop once per file version."""

@@ -56,7 +56,8 @@ class LineSplitter:
 
 def sse_lines(data: bytes) -> list[str]:
     """All of an event stream's lines (see :class:`LineSplitter`)."""
-    return [line.decode("utf-8", errors="replace") for line in _LINE_END.split(data)]
+    lines = LineSplitter()
+    return lines.feed(data) + lines.close()
 
 
 DONE = "[DONE]"

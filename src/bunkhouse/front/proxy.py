@@ -115,6 +115,16 @@ async def _raw(resp: httpx.Response) -> AsyncIterator[bytes]:
         yield chunk
 
 
+async def _lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The event stream's lines as they arrive (front/assemble.py LineSplitter)."""
+    splitter = LineSplitter()
+    async for chunk in _raw(resp):
+        for line in splitter.feed(chunk):
+            yield line
+    for line in splitter.close():
+        yield line
+
+
 async def _read_error(resp: httpx.Response) -> bytes:
     """An error body, at most MAX_ERROR_BYTES of it."""
     content = b""
@@ -221,17 +231,11 @@ async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
 async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model_id: str,
                     assembly: Assembly) -> Response:
     """Fold the engine's stream into one answer as it arrives."""
-    lines = LineSplitter()
     try:
-        async for chunk in _raw(resp):
-            for line in lines.feed(chunk):
-                event = data_event(line)
-                if event == DONE:
-                    return JSONResponse(assembly.result())
-                if isinstance(event, dict):
-                    assembly.add(event)
-        for line in lines.close():
+        async for line in _lines(resp):
             event = data_event(line)
+            if event == DONE:
+                break
             if isinstance(event, dict):
                 assembly.add(event)
     except httpx.TransportError as e:

@@ -178,7 +178,7 @@ class SnapshotStore:
                     size = data.stat().st_size + sidecar.stat().st_size
                     model_id = str(meta["model_id"])
                 except (OSError, ValueError, KeyError, TypeError):
-                    self._drop(model_dir, sidecar.stem, "unreadable")
+                    self._discard(model_dir, sidecar.stem, "unreadable")
                     continue
                 used = sidecar.stat().st_mtime  # the last use (see _touch)
                 self._entries[(model_id, sidecar.stem)] = _Entry(model_id, sidecar.stem, size,
@@ -188,11 +188,19 @@ class SnapshotStore:
                     data.unlink(missing_ok=True)  # its sidecar was never written
         self.stats.bytes = sum(e.bytes for e in self._entries.values())
 
-    def _drop(self, model_dir: Path, digest: str, reason: str) -> None:
-        self.stats.skipped[reason] += 1
-        log.warning("KV snapshot %s/%s skipped and removed: %s", model_dir.name, digest, reason)
-        for suffix in (_DATA, _SIDECAR):
+    def _discard(self, model_dir: Path, digest: str, reason: str | None = None,
+                 model_id: str | None = None) -> None:
+        """Remove a snapshot's files (the sidecar first: never a sidecar without its data)
+        and its index entry; with a ``reason``, it was invalid: counted and logged."""
+        for suffix in (_SIDECAR, _DATA):
             (model_dir / f"{digest}{suffix}").unlink(missing_ok=True)
+        entry = self._entries.pop((model_id, digest), None) if model_id else None
+        if entry is not None:
+            self.stats.bytes -= entry.bytes
+        if reason is not None:
+            self.stats.skipped[reason] += 1
+            log.warning("KV snapshot %s/%s skipped and removed: %s", model_dir.name, digest,
+                        reason)
 
     # -- writing ------------------------------------------------------------------------
 
@@ -209,7 +217,7 @@ class SnapshotStore:
                 try:
                     kept = self._read(model_dir, digest, key, model_id)
                 except SnapshotRefused as e:
-                    self._forget(model_dir, model_id, digest, str(e))  # replaced below
+                    self._discard(model_dir, digest, str(e), model_id)  # replaced below
                 else:
                     staged_path.unlink(missing_ok=True)
                     self._touch(model_id, digest)
@@ -253,15 +261,9 @@ class SnapshotStore:
         for victim in by_age:
             if self.stats.bytes + need <= self.max_bytes:
                 return
-            self._remove(victim)
+            self._discard(self.model_dir(victim.model_id), victim.digest,
+                          model_id=victim.model_id)
             self.stats.evicted += 1
-
-    def _remove(self, entry: _Entry) -> None:
-        model_dir = self.model_dir(entry.model_id)
-        for suffix in (_SIDECAR, _DATA):  # the sidecar first: never a sidecar without data
-            (model_dir / f"{entry.digest}{suffix}").unlink(missing_ok=True)
-        del self._entries[(entry.model_id, entry.digest)]
-        self.stats.bytes -= entry.bytes
 
     def _touch(self, model_id: str, digest: str) -> None:
         entry = self._entries[(model_id, digest)]
@@ -320,7 +322,7 @@ class SnapshotStore:
             found: list[tuple[int, str]] = []
             for digest, covered in self.candidates(model_id):
                 if covered is None:
-                    self._forget(model_dir, model_id, digest, "unreadable sidecar")
+                    self._discard(model_dir, digest, "unreadable sidecar", model_id)
                 elif min_tokens <= len(covered) <= len(tokens) and \
                         list(tokens[: len(covered)]) == covered:
                     found.append((len(covered), digest))
@@ -328,19 +330,12 @@ class SnapshotStore:
                 try:
                     snapshot = self._read(model_dir, digest, key, model_id)
                 except SnapshotRefused as e:
-                    self._forget(model_dir, model_id, digest, str(e))
+                    self._discard(model_dir, digest, str(e), model_id)
                     continue
                 self._touch(model_id, digest)
                 self.stats.restored += 1
                 return snapshot
             return None
-
-    def _forget(self, model_dir: Path, model_id: str, digest: str, reason: str) -> None:
-        entry = self._entries.get((model_id, digest))
-        if entry is not None:
-            self.stats.bytes -= entry.bytes
-            del self._entries[(model_id, digest)]
-        self._drop(model_dir, digest, reason)
 
     def purge(self, model_id: str | None = None) -> int:
         """Remove every snapshot (of one model); returns how many."""
@@ -348,7 +343,8 @@ class SnapshotStore:
             victims = [e for e in self._entries.values()
                        if model_id is None or e.model_id == model_id]
             for entry in victims:
-                self._remove(entry)
+                self._discard(self.model_dir(entry.model_id), entry.digest,
+                              model_id=entry.model_id)
             return len(victims)
 
     def snapshots(self, model_id: str | None = None) -> list[tuple[str, str, int]]:
