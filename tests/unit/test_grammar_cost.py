@@ -136,3 +136,16 @@ def test_a_stray_parenthesis_hides_nothing() -> None:
 ])
 def test_repeating_what_cannot_match_nothing_passes(grammar: str) -> None:
     check_grammar(grammar)
+
+
+@pytest.mark.parametrize("grammar", [
+    # found by a third newcomer round, each accepted, then the worker replaced:
+    'n ::= "" | "a" m\nm ::= n{0,200}\nroot ::= "a" m\n',  # recursion hid that n is nullable
+    'root ::= "b" (("a"?){0,#c\n200})\n',  # a comment inside the bound
+    'root ::= [x\ny ::= "] ("a"?){0,200}\n',  # a newline inside a class is no new rule
+    "root ::= " + " | ".join(f"r{i}" for i in range(8)) + "\n"
+    + "".join(f'r{i} ::= "a"{{0,{i + 1}}} ("a"{{0,31}}){{0,32}}\n' for i in range(8)),  # 18 s
+])
+def test_grammars_read_as_the_engine_reads_them(grammar: str) -> None:
+    with pytest.raises(TooCostly):
+        check_grammar(grammar)

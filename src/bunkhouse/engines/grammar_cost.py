@@ -76,7 +76,7 @@ def _alt(branches: list[_Operand]) -> _Operand:
     nullable = any(b.nullable for b in branches)
     return _Operand(weight=max(b.weight for b in branches),
                     nullable=nullable,
-                    nulls=max(b.nulls for b in branches) + int(nullable))
+                    nulls=sum(b.nulls for b in branches) + int(nullable))
 
 
 def _repeat(operand: _Operand, low: int, high: int | None) -> _Operand:
@@ -115,8 +115,10 @@ class _Parser:
     def rule(self, name: str) -> _Operand:
         if name in self.done:
             return self.done[name]
-        if name in self.active or name not in self.rules:
-            return _Operand()  # recursion: counted where it is met; an unknown name: the engine's
+        if name in self.active:  # recursion: assume it can match nothing (the worse case)
+            return _Operand(nullable=True)
+        if name not in self.rules:
+            return _Operand()  # an unknown name: the engine refuses the grammar
         if len(self.active) >= _MAX_RULE_DEPTH:
             raise TooCostly(f"its rules name each other more than {_MAX_RULE_DEPTH} deep")
         self.active.append(name)
@@ -228,19 +230,45 @@ def _skip_quoted(text: str, i: int, close: str) -> int:
     return i + 1
 
 
+_HEAD = re.compile(r"[ \t]*([A-Za-z0-9_-]+)[ \t]*::=")
+
+
+def _rules(grammar: str) -> dict[str, str]:
+    """Each rule's body, read as llama.cpp reads GBNF: a rule starts with ``name ::=`` at the
+    start of a line; literals and classes may hold newlines, ``#`` and ``::=`` (skipped
+    whole); comments end at the line's end (dropped, also inside ``{m,n}``)."""
+    rules: dict[str, str] = {}
+    name: str | None = None
+    body: list[str] = []
+    i, line_start = 0, True
+    while i < len(grammar):
+        head = _HEAD.match(grammar, i) if line_start else None
+        if head is not None:
+            if name is not None:
+                rules[name] = rules.get(name, "") + "\n" + "".join(body)
+            name, body, i, line_start = head.group(1), [], head.end(), False
+            continue
+        c = grammar[i]
+        if c in '"[':
+            end = _skip_quoted(grammar, i, '"' if c == '"' else "]")
+            body.append(grammar[i:end])
+            i, line_start = end, False
+        elif c == "#":
+            while i < len(grammar) and grammar[i] != "\n":
+                i += 1
+        else:
+            body.append(c)
+            i, line_start = i + 1, c == "\n"
+    if name is not None:
+        rules[name] = rules.get(name, "") + "\n" + "".join(body)
+    return rules
+
+
 def check_grammar(grammar: str) -> None:
     """Raise TooCostly for a GBNF grammar that would stall the engine (module doc)."""
     if len(grammar) > MAX_GRAMMAR_BYTES:
         raise TooCostly(f"it is over {MAX_GRAMMAR_BYTES // 1024} KiB")
-    bodies: dict[str, str] = {}
-    name = None
-    for line in grammar.splitlines():
-        head, sep, body = line.partition("::=")
-        if sep and _NAME.fullmatch(head.strip()):
-            name = head.strip()
-            bodies[name] = bodies.get(name, "") + "\n" + body
-        elif name is not None:
-            bodies[name] += "\n" + line
+    bodies = _rules(grammar)
     parser = _Parser(bodies, regex=False)
     for rule in bodies:
         parser.rule(rule)
