@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -23,6 +24,10 @@ from bunkhouse import __version__, defaults
 from bunkhouse.catalog import Catalog, build_catalog
 from bunkhouse.config import Settings, load_config_file, parse_size
 from bunkhouse.errors import BunkhouseError, ConfigError
+from bunkhouse.residency.events import EventLog
+
+if TYPE_CHECKING:
+    from bunkhouse.kvcache.keeper import SnapshotKeeper
 
 log = logging.getLogger("bunkhouse")
 
@@ -136,6 +141,13 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body", type=_size, default=defaults.MAX_BODY_BYTES,
                        metavar="SIZE",
                        help="largest request body; larger ones get 413 (16MiB)")
+    serve.add_argument("--kv-cache-dir", type=Path, metavar="DIR",
+                       help="where slots' saved KV state is kept, a private directory per "
+                            "model (default: the cache directory's kv/)")
+    serve.add_argument("--kv-cache-max", type=_size_or_zero, metavar="SIZE",
+                       help="disk the KV snapshots may take, all models together, least "
+                            "recently used removed first (default: 10%% of the free disk, at "
+                            "most 32 GiB; 0 turns snapshots off)")
     serve.add_argument("--compute-gate", choices=["on", "off"], default="on",
                        help="on: one model computes at a time, so that workers never "
                             "oversubscribe the CPU; off: for GPU hosts (%(default)s)")
@@ -196,6 +208,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(e.message) from e
 
 
+def _size_or_zero(text: str) -> int:
+    return 0 if text.strip() == "0" else _size(text)
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     settings = Settings(
         host=getattr(args, "host", "127.0.0.1"),
@@ -222,6 +238,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             api_keys=_keys(args.api_key, args.api_key_file, "BUNKHOUSE_API_KEYS"),
             admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS"),
             max_body_bytes=args.max_body,
+            kv_cache_dir=args.kv_cache_dir.expanduser() if args.kv_cache_dir else None,
+            kv_cache_max=args.kv_cache_max,
         )
     if args.config is not None:
         settings = load_config_file(args.config.expanduser(), settings)
@@ -279,17 +297,21 @@ def serve(settings: Settings, catalog: Catalog) -> int:
         _check_importable(settings.worker_engine)
     _check_port_free(settings.host, settings.port)
     _raise_open_files_limit()
+    events = EventLog()
+    keeper = _snapshot_keeper(settings, events)
     launcher = LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
-                                           settings.worker_engine))
+                                           settings.worker_engine),
+                             snapshot_dir=keeper.store.model_dir if keeper else None)
     residency = ResidencyManager(
         catalog,
         ResidencyOptions(budget_bytes=budget, ttl_s=settings.ttl_s,
                          admission_wait_s=settings.admission_wait_s,
                          probe_interval_s=settings.probe_interval_s,
                          probe_timeout_s=settings.probe_interval_s),
-        launcher.start,
+        launcher.start, events=events, flush=keeper.flush if keeper else None,
     )
     app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close,
+                    keeper=keeper,
                     compute=ComputeGate(enabled=settings.compute_gate),
                     keys=Keys(settings.api_keys, settings.admin_keys),
                     max_body_bytes=settings.max_body_bytes,
@@ -328,6 +350,30 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     server = _Server(config, stop_workers, settings.stop_grace_s, serving)
     server.run()
     return 0 if server.started else 1
+
+
+def _snapshot_keeper(settings: Settings, events: EventLog) -> SnapshotKeeper | None:
+    """The KV snapshot keeper over its store, or None when snapshots are off."""
+    from bunkhouse.kvcache.keeper import SnapshotKeeper
+    from bunkhouse.kvcache.store import SnapshotStore
+
+    root = settings.kv_cache_dir or settings.cache_dir / "kv"
+    limit = settings.kv_cache_max
+    if limit == 0:
+        log.info("KV snapshots off (--kv-cache-max 0)")
+        return None
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if limit is None:
+            free = shutil.disk_usage(root).free
+            limit = min(int(free * defaults.KV_CACHE_DISK_SHARE), defaults.KV_CACHE_MAX_BYTES)
+        store = SnapshotStore(root, limit)
+    except OSError as e:
+        log.warning("KV snapshots off: cannot use %s: %s; pass --kv-cache-dir DIR", root, e)
+        return None
+    log.info("KV snapshots in %s, at most %d MiB (%d kept, %d MiB)", root, limit // 2**20,
+             len(store.snapshots()), store.stats.bytes // 2**20)
+    return SnapshotKeeper(store, events)
 
 
 def _raise_open_files_limit(target: int = 65536) -> None:

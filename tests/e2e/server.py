@@ -54,6 +54,8 @@ def running(workdir: Path, *args: str, env: dict[str, str] | None = None) -> Ite
     """Start `bunkhouse serve ARGS` and wait for /health; kill it on exit if still alive."""
     port = free_port()
     log_path = workdir / "serve.log"
+    if "--kv-cache-dir" not in args:  # never the user's own snapshots
+        args = (*args, "--kv-cache-dir", str(workdir / "kv"))
     exe = shutil.which("bunkhouse")
     argv = [exe] if exe else [sys.executable, "-m", "bunkhouse"]
     with log_path.open("wb") as log:

@@ -1,5 +1,6 @@
-"""Slots saved into the snapshot store and restored, against a real llama.cpp worker (Qwen):
-the follow-up after a restore prefills only the new tokens, and says the same."""
+"""The snapshot keeper against a real llama.cpp worker (Qwen): a slot saved at a drain is
+restored into another slot, the follow-up prefills only the new tokens and says the same; a
+conversation pushed out of its slot by another one is saved first and comes back."""
 
 from __future__ import annotations
 
@@ -9,59 +10,83 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bunkhouse.catalog import Catalog
-from bunkhouse.engines.llamacpp import saved_tokens
-from bunkhouse.kvcache.flush import flush_slots, restore_longest
-from bunkhouse.kvcache.store import SnapshotKey, SnapshotStore
+from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.kvcache.keeper import KeeperOptions, SnapshotKeeper
+from bunkhouse.kvcache.store import SnapshotStore
+from bunkhouse.residency.events import EventLog
+from bunkhouse.residency.slots import SlotGate
 from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
-KEY = SnapshotKey.of("qwen", "llama.cpp", {"slot_context": 1024})
 PROMPT = "Count the items. " + " ".join(f"Item {i}: a red apple." for i in range(30))
+OTHER = "List the colours. " + " ".join(f"Colour {i}: a deep blue." for i in range(30))
+THIRD = "Name the towns. " + " ".join(f"Town {i}: a small harbour." for i in range(30))
 
 
-def test_a_flushed_slot_restores_into_another_and_saves_the_prefill(
-        packaged_catalog: Catalog, tmp_path: Path) -> None:
+def test_slots_saved_and_restored_by_the_keeper(packaged_catalog: Catalog,
+                                                tmp_path: Path) -> None:
     base = packaged_catalog.get(QWEN)
     model = dataclasses.replace(base, options=dataclasses.replace(
         base.options, context=2048, parallel=2, threads=2))
     store = SnapshotStore(tmp_path / "kv", 1 << 30)
+    events = EventLog()
+    keeper = SnapshotKeeper(store, events, KeeperOptions(min_tokens=32, idle_flush_s=3600))
+    gate = SlotGate(QWEN, 2, 4)
     launch = WorkerLaunch(tmp_path / "w.sock", LaunchOptions(120, 10), store.model_dir(QWEN))
 
-    async def complete(worker: WorkerProcess, prompt: str, slot: int) -> dict[str, Any]:
-        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "id_slot": slot,
-                "cache_prompt": True}
-        resp = await worker.engine.generate("/v1/completions", json.dumps(body).encode())
-        data: dict[str, Any] = json.loads(await resp.aread())
-        await resp.aclose()
-        return data
+    async def complete(worker: WorkerProcess, prompt: str) -> tuple[dict[str, Any], int]:
+        """A request as the front runs it: tokens, a slot, prepare, id_slot, check."""
+        data = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+        tokens = await keeper.prompt_tokens(model, worker.engine, "/v1/completions", data)
+        slot = await gate.enter(tokens)
+        try:
+            restore = await keeper.prepare(model, worker.engine, slot, tokens)
+            body = {**data, "id_slot": slot.id}
+            resp = await worker.engine.generate("/v1/completions", json.dumps(body).encode())
+            answer: dict[str, Any] = json.loads(await resp.aread())
+            await resp.aclose()
+            if restore is not None:
+                keeper.check(model, restore, answer["timings"])
+            return answer, slot.id
+        finally:
+            gate.leave(slot)
+
+    async def start(m: CatalogModel) -> WorkerProcess:
+        worker = WorkerProcess(m, launch)
+        await worker.start()
+        gate.reset()
+        return worker
 
     async def main() -> None:
-        worker = WorkerProcess(model, launch)
-        await worker.start()
+        worker = await start(model)
         try:
-            first = await complete(worker, PROMPT, 0)
-            prompt_tokens = first["timings"]["prompt_n"]
-            result = await flush_slots(worker.engine, store, QWEN, KEY, saved_tokens,
-                                       min_tokens=32)
-            assert result.ok and len(result.saved) == 1 and result.skipped == 1
-            snapshot = result.saved[0]
-            assert len(snapshot.tokens) >= prompt_tokens  # the prompt, and what it generated
-            again = await flush_slots(worker.engine, store, QWEN, KEY, saved_tokens, 32)
-            assert again.saved[0].digest == snapshot.digest  # stored once
-            assert store.stats.written == 1 and store.stats.deduplicated == 1
-
+            first, _ = await complete(worker, PROMPT)
             follow_up = PROMPT + first["choices"][0]["text"] + " And the next one?"
-            tokens = (*snapshot.tokens, 1, 2, 3)  # any continuation of the covered prefix
-            restored = await restore_longest(worker.engine, store, QWEN, KEY, list(tokens),
-                                             slot_id=1, min_tokens=32)
-            assert restored is not None and restored.digest == snapshot.digest
-            warm = await complete(worker, follow_up, 1)
-            await complete(worker, "Something else entirely.", 0)  # slot 0 forgets the turn
-            cold = await complete(worker, follow_up, 0)
-            assert warm["timings"]["prompt_n"] < 20 <= cold["timings"]["prompt_n"]
-            assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+            report = await keeper.flush(model, worker.engine, gate, "test")
+            assert report.saved == 1 and not report.failed
+            assert (await keeper.flush(model, worker.engine, gate, "again")).saved == 0  # clean
         finally:
             await worker.stop()
+        worker = await start(model)  # a new worker: nothing in its slots
+        try:
+            warm, _ = await complete(worker, follow_up)
+            assert keeper.counts(QWEN).restored == 1
+            assert warm["timings"]["prompt_n"] < 20 <= warm["timings"]["cache_n"]
+            # two other conversations take both slots: it is saved before it is overwritten
+            _, other_slot = await complete(worker, OTHER)
+            _, third_slot = await complete(worker, THIRD)
+            assert other_slot != third_slot
+            assert keeper.counts(QWEN).saved == 2  # the first save and the displaced one
+        finally:
+            await worker.stop()
+        worker = await start(model)
+        try:
+            again, _ = await complete(worker, follow_up)
+            cold_worker_answer = again["choices"][0]["text"]
+            assert cold_worker_answer == warm["choices"][0]["text"]
+        finally:
+            await worker.stop()
+        assert not keeper.counts(QWEN).missed
+        assert {"restored", "flushed"} <= set(events.counts)
 
     asyncio.run(main())

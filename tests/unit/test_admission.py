@@ -29,8 +29,8 @@ def run(coro: Coroutine[Any, Any, None]) -> None:
 def test_slot_gate_runs_slots_queues_queue_refuses_the_rest() -> None:
     async def go() -> None:
         gate = SlotGate("m", slots=2, queue=3)
-        await gate.enter()
-        await gate.enter()
+        first, second = await gate.enter(), await gate.enter()
+        assert {first.id, second.id} == {0, 1}
         waiters = [asyncio.create_task(gate.enter()) for _ in range(3)]
         await asyncio.sleep(0)
         assert gate.waiting == 3
@@ -38,12 +38,37 @@ def test_slot_gate_runs_slots_queues_queue_refuses_the_rest() -> None:
             await gate.enter()
         assert info.value.status == 429 and info.value.type == "resource_admission"
         assert info.value.headers()["Retry-After"]
-        gate.leave()
-        await asyncio.wait_for(waiters[0], 1)  # FIFO: the first waiter goes in
+        gate.leave(first)
+        assert (await asyncio.wait_for(waiters[0], 1)) is first  # FIFO; the slot let go
         assert gate.waiting == 2
-        for _ in range(4):
-            gate.leave()
-        await asyncio.gather(*waiters)
+        gate.leave(first)
+        gate.leave(second)
+        third = await asyncio.wait_for(waiters[1], 1)
+        gate.leave(third)
+        gate.leave(await asyncio.wait_for(waiters[2], 1))
+        assert gate.running == 0
+
+    run(go())
+
+
+def test_slot_gate_gives_a_conversation_its_slot_and_a_new_one_the_cheapest() -> None:
+    async def go() -> None:
+        gate = SlotGate("m", slots=3, queue=0)
+        a = await gate.enter([1, 2, 3])
+        a.held = (1, 2, 3)
+        gate.leave(a)
+        b = await gate.enter([7, 8])
+        assert b is not a  # an empty slot before one holding a conversation
+        b.held = (7, 8)
+        gate.leave(b)
+        assert await gate.enter([1, 2, 3, 4, 5]) is a  # it continues what a holds
+        c = await gate.enter([9])
+        assert c not in (a, b)
+        gate.leave(c)
+        c.held, c.dirty = (9,), False  # saved: cheaper to overwrite than b (unsaved)
+        assert await gate.enter([5, 5]) is c
+        gate.reset()
+        assert all(s.held == () and not s.busy for s in gate.table)
 
     run(go())
 
@@ -123,7 +148,7 @@ class Worker:
         if request.url.path == "/apply-template":
             return httpx.Response(200, json={
                 "prompt": " ".join(m["content"] for m in payload["messages"])})
-        return httpx.Response(200, json={"tokens": payload["content"].split()})
+        return httpx.Response(200, json={"tokens": list(range(len(payload["content"].split())))})
 
     async def __call__(self, prompt: str | list[dict[str, Any]]) -> int:
         return await self.engine.count_tokens(prompt)

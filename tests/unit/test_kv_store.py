@@ -37,17 +37,27 @@ def _disk_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def test_the_longest_valid_prefix_is_found(tmp_path: Path) -> None:
+def test_the_longest_shared_prefix_is_found(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
-    _save(store, "m", [1, 2, 3])
-    longer = _save(store, "m", [1, 2, 3, 4, 5])
+    _save(store, "m", [1, 2, 3, 8, 8])
+    longer = _save(store, "m", [1, 2, 3, 4, 5, 9])  # a reply the next prompt words otherwise
     _save(store, "m", [9, 9, 9, 9, 9, 9, 9])
     found = store.find("m", KEY, [1, 2, 3, 4, 5, 6, 7])
-    assert found is not None and found.digest == longer and found.tokens == (1, 2, 3, 4, 5)
-    assert store.find("m", KEY, [1, 2]) is None  # no snapshot is a prefix of it
-    assert store.find("m", KEY, [1, 2, 3, 4, 5, 6], min_tokens=6) is None
+    assert found is not None and found.digest == longer and found.tokens == (1, 2, 3, 4, 5, 9)
+    assert store.find("m", KEY, [1, 2, 3, 4, 5, 6], min_tokens=6) is None  # 5 shared
+    assert store.find("m", KEY, [7, 7]) is None
     assert store.find("other", KEY, [1, 2, 3]) is None
     assert store.stats.written == 3 and store.stats.restored == 1
+
+
+def test_an_earlier_turn_is_superseded_by_the_next(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
+    _save(store, "m", [1, 2, 3])
+    other_key = _save(store, "m", [1, 2], key=SnapshotKey.of("x", "y", {}))
+    branch = _save(store, "m", [1, 2, 7])
+    latest = _save(store, "m", [1, 2, 3, 4, 5])
+    kept = {d for _, d, _ in store.snapshots("m")}
+    assert kept == {other_key, branch, latest} and store.stats.superseded == 1
 
 
 def test_an_identical_prefix_is_stored_once(tmp_path: Path) -> None:
@@ -109,7 +119,7 @@ def test_concurrent_writers_keep_the_budget(tmp_path: Path) -> None:
 def test_an_invalid_snapshot_is_skipped_with_its_reason(tmp_path: Path, damage: str,
                                                         reason: str) -> None:
     store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
-    good = _save(store, "m", [1, 2])
+    good = _save(store, "m", [1, 2, 9])
     bad = _save(store, "m", [1, 2, 3, 4])
     model_dir = store.model_dir("m")
     data, sidecar = model_dir / f"{bad}.bin", model_dir / f"{bad}.json"
@@ -130,11 +140,17 @@ def test_an_invalid_snapshot_is_skipped_with_its_reason(tmp_path: Path, damage: 
         sidecar.write_text("{not json")
     else:
         data.unlink()
-    found = store.find("m", KEY, [1, 2, 3, 4, 5])
-    assert found is not None and found.digest == good  # the shorter valid one instead
-    assert sum(store.stats.skipped.values()) == 1
-    assert any(reason in r for r in store.stats.skipped), store.stats.skipped
-    assert not data.exists() and not sidecar.exists()  # never looked at again
+    for restarted in (False, True):
+        current = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock()) if restarted else store
+        found = current.find("m", KEY, [1, 2, 3, 4, 5])  # and again after a restart
+        assert found is not None and found.digest == good  # the shorter valid one instead
+        assert current.find("m", KEY, [1, 2, 3, 4, 5]).digest == good  # type: ignore[union-attr]
+        assert sum(current.stats.skipped.values()) <= 1  # counted once
+        assert all(reason in r for r in current.stats.skipped), current.stats.skipped
+    if damage.startswith("other"):  # valid for its own key: kept, never restored here
+        assert data.exists() and sidecar.exists()
+    else:  # never looked at again
+        assert not data.exists() and not sidecar.exists()
 
 
 def test_a_crash_mid_write_leaves_nothing_that_is_read(tmp_path: Path) -> None:

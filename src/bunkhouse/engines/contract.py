@@ -13,6 +13,7 @@ engine refuses the input (a 4xx to the caller, naming the field when it can).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
@@ -82,6 +83,10 @@ class EngineClient(Protocol):
         """Tokens of a raw prompt (special tokens included), or of chat ``messages`` once the
         model's chat template is applied."""
 
+    async def tokenize(self, prompt: str | Messages | dict[str, Any]) -> list[int]:
+        """The token ids the engine prefills for a raw prompt, chat ``messages``, or a chat
+        request's templated fields (messages, tools, template options) once templated."""
+
     async def generate(self, route: str, body: bytes) -> httpx.Response:
         """Start an OpenAI-shaped generation (``route`` one of the OpenAI paths: chat,
         completions, embeddings) with a JSON body; returns the open upstream response, whose
@@ -134,3 +139,15 @@ class EngineAdapter(Protocol):
 
     def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
         """The KV cache ``tokens`` tokens of one sequence take, bytes."""
+
+    build: str
+    """The engine and its build: a slot saved by another build is never restored."""
+
+    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+        """What a saved slot's KV state depends on beyond the model file and the build (cache
+        types, a slot's context, sliding-window settings); None: this engine cannot save and
+        restore slots."""
+
+    def saved_tokens(self, path: Path) -> list[int]:
+        """The token ids a slot file saved by this engine covers; ValueError for a file that
+        is not one."""

@@ -16,6 +16,7 @@ else (the worker side is ``bunkhouse.worker.engines.llamacpp``):
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import struct
@@ -218,11 +219,24 @@ class LlamaCppClient:
             return False
 
     async def count_tokens(self, prompt: str | Messages) -> int:
+        return len(await self.tokenize(prompt))
+
+    async def tokenize(self, prompt: str | Messages | dict[str, Any]) -> list[int]:
+        # as the server tokenizes a prompt: special tokens added and parsed
+        text: Any = prompt
         if not isinstance(prompt, str):
-            prompt = (await self._post("/apply-template", {"messages": prompt}))["prompt"]
-        reply = await self._post("/tokenize", {"content": prompt, "add_special": True,
+            chat = prompt if isinstance(prompt, dict) else {"messages": prompt}
+            templated = await self._post("/apply-template", chat)
+            text = templated.get("prompt") if isinstance(templated, dict) else None
+            if not isinstance(text, str):
+                raise EngineUnavailable(f"model {self._model_id!r}: /apply-template answered "
+                                        "no prompt")
+        reply = await self._post("/tokenize", {"content": text, "add_special": True,
                                                "parse_special": True})
-        return len(reply["tokens"])
+        tokens = reply.get("tokens") if isinstance(reply, dict) else None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise EngineUnavailable(f"model {self._model_id!r}: /tokenize answered no tokens")
+        return tokens
 
     async def generate(self, route: str, body: bytes) -> httpx.Response:
         request = self._http.build_request("POST", route, content=body,
@@ -289,11 +303,29 @@ def saved_tokens(path: Path) -> list[int]:
     return tokens
 
 
+def _build() -> str:
+    try:
+        return f"xllamacpp {importlib.metadata.version('xllamacpp')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "xllamacpp unknown"
+
+
 class LlamaCpp:
     """The llama.cpp engine adapter (engines/contract.py ``EngineAdapter``)."""
 
     name = NAME
     worker_engine = WORKER_ENGINE
+    build = _build()
+
+    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+        # the worker's settings (worker/engines/llamacpp.py build_params) a slot file holds
+        o = model.options
+        return {"cache_type_k": "f16", "cache_type_v": "f16", "n_ubatch": N_UBATCH,
+                "slot_context": o.context // o.parallel, "kv_unified": False,
+                "swa_full": False, "embeddings": model.embeddings}
+
+    def saved_tokens(self, path: Path) -> list[int]:
+        return saved_tokens(path)
 
     def worker_args(self, model: CatalogModel) -> list[str]:
         o = model.options

@@ -28,6 +28,7 @@ from bunkhouse.api.schemas import (
 )
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.catalog.vocab import PairTable, pair_table
+from bunkhouse.engines.contract import EngineClient
 from bunkhouse.errors import (
     BunkhouseError,
     EngineUnavailable,
@@ -44,7 +45,9 @@ from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
 from bunkhouse.front.proxy import forward, stream_broke
 from bunkhouse.front.site import SiteGuard, SitePolicy
+from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import Lease, ResidencyManager
+from bunkhouse.residency.slots import Slot, SlotGate
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +63,9 @@ class Front:
 
     def __init__(self, catalog: Catalog, residency: ResidencyManager,
                  compute: ComputeGate, max_body_bytes: int = DEFAULT_MAX_BODY,
-                 keys: Keys | None = None) -> None:
+                 keys: Keys | None = None, keeper: SnapshotKeeper | None = None) -> None:
         self.catalog = catalog
+        self.keeper = keeper
         self.residency = residency
         self.compute = compute
         self.max_body_bytes = max_body_bytes
@@ -85,20 +89,32 @@ class Front:
             lease = await self.residency.acquire(model)
             held = _Held(lease.release)
             try:
-                await check_fits(model, path, data, lease.worker.engine.count_tokens)
+                engine = lease.worker.engine
+                await check_fits(model, path, data, engine.count_tokens)
+                keeper = self.keeper if self.keeper and self.keeper.active(model) else None
+                pinned = keeper is not None and _pinnable(path, data)
+                tokens = (await keeper.prompt_tokens(model, engine, path, data)
+                          if keeper is not None and pinned else None)
                 slots = lease.slots
-                await slots.enter()
-                held.push(slots.leave)
+                slot = await slots.enter(tokens)
+                held.push(functools.partial(self._leave, model, engine, slots, slot))
                 await self.compute.enter(model.id)
                 held.push(lambda: self.compute.leave(model.id))
                 if await request.is_disconnected():  # gone while it waited: never started
                     held.close()
                     return Response(status_code=499)
                 self._check_still_served(lease)
-                response = await forward(lease.worker.engine, path, data,
+                on_timings = None
+                if keeper is not None:
+                    restore = await keeper.prepare(model, engine, slot, tokens)
+                    if restore is not None:
+                        on_timings = functools.partial(keeper.check, model, restore)
+                    if pinned and slot.id >= 0:
+                        data = {**data, "id_slot": slot.id}
+                response = await forward(engine, path, data,
                                          stream=parsed.stream, request=request,
                                          model_id=model.id, on_done=held.close,
-                                         on_broken=self._broken(lease))
+                                         on_broken=self._broken(lease), on_timings=on_timings)
             except EngineUnavailable as e:
                 held.close()
                 if self.residency.closing:  # the front's shutdown cut it, not the worker
@@ -112,6 +128,12 @@ class Front:
             return response
 
         return handler
+
+    def _leave(self, model: CatalogModel, engine: EngineClient, slots: SlotGate,
+               slot: Slot) -> None:
+        slots.leave(slot)
+        if self.keeper is not None:
+            self.keeper.slot_idle(model, engine, slots, slot)
 
     async def _cpu(self, size: int, fn: Callable[..., R], *args: Any) -> R:
         """``fn(*args)``: inline for a small input; for a large one on a thread, two at a
@@ -171,6 +193,8 @@ class Front:
             "pid": status.pid,
             "last_error": status.last_error,
         }
+        if self.keeper is not None:
+            described["kv_cache"] = self.keeper.model_report(model.id)
         if detail:
             described["last_error_detail"] = status.last_error_detail
         return described
@@ -205,6 +229,7 @@ class Front:
             "free_bytes": budget - used,
             "peak_used_bytes": r.peak_bytes,
             "models": [self.model_object(m, detail=detail) for m in self.catalog],
+            "kv_cache": self.keeper.report() if self.keeper else None,
             "event_counts": r.events.counts,
             "events": [e.as_dict() for e in r.events.recent(100)],
         })
@@ -222,6 +247,16 @@ async def _pair_table(model: CatalogModel) -> PairTable | None:
 
 async def _openapi(request: Request) -> Response:
     return JSONResponse(openapi(__version__))
+
+
+def _pinnable(path: str, data: dict[str, Any]) -> bool:
+    """Whether the request runs in exactly one slot the front may choose: one prompt, one
+    answer, no slot asked for by the client."""
+    if path not in ("/v1/chat/completions", "/v1/completions") or "id_slot" in data:
+        return False
+    prompt = data.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    return data.get("n", 1) == 1 and not several
 
 
 class _Held:
@@ -276,11 +311,12 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               compute: ComputeGate | None = None, keys: Keys | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY,
               admin_options: AdminOptions | None = None,
-              site: SitePolicy | None = None) -> Starlette:
+              site: SitePolicy | None = None,
+              keeper: SnapshotKeeper | None = None) -> Starlette:
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1."""
     keys = keys or Keys()
-    front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys)
+    front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys, keeper)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
                   functools.partial(front.model_object, detail=True))
 
@@ -302,7 +338,11 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         finally:
             background.cancel()
             await asyncio.gather(background, return_exceptions=True)
+            if keeper is not None:
+                await keeper.close()  # idle saves stop; each drain saves what is unsaved
             await residency.close()
+            if keeper is not None:
+                keeper.log_shutdown([m.id for m in catalog])
             if on_shutdown is not None:
                 on_shutdown()
 

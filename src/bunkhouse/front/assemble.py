@@ -111,6 +111,12 @@ class Assembly:
             if isinstance(ch, dict):
                 self._choice(ch)
 
+    @property
+    def timings(self) -> dict[str, Any] | None:
+        """The engine's timings of the answer (llama.cpp: prompt_n, cache_n, ...), if sent."""
+        timings = self._top.get("timings")
+        return timings if isinstance(timings, dict) else None
+
     def _choice(self, ch: dict[str, Any]) -> None:
         raise NotImplementedError
 

@@ -13,6 +13,7 @@ The front never holds a whole upstream answer: a plain answer the engine makes i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -37,6 +38,9 @@ from bunkhouse.front.assemble import (
 )
 
 log = logging.getLogger(__name__)
+
+Timings = Callable[[dict[str, Any]], None]
+"""Called with the engine's ``timings`` of an answer (prompt_n, cache_n, ...)."""
 
 MAX_ERROR_BYTES = 1 << 20
 """Most of an engine's error body read (its errors are a few hundred bytes)."""
@@ -67,7 +71,8 @@ _ASSEMBLERS: dict[str, Callable[[], Assembly]] = {
 async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any], *,
                   stream: bool, request: Request, model_id: str,
                   on_done: Callable[[], None] = _nothing,
-                  on_broken: Callable[[Exception], BunkhouseError] | None = None) -> Response:
+                  on_broken: Callable[[Exception], BunkhouseError] | None = None,
+                  on_timings: Timings | None = None) -> Response:
     """Send ``body`` to the worker behind ``engine`` and relay its answer.
 
     ``body`` is raw bytes, sent as they are, or a parsed request, serialized here once: a
@@ -77,7 +82,8 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
     (completed, broken or the client gone), else before the answer is returned. If this
     raises, ``on_done`` may not have run. ``on_broken(error)`` is called once if a stream the
     worker was sending breaks, and returns the error the client gets as the stream's last
-    event (default: 502 ``engine_unavailable``).
+    event (default: 502 ``engine_unavailable``). ``on_timings(timings)`` is called with the
+    engine's ``timings`` object of a single answer (streamed or assembled), if it sends one.
     """
     assembler = None
     if isinstance(body, dict):
@@ -88,13 +94,15 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
         body = json.dumps(data).encode()
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)
-        return await _forward_stream(engine, path, body, model_id, on_done, broken)
-    return await _forward_once(engine, path, body, request, model_id, assembler, on_done)
+        return await _forward_stream(engine, path, body, model_id, on_done, broken, on_timings)
+    return await _forward_once(engine, path, body, request, model_id, assembler, on_done,
+                               on_timings)
 
 
 async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id: str,
                           on_done: Callable[[], None],
-                          on_broken: Callable[[Exception], BunkhouseError]) -> Response:
+                          on_broken: Callable[[Exception], BunkhouseError],
+                          on_timings: Timings | None) -> Response:
     resp = await engine.generate(path, body)
     if resp.status_code >= 400:
         try:
@@ -102,7 +110,7 @@ async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id
         finally:
             await resp.aclose()
             on_done()
-    return _Relay(resp, model_id, on_done, on_broken)
+    return _Relay(resp, model_id, on_done, on_broken, on_timings)
 
 
 async def _raw(resp: httpx.Response) -> AsyncIterator[bytes]:
@@ -140,7 +148,8 @@ class _Relay(StreamingResponse):
     even when the client is gone before the first byte (the body iterator never starts)."""
 
     def __init__(self, upstream: httpx.Response, model_id: str, on_done: Callable[[], None],
-                 on_broken: Callable[[Exception], BunkhouseError] | None) -> None:
+                 on_broken: Callable[[Exception], BunkhouseError] | None,
+                 on_timings: Timings | None = None) -> None:
         """``on_broken`` None: a plain answer, relayed with its length, so that a client
         sees a break as a short body rather than as an event."""
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -148,7 +157,7 @@ class _Relay(StreamingResponse):
         if on_broken is None and length is not None:
             headers["content-length"] = length
         super().__init__(
-            _relay(upstream, model_id, on_broken),
+            _relay(upstream, model_id, on_broken, on_timings),
             status_code=upstream.status_code,
             media_type=upstream.headers.get("content-type", "text/event-stream"),
             headers=headers,
@@ -165,11 +174,14 @@ class _Relay(StreamingResponse):
 
 
 async def _relay(resp: httpx.Response, model_id: str,
-                 on_broken: Callable[[Exception], BunkhouseError] | None
-                 ) -> AsyncIterator[bytes]:
+                 on_broken: Callable[[Exception], BunkhouseError] | None,
+                 on_timings: Timings | None = None) -> AsyncIterator[bytes]:
+    lines = LineSplitter() if on_timings is not None else None
     try:
         async for chunk in _raw(resp):
             yield chunk
+            if lines is not None and on_timings is not None:
+                _watch_timings(lines.feed(chunk), on_timings)
     except httpx.TransportError as e:
         log.warning("model %s: answer from worker broke: %r", model_id, e)
         if on_broken is not None:
@@ -177,6 +189,16 @@ async def _relay(resp: httpx.Response, model_id: str,
             yield b"event: error\ndata: " + json.dumps(error_body(err)).encode() + b"\n\n"
     finally:
         await resp.aclose()
+
+
+def _watch_timings(lines: list[str], on_timings: Timings) -> None:
+    for line in lines:
+        if '"timings"' not in line:
+            continue
+        with contextlib.suppress(ValueError, StreamError):
+            event = data_event(line)
+            if isinstance(event, dict) and isinstance(event.get("timings"), dict):
+                on_timings(event["timings"])
 
 
 def _single(data: dict[str, Any]) -> bool:
@@ -191,8 +213,9 @@ Assembler = Callable[[], Assembly]
 
 async def _forward_once(engine: EngineClient, path: str, body: bytes, request: Request,
                         model_id: str, assembler: Assembler | None,
-                        on_done: Callable[[], None]) -> Response:
-    call = asyncio.create_task(_call(engine, path, body, model_id, assembler, on_done))
+                        on_done: Callable[[], None], on_timings: Timings | None) -> Response:
+    call = asyncio.create_task(_call(engine, path, body, model_id, assembler, on_done,
+                                     on_timings))
     gone = asyncio.create_task(_client_gone(request))
     try:
         done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -207,7 +230,8 @@ async def _forward_once(engine: EngineClient, path: str, body: bytes, request: R
 
 
 async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
-                assembler: Assembler | None, on_done: Callable[[], None]) -> Response:
+                assembler: Assembler | None, on_done: Callable[[], None],
+                on_timings: Timings | None = None) -> Response:
     """The answer to a plain request. ``on_done`` runs here once the exchange is over, or,
     for an answer relayed as it arrives, when the relay ends."""
     relayed = False
@@ -219,7 +243,12 @@ async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
             if assembler is None:
                 relayed = True
                 return _Relay(resp, model_id, on_done, None)
-            return await _assemble(engine, path, resp, model_id, assembler())
+            assembly = assembler()
+            answer = await _assemble(engine, path, resp, model_id, assembly)
+            timings = assembly.timings
+            if on_timings is not None and timings is not None:
+                on_timings(timings)
+            return answer
         finally:
             if not relayed:
                 await resp.aclose()

@@ -11,10 +11,14 @@ SHA-256. The digest names the key and the tokens, so an identical prefix is stor
   fsyncs it and renames both into place, data first, then fsyncs the directory. A crash at any
   point leaves either a whole snapshot or files no reader looks at (temporary names, or data
   without a sidecar), which the next start removes.
-- **Never a wrong restore.** :meth:`SnapshotStore.find` considers only sidecars whose key
-  equals the model's key now, and whose tokens are a prefix of the request's; the longest
-  wins, and only after its data's size and checksum are checked again. Whatever fails is
-  skipped, counted by reason and logged.
+- **Never a wrong restore.** :meth:`SnapshotStore.find` considers only snapshots whose key
+  equals the model's key now; the one sharing the longest prefix with the request's tokens
+  wins, and only after its data's size and checksum are checked again. A snapshot made under
+  another key is skipped (counted once, kept: it is valid for that key); one whose data fails
+  its check is skipped and removed. Each is counted by reason and logged.
+- **Stored once.** An identical token sequence is one snapshot; a snapshot whose tokens are
+  a prefix of a newer one's (an earlier turn of the same conversation) is removed when the
+  newer one is committed, since the newer one serves every request the older one could.
 - **Bounded.** The data and sidecars of all models together stay within ``max_bytes``:
   a commit that would pass it first removes the least recently used snapshots (restoring
   one counts as a use); one that cannot fit alone is refused.
@@ -33,7 +37,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +85,7 @@ class StoreStats:
 
     written: int = 0
     deduplicated: int = 0
+    superseded: int = 0  # removed: a newer snapshot of the same conversation covers them
     restored: int = 0
     evicted: int = 0
     failed: int = 0
@@ -93,8 +98,26 @@ class StoreStats:
         return out
 
 
+def _tokens(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise ValueError("tokens must be a list of integers")
+    return tuple(value)
+
+
 class SnapshotRefused(Exception):
-    """A commit that cannot be kept (too large for the budget, unreadable)."""
+    """A commit that cannot be kept (too large for the budget, unreadable), or a snapshot
+    that cannot be restored (the reason)."""
+
+
+_OTHER_KEY = "made for another model file, engine or KV layout"
+
+
+class _OtherKey(SnapshotRefused):
+    """The sidecar names another key than the index had: valid for that key, not this one."""
+
+    def __init__(self, key: Any) -> None:
+        super().__init__(_OTHER_KEY)
+        self.key = key
 
 
 def _digest(key: SnapshotKey, tokens: Sequence[int]) -> str:
@@ -136,6 +159,23 @@ class _Entry:
     digest: str
     bytes: int  # data and sidecar
     used: float  # last commit or restore (monotonic order: LRU)
+    tokens: tuple[int, ...]  # as its sidecar says
+    key: dict[str, Any]  # as its sidecar says
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class SnapshotStore:
@@ -148,6 +188,7 @@ class SnapshotStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str], _Entry] = {}
+        self._skipped: set[tuple[str, str]] = set()  # kept, counted once as unusable
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
         self._load()
@@ -177,12 +218,14 @@ class SnapshotStore:
                     meta = json.loads(sidecar.read_text())
                     size = data.stat().st_size + sidecar.stat().st_size
                     model_id = str(meta["model_id"])
+                    tokens = _tokens(meta["tokens"])
+                    key = dict(meta["key"])
                 except (OSError, ValueError, KeyError, TypeError):
-                    self._discard(model_dir, sidecar.stem, "unreadable")
+                    self._discard(model_dir, sidecar.stem, "unreadable sidecar")
                     continue
                 used = sidecar.stat().st_mtime  # the last use (see _touch)
-                self._entries[(model_id, sidecar.stem)] = _Entry(model_id, sidecar.stem, size,
-                                                                 used)
+                self._entries[(model_id, sidecar.stem)] = _Entry(
+                    model_id, sidecar.stem, size, used, tokens, key)
             for data in model_dir.glob(f"*{_DATA}"):
                 if not data.with_suffix(_SIDECAR).exists():
                     data.unlink(missing_ok=True)  # its sidecar was never written
@@ -195,6 +238,7 @@ class SnapshotStore:
         for suffix in (_SIDECAR, _DATA):
             (model_dir / f"{digest}{suffix}").unlink(missing_ok=True)
         entry = self._entries.pop((model_id, digest), None) if model_id else None
+        self._skipped.discard((model_id or "", digest))
         if entry is not None:
             self.stats.bytes -= entry.bytes
         if reason is not None:
@@ -249,11 +293,23 @@ class SnapshotStore:
                 self.stats.failed += 1
                 staged_path.unlink(missing_ok=True)
                 raise
-            self._entries[(model_id, digest)] = _Entry(model_id, digest, total, 0.0)
+            self._entries[(model_id, digest)] = _Entry(model_id, digest, total, 0.0,
+                                                       tuple(tokens), key.as_dict())
             self._touch(model_id, digest)
             self.stats.written += 1
             self.stats.bytes += total
+            self._supersede(model_id, digest)
             return Snapshot(model_id, digest, tuple(tokens), size, checksum)
+
+    def _supersede(self, model_id: str, digest: str) -> None:
+        """Remove the model's snapshots (same key) whose tokens are a prefix of ``digest``'s."""
+        new = self._entries[(model_id, digest)]
+        for old in list(self._entries.values()):
+            if (old.model_id == model_id and old.digest != digest and old.key == new.key
+                    and len(old.tokens) <= len(new.tokens)
+                    and new.tokens[: len(old.tokens)] == old.tokens):
+                self._discard(self.model_dir(model_id), old.digest, model_id=model_id)
+                self.stats.superseded += 1
 
     def _make_room(self, need: int) -> None:
         """Remove least recently used snapshots until ``need`` more bytes fit."""
@@ -284,10 +340,13 @@ class SnapshotStore:
         if not isinstance(meta, dict) or meta.get("version") != _VERSION:
             raise SnapshotRefused("unknown sidecar version")
         if meta.get("key") != json.loads(json.dumps(key.as_dict())):
-            raise SnapshotRefused("made for another model file, engine or KV layout")
-        tokens = meta.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise SnapshotRefused("unreadable sidecar")
+            raise _OtherKey(meta.get("key"))
+        try:
+            tokens = _tokens(meta.get("tokens"))
+        except ValueError as e:
+            raise SnapshotRefused("unreadable sidecar") from e
+        if tokens != self._entries[(model_id, digest)].tokens:
+            raise SnapshotRefused("its sidecar changed since it was written")
         data = model_dir / f"{digest}{_DATA}"
         try:
             size = data.stat().st_size
@@ -299,36 +358,34 @@ class SnapshotStore:
             raise SnapshotRefused("its checksum does not match")
         return Snapshot(model_id, digest, tuple(tokens), size, str(meta["sha256"]))
 
-    def candidates(self, model_id: str) -> Iterator[tuple[str, list[int] | None]]:
-        """(digest, tokens) of the model's snapshots, as their sidecars say (None when a
-        sidecar cannot be read)."""
-        model_dir = self.model_dir(model_id)
-        for (mid, digest) in list(self._entries):
-            if mid != model_id:
-                continue
-            try:
-                tokens = json.loads((model_dir / f"{digest}{_SIDECAR}").read_text())["tokens"]
-            except (OSError, ValueError, KeyError, TypeError):
-                tokens = None
-            yield digest, tokens if isinstance(tokens, list) else None
-
     def find(self, model_id: str, key: SnapshotKey, tokens: Sequence[int],
              min_tokens: int = 1) -> Snapshot | None:
-        """The valid snapshot covering the longest prefix of ``tokens`` (at least
-        ``min_tokens``), or None. Invalid snapshots met on the way are removed, counted by
-        reason and logged."""
+        """The valid snapshot sharing the longest prefix with ``tokens`` (at least
+        ``min_tokens`` tokens of it), or None. The snapshot may go on past that prefix (the
+        engine drops what follows it). Snapshots made under another key are skipped; invalid
+        ones met on the way are removed; each is counted by reason and logged."""
+        wanted = key.as_dict()
         with self._lock:
             model_dir = self.model_dir(model_id)
             found: list[tuple[int, str]] = []
-            for digest, covered in self.candidates(model_id):
-                if covered is None:
-                    self._discard(model_dir, digest, "unreadable sidecar", model_id)
-                elif min_tokens <= len(covered) <= len(tokens) and \
-                        list(tokens[: len(covered)]) == covered:
-                    found.append((len(covered), digest))
+            for entry in list(self._entries.values()):
+                if entry.model_id != model_id:
+                    continue
+                shared = common_prefix(entry.tokens, tokens)
+                if shared < min_tokens:
+                    continue
+                if entry.key != wanted:
+                    self._skip_once(model_dir, entry, _OTHER_KEY)
+                    continue
+                found.append((shared, entry.digest))
             for _, digest in sorted(found, reverse=True):
                 try:
                     snapshot = self._read(model_dir, digest, key, model_id)
+                except _OtherKey as e:
+                    entry = self._entries[(model_id, digest)]
+                    entry.key = e.key if isinstance(e.key, dict) else {}
+                    self._skip_once(model_dir, entry, str(e))
+                    continue
                 except SnapshotRefused as e:
                     self._discard(model_dir, digest, str(e), model_id)
                     continue
@@ -336,6 +393,25 @@ class SnapshotStore:
                 self.stats.restored += 1
                 return snapshot
             return None
+
+    def _skip_once(self, model_dir: Path, entry: _Entry, reason: str) -> None:
+        """Count and log a snapshot kept on disk but not usable now, once per snapshot."""
+        if (entry.model_id, entry.digest) in self._skipped:
+            return
+        self._skipped.add((entry.model_id, entry.digest))
+        self.stats.skipped[reason] += 1
+        log.warning("KV snapshot %s/%s skipped: %s", model_dir.name, entry.digest, reason)
+
+    def has(self, model_id: str) -> bool:
+        """Whether any snapshot of the model is kept (no file is read)."""
+        with self._lock:
+            return any(e.model_id == model_id for e in self._entries.values())
+
+    def model_stats(self, model_id: str) -> tuple[int, int]:
+        """(snapshots, bytes) kept for the model."""
+        with self._lock:
+            mine = [e.bytes for e in self._entries.values() if e.model_id == model_id]
+            return len(mine), sum(mine)
 
     def purge(self, model_id: str | None = None) -> int:
         """Remove every snapshot (of one model); returns how many."""

@@ -39,6 +39,7 @@ from typing import Any
 
 from bunkhouse import defaults
 from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.engines.contract import EngineClient
 from bunkhouse.errors import (
     BunkhouseError,
     InsufficientMemory,
@@ -61,6 +62,8 @@ MIB = 1024 * 1024
 
 
 StartWorker = Callable[[CatalogModel], Awaitable[WorkerHandle]]
+Flush = Callable[[CatalogModel, EngineClient, SlotGate, str], Awaitable[Any]]
+"""Save a draining worker's slots (kvcache/keeper.py ``SnapshotKeeper.flush``)."""
 
 
 class State(enum.Enum):
@@ -182,10 +185,13 @@ class Lease:
 class ResidencyManager:
     def __init__(self, catalog: Catalog | Iterable[CatalogModel], options: ResidencyOptions,
                  start_worker: StartWorker, clock: Callable[[], float] = time.monotonic,
-                 events: EventLog | None = None) -> None:
+                 events: EventLog | None = None, flush: Flush | None = None) -> None:
+        """``flush``: called once a drained worker's requests ended, before it is stopped
+        (not for a crashed one), to save its slots."""
         self.catalog = catalog if isinstance(catalog, Catalog) else Catalog(catalog, None)
         self.options = options
         self._start_worker = start_worker
+        self._flush = flush
         self._clock = clock
         self._wall_offset = time.time() - clock()
         self.events = events or EventLog()
@@ -332,6 +338,11 @@ class ResidencyManager:
         while entry.leases and not self.closing and not crashed:
             await self._wait_changed(None)
         worker = entry.worker
+        if worker is not None and self._flush is not None and not crashed and worker.alive:
+            try:
+                await self._flush(entry.model, worker.engine, entry.slots, reason)
+            except Exception:
+                log.exception("model %s: saving its slots failed", entry.model.id)
         if worker is not None:
             await worker.stop()  # returns once the process is reaped: its memory is free
         self._stopped(entry, worker, reason)
@@ -533,6 +544,7 @@ class ResidencyManager:
         entry.loading = None
         worker.on_exit = lambda: self._worker_died(entry, worker)
         entry.worker = worker
+        entry.slots.reset()  # a new worker's slots hold nothing
         memory = worker.memory()
         entry.measured = memory.peak if memory else None
         entry.last_error = entry.last_error_detail = None

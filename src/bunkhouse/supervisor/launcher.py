@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -33,8 +34,12 @@ class LocalLauncher:
     such directory whose owner is gone (:func:`remove_orphaned_socket_dirs`)."""
 
     def __init__(self, options: LaunchOptions, spawner: Spawner = spawn_local,
-                 tmp_dir: Path | None = None) -> None:
+                 tmp_dir: Path | None = None,
+                 snapshot_dir: Callable[[str], Path] | None = None) -> None:
+        """``snapshot_dir(model_id)``: where a model's worker saves and restores slots (the
+        KV snapshot store's directory for it); None: workers save none."""
         self.options = options
+        self._snapshot_dir = snapshot_dir
         self._spawner = spawner
         root = tmp_dir or Path(tempfile.gettempdir())
         remove_orphaned_socket_dirs(root)
@@ -52,7 +57,8 @@ class LocalLauncher:
         o = model.options
         log.info("model %s: starting worker (context %d, %d slots, %d threads)",
                  model.id, o.context, o.parallel, o.threads)
-        launch = WorkerLaunch(self._next_socket(), self.options)
+        snapshots = self._snapshot_dir(model.id) if self._snapshot_dir else None
+        launch = WorkerLaunch(self._next_socket(), self.options, snapshots)
         worker = WorkerProcess(model, launch, self._spawner)
         await worker.start()
         return worker

@@ -1,0 +1,394 @@
+"""The snapshot keeper: when slots are saved to the snapshot store, and when one is restored.
+
+One keeper per front, over one :class:`SnapshotStore`. It owns the decisions; the store owns
+the files, the slot gate (residency/slots.py) what each slot holds.
+
+- **Restore.** A request whose prompt is at least :attr:`KeeperOptions.min_tokens` tokens is
+  tokenized by its model's worker (template and tokenizer); the slot gate gives it the slot
+  that already holds most of it. If a snapshot shares a longer prefix with it, by at least
+  ``min_tokens``, the snapshot is restored into that slot first, and the request is sent to
+  that slot (``id_slot``). Whatever the slot held that the request would overwrite, unsaved
+  and ``min_tokens`` or more, is saved first: a conversation pushed out of its slot comes back
+  from disk.
+- **Check.** The engine's own count of the prompt tokens it reused (``timings.cache_n``) tells
+  whether a restore saved the prefill. One that did not (a sliding-window model that prefills
+  everything again, for one) is a *miss*: counted, logged with its reason, and the model's
+  snapshots are not restored again under that key (a changed configuration makes a new key).
+- **Save.** A slot that stays idle for :attr:`KeeperOptions.idle_flush_s` after a request is
+  saved in the background (so a worker killed later loses at most its last turn); every
+  unsaved slot is saved when its model is drained (eviction, ttl, unload, shutdown), one
+  model at a time. Short slots (under ``min_tokens``) are not kept.
+
+Every save and restore is an event in the residency event log (``flushed``, ``restored``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bunkhouse import defaults
+from bunkhouse.catalog import CatalogModel
+from bunkhouse.engines import engine_for
+from bunkhouse.engines.contract import EngineClient
+from bunkhouse.errors import BunkhouseError
+from bunkhouse.kvcache.store import (
+    Snapshot,
+    SnapshotKey,
+    SnapshotRefused,
+    SnapshotStore,
+    common_prefix,
+)
+from bunkhouse.residency.events import EventLog
+from bunkhouse.residency.slots import Slot, SlotGate
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class KeeperOptions:
+    min_tokens: int = defaults.KV_MIN_TOKENS
+    idle_flush_s: float = defaults.KV_IDLE_FLUSH_S
+    flush_timeout_s: float = defaults.KV_FLUSH_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """A snapshot restored into a request's slot: ``shared`` tokens of the prompt it holds."""
+
+    snapshot: Snapshot
+    shared: int
+    prompt: int  # the request's prompt tokens
+
+
+@dataclass
+class FlushReport:
+    """One flush of one model's slots."""
+
+    reason: str
+    at: float = 0.0  # wall clock
+    saved: int = 0
+    saved_bytes: int = 0
+    skipped: int = 0  # too short to keep
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"reason": self.reason, "at": self.at, "saved": self.saved,
+                "saved_bytes": self.saved_bytes, "skipped": self.skipped,
+                "failed": self.failed, "seconds": round(self.seconds, 3)}
+
+
+@dataclass
+class ModelCounts:
+    """One model's snapshot activity since the front started."""
+
+    saved: int = 0
+    restored: int = 0  # restores whose prefill the engine then skipped
+    missed: Counter[str] = field(default_factory=Counter)  # reason -> count
+    failed: int = 0
+    prefill_saved_tokens: int = 0
+    last_flush: FlushReport | None = None
+
+
+class SnapshotKeeper:
+    def __init__(self, store: SnapshotStore, events: EventLog,
+                 options: KeeperOptions | None = None) -> None:
+        self.store = store
+        self.events = events
+        self.options = options or KeeperOptions()
+        self._counts: dict[str, ModelCounts] = {}
+        self._disabled: dict[SnapshotKey, str] = {}  # key -> why its restores missed
+        self._flushing = asyncio.Lock()  # drains flush one model at a time
+        self._timers: set[asyncio.TimerHandle] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- keys ---------------------------------------------------------------------------
+
+    def key(self, model: CatalogModel) -> SnapshotKey | None:
+        """What a snapshot of ``model`` must match to be restored; None: its engine cannot
+        save slots, or the model file cannot be read."""
+        engine = engine_for(model)
+        layout = engine.snapshot_layout(model)
+        if layout is None:
+            return None
+        try:
+            st = model.path.stat()
+        except OSError:
+            return None
+        fingerprint = f"{model.path}|{st.st_size}|{st.st_mtime_ns}"
+        return SnapshotKey.of(fingerprint, engine.build, layout)
+
+    def active(self, model: CatalogModel) -> bool:
+        key = self.key(model)
+        return key is not None and key not in self._disabled
+
+    def counts(self, model_id: str) -> ModelCounts:
+        return self._counts.setdefault(model_id, ModelCounts())
+
+    # -- a request -----------------------------------------------------------------------
+
+    async def prompt_tokens(self, model: CatalogModel, engine: EngineClient, path: str,
+                            data: dict[str, Any]) -> list[int] | None:
+        """The prompt's tokens as the engine will prefill them, when it may be worth a
+        snapshot (one prompt, one answer, at least ``min_tokens`` long); else None."""
+        if not self.active(model) or data.get("n", 1) != 1:
+            return None
+        if path == "/v1/chat/completions":
+            messages = data.get("messages")
+            if not isinstance(messages, list) or _text_bytes(data) < self.options.min_tokens:
+                return None
+            prompt: str | dict[str, Any] = {k: v for k, v in data.items() if k in _TEMPLATED}
+        elif path == "/v1/completions":
+            raw = data.get("prompt")
+            if isinstance(raw, list) and len(raw) == 1:
+                raw = raw[0]
+            if isinstance(raw, list) and all(type(t) is int for t in raw):
+                return list(raw) if len(raw) >= self.options.min_tokens else None
+            if not isinstance(raw, str) or len(raw.encode()) < self.options.min_tokens:
+                return None
+            prompt = raw
+        else:
+            return None
+        try:
+            tokens = await engine.tokenize(prompt)
+        except BunkhouseError as e:
+            log.info("model %s: prompt not tokenized for snapshots: %s", model.id, e.message)
+            return None
+        return tokens if len(tokens) >= self.options.min_tokens else None
+
+    async def prepare(self, model: CatalogModel, engine: EngineClient, slot: Slot,
+                      tokens: Sequence[int] | None) -> Restore | None:
+        """Make ``slot`` (taken by a request) hold as much of ``tokens`` as can be had: save
+        what the request would overwrite, restore the best snapshot. Returns the restore to
+        :meth:`check` once the request ends; None if nothing was restored."""
+        key = self.key(model)
+        if key is None or slot.id < 0:
+            return None
+        restore = None
+        async with slot.lock:
+            live = common_prefix(slot.held, tokens) if slot.held and tokens else 0
+            if slot.dirty and slot.held is not None \
+                    and len(slot.held) - live >= self.options.min_tokens:
+                await self._save(model, engine, slot, key, slot.version, "displaced")
+            if tokens and key not in self._disabled and self.store.has(model.id):
+                restore = await self._restore(model, engine, slot, key, tokens, live)
+            slot.held = tuple(tokens) if tokens else None
+        return restore
+
+    async def _restore(self, model: CatalogModel, engine: EngineClient, slot: Slot,
+                       key: SnapshotKey, tokens: Sequence[int], live: int) -> Restore | None:
+        least = max(self.options.min_tokens, live + self.options.min_tokens)
+        snapshot = await asyncio.to_thread(self.store.find, model.id, key, tokens, least)
+        if snapshot is None:
+            return None
+        started = time.monotonic()
+        try:
+            restored = await engine.restore_slot(slot.id, snapshot.filename)
+        except BunkhouseError as e:
+            self.counts(model.id).failed += 1
+            log.warning("model %s: snapshot %s not restored into slot %d: %s", model.id,
+                        snapshot.digest, slot.id, e.message)
+            slot.held, slot.dirty = None, True  # whatever the engine left there
+            return None
+        if restored.tokens != len(snapshot.tokens):
+            self.counts(model.id).failed += 1
+            log.warning("model %s: snapshot %s restored %d tokens of %d", model.id,
+                        snapshot.digest, restored.tokens, len(snapshot.tokens))
+            slot.held, slot.dirty = None, True
+            return None
+        shared = common_prefix(snapshot.tokens, tokens)
+        self.events.emit(model.id, "restored",
+                         f"{shared} of {len(tokens)} prompt tokens into slot {slot.id} "
+                         f"({snapshot.bytes // MIB} MiB in "
+                         f"{(time.monotonic() - started) * 1000:.0f} ms)")
+        return Restore(snapshot, shared, len(tokens))
+
+    def check(self, model: CatalogModel, restore: Restore, timings: dict[str, Any]) -> None:
+        """Whether the restore saved the prefill, by the engine's own counts."""
+        reused, prefilled = timings.get("cache_n"), timings.get("prompt_n")
+        if not isinstance(reused, int) or not isinstance(prefilled, int):
+            return
+        counts = self.counts(model.id)
+        if reused * 2 >= restore.shared:
+            counts.restored += 1
+            counts.prefill_saved_tokens += reused
+            return
+        reason = (f"the engine reused {reused} of {restore.shared} restored tokens and "
+                  f"prefilled {prefilled}")
+        counts.missed[reason] += 1
+        key = self.key(model)
+        if key is not None:
+            self._disabled[key] = reason
+        log.warning("model %s: a restored snapshot did not save the prefill (%s); its "
+                    "snapshots are not restored again until its configuration changes (for "
+                    "a sliding-window model: swa_full = true)", model.id, reason)
+        self.events.emit(model.id, "restore_missed", reason)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def slot_idle(self, model: CatalogModel, engine: EngineClient, gate: SlotGate,
+                  slot: Slot) -> None:
+        """A request left ``slot``: save it if it stays idle for ``idle_flush_s``."""
+        if self.key(model) is None or slot.id < 0:
+            return
+        version = slot.version
+        loop = asyncio.get_running_loop()
+
+        def due() -> None:
+            self._timers.discard(timer)
+            if slot.busy or slot.version != version or not slot.dirty or slot not in gate.table:
+                return
+            task = loop.create_task(self._save_idle(model, engine, slot, version))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        timer = loop.call_later(self.options.idle_flush_s, due)
+        self._timers.add(timer)
+
+    async def _save_idle(self, model: CatalogModel, engine: EngineClient, slot: Slot,
+                         version: int) -> None:
+        key = self.key(model)
+        if key is None:
+            return
+        async with slot.lock:
+            if slot.busy or slot.version != version or not slot.dirty:
+                return
+            report = FlushReport("idle", at=time.time())
+            await self._save(model, engine, slot, key, version, "idle", report)
+        if report.saved:
+            self._flushed(model.id, report)
+
+    async def flush(self, model: CatalogModel, engine: EngineClient, gate: SlotGate,
+                    reason: str) -> FlushReport:
+        """Save every unsaved idle slot of the model's worker (its drain: nothing runs)."""
+        report = FlushReport(reason, at=time.time())
+        key = self.key(model)
+        if key is None:
+            return report
+        started = time.monotonic()
+        async with self._flushing:
+            for slot in list(gate.table):
+                if slot.busy or not slot.dirty:
+                    continue
+                async with slot.lock:
+                    try:
+                        await asyncio.wait_for(
+                            self._save(model, engine, slot, key, slot.version, reason, report),
+                            self.options.flush_timeout_s)
+                    except TimeoutError:
+                        report.failed.append(f"slot {slot.id}: no answer in "
+                                             f"{self.options.flush_timeout_s:.0f} s")
+        report.seconds = time.monotonic() - started
+        self._flushed(model.id, report)
+        return report
+
+    def _flushed(self, model_id: str, report: FlushReport) -> None:
+        self.counts(model_id).last_flush = report
+        if report.saved or report.failed:
+            failed = f", {len(report.failed)} failed" if report.failed else ""
+            self.events.emit(model_id, "flushed",
+                             f"{report.reason}: {report.saved} slots saved "
+                             f"({report.saved_bytes // MIB} MiB in {report.seconds:.2f} s)"
+                             f"{failed}")
+
+    async def _save(self, model: CatalogModel, engine: EngineClient, slot: Slot,
+                    key: SnapshotKey, version: int, why: str,
+                    report: FlushReport | None = None) -> None:
+        """Save one slot into the store. Never raises but CancelledError: a failure is
+        counted, logged and put in ``report``."""
+        report = report or FlushReport(why)
+        started = time.monotonic()
+        model_dir = self.store.model_dir(model.id)
+        staged = self.store.staging_name()
+        try:
+            await engine.save_slot(slot.id, staged)
+            tokens = await asyncio.to_thread(engine_for(model).saved_tokens, model_dir / staged)
+            if len(tokens) < self.options.min_tokens:
+                (model_dir / staged).unlink(missing_ok=True)
+                report.skipped += 1
+                if slot.version == version:
+                    slot.held, slot.dirty = tuple(tokens), False
+                return
+            snapshot = await asyncio.to_thread(self.store.commit, model.id, staged, key, tokens)
+        except (BunkhouseError, SnapshotRefused, ValueError, OSError) as e:
+            (model_dir / staged).unlink(missing_ok=True)
+            message = getattr(e, "message", None) or str(e)
+            self.counts(model.id).failed += 1
+            report.failed.append(f"slot {slot.id}: {message}")
+            log.warning("model %s: slot %d not saved (%s): %s", model.id, slot.id, why, message)
+            return
+        if slot.version == version:  # no request took the slot meanwhile
+            slot.held, slot.dirty = snapshot.tokens, False
+        self.counts(model.id).saved += 1
+        report.saved += 1
+        report.saved_bytes += snapshot.bytes
+        report.seconds += time.monotonic() - started
+        log.info("model %s: slot %d saved (%s): %d tokens, %d MiB", model.id, slot.id, why,
+                 len(snapshot.tokens), snapshot.bytes // MIB)
+
+    # -- reporting, shutdown -----------------------------------------------------------------
+
+    def model_report(self, model_id: str) -> dict[str, Any]:
+        counts = self.counts(model_id)
+        snapshots, size = self.store.model_stats(model_id)
+        return {
+            "snapshots": snapshots, "bytes": size, "saved": counts.saved,
+            "restored": counts.restored, "missed": dict(counts.missed),
+            "failed": counts.failed, "prefill_saved_tokens": counts.prefill_saved_tokens,
+            "last_flush": counts.last_flush.as_dict() if counts.last_flush else None,
+        }
+
+    def report(self) -> dict[str, Any]:
+        stats = self.store.stats.as_dict()
+        return {"dir": str(self.store.root), "max_bytes": self.store.max_bytes,
+                "min_tokens": self.options.min_tokens, **stats,
+                "disabled": sorted(set(self._disabled.values()))}
+
+    def log_shutdown(self, model_ids: list[str]) -> None:
+        """One line for the flushes the front's shutdown made, model by model."""
+        parts = []
+        for model_id in model_ids:
+            flush = self.counts(model_id).last_flush
+            if flush is not None and flush.reason == "shutdown":
+                failed = f", {len(flush.failed)} failed" if flush.failed else ""
+                parts.append(f"{model_id}: {flush.saved} saved "
+                             f"({flush.saved_bytes // MIB} MiB){failed}")
+        if parts:
+            log.info("KV snapshots at shutdown: %s; %d kept in %s (%d MiB)", "; ".join(parts),
+                     len(self.store.snapshots()), self.store.root,
+                     self.store.stats.bytes // MIB)
+
+    async def close(self) -> None:
+        """Stop the idle saves (a drain's flush saves what they would have)."""
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+# Chat request fields the engine's template reads (llama.cpp's /apply-template takes them).
+_TEMPLATED = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls",
+                        "chat_template_kwargs", "add_generation_prompt", "enable_thinking",
+                        "reasoning_format", "response_format"})
+
+
+def _text_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, list):
+        return sum(_text_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    return 0
