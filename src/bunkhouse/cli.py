@@ -175,6 +175,14 @@ def parser() -> argparse.ArgumentParser:
                          help="default: $BUNKHOUSE_ADMIN_KEY")
         if verb == "load":
             cmd.add_argument("--path", help="a GGUF file inside the server's allowed roots")
+    cache = sub.add_parser(
+        "cache", help="list or remove saved KV snapshots (conversations' KV state on disk)",
+        description="Work on the KV snapshot directory itself. Stop the server first, or use "
+                    "its admin API (DELETE /admin/cache[/MODEL]) while it runs.")
+    cache.add_argument("action", choices=["list", "purge"])
+    cache.add_argument("model", nargs="?", metavar="ID", help="only this model's snapshots")
+    cache.add_argument("--kv-cache-dir", type=Path, metavar="DIR",
+                       help="the snapshot directory (default: the cache directory's kv/)")
     return p
 
 
@@ -548,6 +556,32 @@ def control(verb: str, model: str, url: str, key: str | None, path: str | None) 
     return 0
 
 
+def cache(action: str, model: str | None, root: Path | None) -> int:
+    """``bunkhouse cache list|purge [MODEL]`` on the snapshot directory."""
+    from bunkhouse.config import default_cache_dir
+    from bunkhouse.kvcache.store import SnapshotStore
+
+    root = (root or default_cache_dir() / "kv").expanduser()
+    if not root.is_dir():
+        print(f"no KV snapshots: {root} does not exist")
+        return 0
+    store = SnapshotStore(root, 1 << 62)
+    if action == "purge":
+        removed = store.purge(model)
+        print(f"removed {removed} snapshot(s) of {model or 'every model'} from {root}")
+        return 0
+    totals: dict[str, list[int]] = {}
+    for model_id, _, size in store.snapshots(model):
+        totals.setdefault(model_id, [0, 0])
+        totals[model_id][0] += 1
+        totals[model_id][1] += size
+    for model_id, (count, size) in sorted(totals.items()):
+        print(f"{model_id}  {count} snapshot(s)  {_mib(size)}")
+    print(f"{sum(c for c, _ in totals.values())} snapshot(s), "
+          f"{_mib(sum(s for _, s in totals.values()))} in {root}")
+    return 0
+
+
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.0f} MiB"
 
@@ -577,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("load", "unload", "pin", "unpin"):
         return control(args.command, args.model, args.url, args.admin_key,
                        getattr(args, "path", None))
+    if args.command == "cache":
+        return cache(args.action, args.model, args.kv_cache_dir)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

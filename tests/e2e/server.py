@@ -53,6 +53,7 @@ def _up(url: str, proc: subprocess.Popen[bytes]) -> bool:
 def running(workdir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
     """Start `bunkhouse serve ARGS` and wait for /health; kill it on exit if still alive."""
     port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "serve.log"
     if "--kv-cache-dir" not in args:  # never the user's own snapshots
         args = (*args, "--kv-cache-dir", str(workdir / "kv"))

@@ -111,8 +111,8 @@ def test_concurrent_writers_keep_the_budget(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("damage", "reason"), [
     ("flip", "checksum"),
     ("truncate", "bytes, not"),
-    ("other model", "another model file"),
-    ("other context", "another model file, engine or KV layout"),
+    ("other model", "made for another model file"),
+    ("other context", "another KV layout (slot_context 8192, here 4096)"),
     ("sidecar garbage", "unreadable sidecar"),
     ("data gone", "missing"),
 ])

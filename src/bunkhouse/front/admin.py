@@ -44,6 +44,7 @@ from bunkhouse.errors import (
     NotFound,
     WorkerLoadFailed,
 )
+from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import ResidencyManager
 
 log = logging.getLogger(__name__)
@@ -82,11 +83,40 @@ def inside_roots(path: str, roots: tuple[Path, ...]) -> Path | None:
 
 class Admin:
     def __init__(self, catalog: Catalog, residency: ResidencyManager, options: AdminOptions,
-                 describe: Callable[[CatalogModel], dict[str, Any]]) -> None:
+                 describe: Callable[[CatalogModel], dict[str, Any]],
+                 keeper: SnapshotKeeper | None = None) -> None:
         self.catalog = catalog
         self.residency = residency
         self.options = options
         self.describe = describe
+        self.keeper = keeper
+
+    def _snapshots(self) -> SnapshotKeeper:
+        if self.keeper is None:
+            raise Conflict("KV snapshots are off on this server (--kv-cache-max 0)")
+        return self.keeper
+
+    async def cache_flush(self, request: Request) -> Response:
+        """Save every ready model's unsaved idle slots now."""
+        keeper = self._snapshots()
+        flushed = {}
+        for model, engine, gate in self.residency.ready_workers():
+            report = await keeper.flush(model, engine, gate, "flushed by an operator")
+            flushed[model.id] = report.as_dict()
+        return JSONResponse({"flushed": flushed, "kv_cache": keeper.report()})
+
+    async def cache_purge(self, request: Request) -> Response:
+        """Remove every snapshot, or one model's (``/admin/cache/{model_id}``)."""
+        keeper = self._snapshots()
+        model_id = request.path_params.get("model_id")
+        if model_id is not None and model_id not in self.catalog \
+                and not keeper.store.model_stats(model_id)[0]:
+            raise NotFound(f"no model {model_id[:200]!r} and no snapshots of it",
+                           param="model")
+        removed = await asyncio.to_thread(keeper.store.purge, model_id)
+        log.info("KV snapshots purged by an operator: %d of %s", removed,
+                 model_id or "every model")
+        return JSONResponse({"removed": removed, "kv_cache": keeper.report()})
 
     async def register(self, request: Request) -> Response:
         if not self.options.allow_runtime_load:

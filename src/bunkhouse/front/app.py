@@ -318,7 +318,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     keys = keys or Keys()
     front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys, keeper)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
-                  functools.partial(front.model_object, detail=True))
+                  functools.partial(front.model_object, detail=True), keeper)
 
     def route(method: str, path: str, handler: Callable[[Request], Awaitable[Response]]
               ) -> Route:
@@ -356,6 +356,9 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("POST", "/v1/models/{model_id:path}/{action}", admin.action),
         route("GET", "/v1/models/{model_id:path}", front.get_model),
         route("DELETE", "/v1/models/{model_id:path}", admin.delete),
+        route("POST", "/admin/cache/flush", admin.cache_flush),
+        route("DELETE", "/admin/cache", admin.cache_purge),
+        route("DELETE", "/admin/cache/{model_id:path}", admin.cache_purge),
         route("GET", "/health", front.health),
         route("GET", "/stats", front.stats),
         route("GET", "/openapi.json", _openapi),

@@ -42,6 +42,9 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("POST", "/v1/models"): Level.ADMIN,
     ("POST", "/v1/models/{model_id:path}/{action}"): Level.ADMIN,
     ("DELETE", "/v1/models/{model_id:path}"): Level.ADMIN,
+    ("POST", "/admin/cache/flush"): Level.ADMIN,
+    ("DELETE", "/admin/cache"): Level.ADMIN,
+    ("DELETE", "/admin/cache/{model_id:path}"): Level.ADMIN,
 }
 """(method, route path) → the level a caller needs. Internal detail (a worker's output, server
 paths) goes only to ADMIN-level callers, whatever the route."""

@@ -109,14 +109,27 @@ class SnapshotRefused(Exception):
     that cannot be restored (the reason)."""
 
 
-_OTHER_KEY = "made for another model file, engine or KV layout"
+def key_difference(have: Any, want: dict[str, Any]) -> str:
+    """Why a snapshot made under key ``have`` (a sidecar's) cannot load under ``want``."""
+    if not isinstance(have, dict):
+        return "its sidecar names no key"
+    if have.get("model") != want["model"]:
+        return "made for another model file"
+    if have.get("engine") != want["engine"]:
+        return "made by another engine build"
+    given = have.get("layout")
+    layout: dict[str, Any] = given if isinstance(given, dict) else {}
+    names = sorted(k for k in {*layout, *want["layout"]}
+                   if layout.get(k) != want["layout"].get(k))
+    return "made for another KV layout (" + ", ".join(
+        f"{k} {layout.get(k)}, here {want['layout'].get(k)}" for k in names) + ")"
 
 
 class _OtherKey(SnapshotRefused):
     """The sidecar names another key than the index had: valid for that key, not this one."""
 
-    def __init__(self, key: Any) -> None:
-        super().__init__(_OTHER_KEY)
+    def __init__(self, key: Any, want: dict[str, Any]) -> None:
+        super().__init__(key_difference(key, want))
         self.key = key
 
 
@@ -294,7 +307,8 @@ class SnapshotStore:
                 staged_path.unlink(missing_ok=True)
                 raise
             self._entries[(model_id, digest)] = _Entry(model_id, digest, total, 0.0,
-                                                       tuple(tokens), key.as_dict())
+                                                       tuple(tokens),
+                                                       json.loads(json.dumps(key.as_dict())))
             self._touch(model_id, digest)
             self.stats.written += 1
             self.stats.bytes += total
@@ -339,8 +353,9 @@ class SnapshotStore:
             raise SnapshotRefused("unreadable sidecar") from e
         if not isinstance(meta, dict) or meta.get("version") != _VERSION:
             raise SnapshotRefused("unknown sidecar version")
-        if meta.get("key") != json.loads(json.dumps(key.as_dict())):
-            raise _OtherKey(meta.get("key"))
+        wanted = json.loads(json.dumps(key.as_dict()))
+        if meta.get("key") != wanted:
+            raise _OtherKey(meta.get("key"), wanted)
         try:
             tokens = _tokens(meta.get("tokens"))
         except ValueError as e:
@@ -364,7 +379,7 @@ class SnapshotStore:
         ``min_tokens`` tokens of it), or None. The snapshot may go on past that prefix (the
         engine drops what follows it). Snapshots made under another key are skipped; invalid
         ones met on the way are removed; each is counted by reason and logged."""
-        wanted = key.as_dict()
+        wanted = json.loads(json.dumps(key.as_dict()))  # as a sidecar holds it
         with self._lock:
             model_dir = self.model_dir(model_id)
             found: list[tuple[int, str]] = []
@@ -375,7 +390,7 @@ class SnapshotStore:
                 if shared < min_tokens:
                     continue
                 if entry.key != wanted:
-                    self._skip_once(model_dir, entry, _OTHER_KEY)
+                    self._skip_once(model_dir, entry, key_difference(entry.key, wanted))
                     continue
                 found.append((shared, entry.digest))
             for _, digest in sorted(found, reverse=True):

@@ -222,6 +222,11 @@ class ResidencyManager:
     def statuses(self) -> list[ModelStatus]:
         return [self.status(model_id) for model_id in self._entries]
 
+    def ready_workers(self) -> list[tuple[CatalogModel, EngineClient, SlotGate]]:
+        """(model, its worker's engine, its slot gate) of every ready model."""
+        return [(e.model, e.worker.engine, e.slots) for e in self._entries.values()
+                if e.state is State.READY and e.worker is not None and e.worker.alive]
+
     def slots(self, model_id: str) -> SlotGate:
         """The model's slot gate (created and removed with its entry)."""
         return self._entries[model_id].slots
