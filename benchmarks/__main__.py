@@ -5,7 +5,9 @@
 
 Sections, in order: overhead (front vs the engine's own server, 1 and 4 requests at once),
 throughput (1/4/8 concurrent; two models at once; memory estimate vs measured), swap
-(llama.cpp's router vs bunkhouse, two models alternating with room for one), reliability
+(llama.cpp's router vs bunkhouse, two models alternating with room for one), kv (a
+conversation's follow-up after its model was evicted: restored KV state vs the router's
+prefill again, at 1K, 4K and 8K tokens), reliability
 (chaos, a 1,000-request flood, schemathesis). A full run takes about 20 minutes on 2 cores,
 --quick under 10. Every process's log goes to benchmarks/results/.
 """
@@ -28,10 +30,10 @@ from typing import Any
 
 import psutil
 
-from benchmarks import overhead, reliability, report, swap, throughput
+from benchmarks import kv_restore, overhead, reliability, report, swap, throughput
 from benchmarks.common import PROFILES, Profile
 
-SECTIONS = ("overhead", "throughput", "swap", "reliability")
+SECTIONS = ("overhead", "throughput", "swap", "kv", "reliability")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -78,6 +80,7 @@ def run_sections(profile: Profile, sections: list[str], llama_server: str | None
         "overhead": lambda: overhead.measure(profile),
         "throughput": lambda: throughput.measure(profile),
         "swap": lambda: swap.measure(profile, llama_server),
+        "kv": lambda: kv_restore.measure(profile, llama_server),
         "reliability": lambda: reliability.measure(profile),
     }
     for name in sections:

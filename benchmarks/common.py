@@ -48,22 +48,26 @@ class Profile:
     flood_concurrency: int
     fuzz_examples: int
     fuzz_seconds: int
+    kv_lengths: tuple[int, ...] = ()  # conversation tokens before a follow-up after eviction
 
 
 PROFILES = {
     "full": Profile("full", overhead_rounds=8, overhead_tokens=64, throughput_rounds=5,
                     throughput_tokens=32, gate_off=True, swap_runs=3, swap_requests=10,
                     chaos_runs=3, chaos_seconds=60, flood_runs=3, flood_requests=1000,
-                    flood_concurrency=64, fuzz_examples=30, fuzz_seconds=300),
+                    flood_concurrency=64, fuzz_examples=30, fuzz_seconds=300,
+                    kv_lengths=(1000, 4000, 8000)),
     "quick": Profile("quick", overhead_rounds=3, overhead_tokens=32, throughput_rounds=3,
                      throughput_tokens=16, gate_off=True, swap_runs=3, swap_requests=5,
                      chaos_runs=1, chaos_seconds=30, flood_runs=1, flood_requests=1000,
-                     flood_concurrency=64, fuzz_examples=10, fuzz_seconds=45),
+                     flood_concurrency=64, fuzz_examples=10, fuzz_seconds=45,
+                     kv_lengths=(1000, 4000)),
     # Only for the test suite: checks that every section runs end to end, measures nothing.
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
                     chaos_runs=1, chaos_seconds=5, flood_runs=1, flood_requests=100,
-                    flood_concurrency=16, fuzz_examples=2, fuzz_seconds=20),
+                    flood_concurrency=16, fuzz_examples=2, fuzz_seconds=20,
+                    kv_lengths=(300,)),
 }
 
 

@@ -360,6 +360,60 @@ def _reliability(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- kv across eviction
+
+
+def _kv(k: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    lines = [
+        "## 6. A conversation's follow-up after eviction: KV snapshots against the router",
+        "",
+        f"On a fresh server with room for one model (bunkhouse `--budget {k['budget']}` with "
+        f"KV snapshots on; llama.cpp's router `--models-max 1`), both with context "
+        f"{k['context']} in {k['parallel']} slot(s): a greedy chat turn of about N tokens to "
+        f"Qwen, a short completion from Gemma (Qwen is evicted), then a follow-up question to "
+        f"Qwen, streamed. Its time to first token includes loading Qwen again on both; "
+        f"\"prefilled\" is the engine's own count of prompt tokens it computed "
+        f"(`timings.prompt_n`). One run per length.",
+        "",
+    ]
+    rows = []
+    ratios: dict[str, float] = {}
+    for length, row in k["lengths"].items():
+        b, r = row["bunkhouse"], row.get("router")
+        ratio = row.get("ttft_ratio")
+        if ratio is not None:
+            ratios[length] = ratio
+        rows.append([
+            f"{b['first_prompt_n']}", f"{b['follow_up_ttft_s']:.2f}",
+            f"{b['follow_up_prompt_n']}",
+            f"{r['follow_up_ttft_s']:.2f}" if r else "-",
+            f"{r['follow_up_prompt_n']}" if r else "-",
+            f"**{ratio:.3f}**" if ratio is not None else "-",
+            ("yes" if row.get("same_answer") else "no") if r else "-"])
+    lines += _table(["conversation tokens", "bunkhouse TTFT s", "prefilled",
+                     "router TTFT s", "prefilled", "ratio", "same answer"], rows)
+    cost = []
+    for length, row in k["lengths"].items():
+        b = row["bunkhouse"]
+        if b.get("flush_bytes"):
+            cost.append([length, f"{b['flush_s'] * 1000:.0f}", f"{b['flush_bytes'] / MIB:.1f}",
+                         f"{b['bytes_per_token'] / 1024:.1f}", f"{b['gemma_ttft_s']:.2f}"])
+    if cost:
+        lines += ["The cost, on bunkhouse's side: saving the first turn's slot (when it went "
+                  "idle, or at the eviction), and Gemma's time to first token, which waits for "
+                  "Qwen's drain and its save.", ""]
+        lines += _table(["conversation", "save ms", "snapshot MiB", "KiB per token",
+                         "Gemma TTFT s"], cost)
+    at_4k = next((v for key, v in ratios.items() if 3000 <= int(key) <= 5000), None)
+    if at_4k is not None:
+        goals.append(["a follow-up after eviction at 4K tokens: at most 5% of the router's "
+                      "time to first token", f"ratio {at_4k:.3f}", _yes(at_4k <= 0.05)])
+    else:
+        goals.append(["a follow-up after eviction at 4K tokens: at most 5% of the router's "
+                      "time to first token", "not measured in this run", "unknown"])
+    return lines
+
+
 # ---------------------------------------------------------------- whole page
 
 
@@ -377,6 +431,8 @@ def render(results: dict[str, Any]) -> str:
         body += _memory(sec["throughput"], sec.get("swap"), goals)
     if "reliability" in sec:
         body += _reliability(sec["reliability"], goals)
+    if "kv" in sec:
+        body += _kv(sec["kv"], goals)
     for name, err in results.get("errors", {}).items():
         body += [f"## Section `{name}` failed", "", "```", err.strip()[-2000:], "```", ""]
     cmd = "python -m benchmarks run" + ("" if results["profile"] == "full"

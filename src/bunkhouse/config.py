@@ -15,6 +15,9 @@ The TOML file (``--config FILE``) looks like::
     queue = 8                       # requests waiting for a slot; beyond: 429 queue_full
     embeddings = false              # serve /v1/embeddings (default: only embedding models);
                                     # it raises the model's memory estimate
+    swa_full = false                # sliding-window models: keep the whole context in every
+                                    # layer's KV cache (more memory, counted in the estimate),
+                                    # so that any saved prefix can be reused
 
     ttl = 0                         # idle seconds before a model is unloaded; 0: never
 
@@ -59,6 +62,7 @@ class EngineOptions:
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     queue: int = 8  # requests waiting for a slot beyond the ones running; more: 429
     embeddings: bool | None = None  # serve embeddings; None: if the GGUF is an embedding model
+    swa_full: bool = False  # sliding-window layers keep the whole slot (KV snapshots reuse all)
 
     def validate(self, where: str) -> EngineOptions:
         for name in ("context", "parallel", "threads"):
@@ -144,7 +148,7 @@ def check_model_id(model_id: str, where: str) -> str:
 
 
 _OPTION_KEYS = frozenset({"context", "parallel", "cache_ram_mib", "threads", "queue"})
-_BOOL_OPTION_KEYS = frozenset({"embeddings"})
+_BOOL_OPTION_KEYS = frozenset({"embeddings", "swa_full"})
 _TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models",
                        "budget"})
 # Binary and decimal units as written; a bare K/M/G/T (Docker's and Ollama's "8G") is binary.

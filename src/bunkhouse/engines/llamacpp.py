@@ -322,7 +322,7 @@ class LlamaCpp:
         o = model.options
         return {"cache_type_k": "f16", "cache_type_v": "f16", "n_ubatch": N_UBATCH,
                 "slot_context": o.context // o.parallel, "kv_unified": False,
-                "swa_full": False, "embeddings": model.embeddings}
+                "swa_full": o.swa_full, "embeddings": model.embeddings}
 
     def saved_tokens(self, path: Path) -> list[int]:
         return saved_tokens(path)
@@ -332,6 +332,7 @@ class LlamaCpp:
         return ["--context", str(o.context), "--parallel", str(o.parallel),
                 "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
                 *(["--embeddings"] if model.embeddings else []),
+                *(["--swa-full"] if o.swa_full else []),
                 *(["--chat-template", model.chat_template] if model.chat_template else [])]
 
     def estimate(self, model: CatalogModel) -> MemoryEstimate:
@@ -383,10 +384,12 @@ def kv_bytes_per_token_per_layer(info: GGUFInfo) -> int:
     return heads * dims * KV_ELEMENT_BYTES
 
 
-def _swa_layers(info: GGUFInfo) -> int:
+def _swa_layers(info: GGUFInfo, swa_full: bool = False) -> int:
+    """Layers whose KV cache holds only a sliding window (none with ``swa_full``: every layer
+    keeps the whole slot, as a full-attention layer does)."""
     layers = info.block_count or 0
     pattern = _SWA_PATTERNS.get(info.architecture)
-    if not info.sliding_window or pattern is None:
+    if not info.sliding_window or pattern is None or swa_full:
         return 0  # unknown pattern: count every layer at full context (over, never under)
     return layers - layers // pattern  # layer il is full when (il + 1) % pattern == 0
 
@@ -407,10 +410,10 @@ def _swa_cells(info: GGUFInfo, context: int, parallel: int) -> int:
     return parallel * _pad(_swa_stream(info, context // parallel), _SWA_PAD)
 
 
-def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int) -> int:
+def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int, swa_full: bool = False) -> int:
     """The KV cache llama.cpp allocates for ``context`` tokens shared by ``parallel`` slots."""
     per_layer = kv_bytes_per_token_per_layer(info)
-    swa = _swa_layers(info)
+    swa = _swa_layers(info, swa_full)
     full = (info.block_count or 0) - swa
     swa_cells = _swa_cells(info, context, parallel) if swa else 0
     return per_layer * (full * context + swa * swa_cells)
@@ -435,7 +438,7 @@ def compute_bytes(model: CatalogModel) -> int:
     ffn = model.info.feed_forward_length or _DEFAULT_FFN
     vocab = model.info.vocab_size or 0
     swa = swa_long = 0  # sliding-window cells the other slots attend over (unpadded)
-    if _swa_layers(model.info):
+    if _swa_layers(model.info, o.swa_full):
         slot = o.context // o.parallel
         swa = _swa_stream(model.info, slot) * (o.parallel - 1)
         swa_long = max(0, min(slot, _SWA_LONG) - N_UBATCH)
@@ -452,7 +455,7 @@ def estimate(model: CatalogModel) -> MemoryEstimate:
     o = model.options
     return MemoryEstimate(
         weights=model.size_bytes,
-        kv_cache=kv_cache_bytes(model.info, o.context, o.parallel),
+        kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, o.swa_full),
         prompt_cache=o.cache_ram_mib * MIB,
         runtime=RUNTIME_BYTES,
         compute=compute_bytes(model),

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,13 +77,15 @@ class FlushReport:
     at: float = 0.0  # wall clock
     saved: int = 0
     saved_bytes: int = 0
+    saved_tokens: int = 0
     skipped: int = 0  # too short to keep
     failed: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"reason": self.reason, "at": self.at, "saved": self.saved,
-                "saved_bytes": self.saved_bytes, "skipped": self.skipped,
+                "saved_bytes": self.saved_bytes, "saved_tokens": self.saved_tokens,
+                "skipped": self.skipped,
                 "failed": self.failed, "seconds": round(self.seconds, 3)}
 
 
@@ -96,7 +98,11 @@ class ModelCounts:
     missed: Counter[str] = field(default_factory=Counter)  # reason -> count
     failed: int = 0
     prefill_saved_tokens: int = 0
-    last_flush: FlushReport | None = None
+    recent: deque[FlushReport] = field(default_factory=lambda: deque(maxlen=8))
+
+    @property
+    def last_flush(self) -> FlushReport | None:
+        return self.recent[-1] if self.recent else None
 
 
 class SnapshotKeeper:
@@ -292,7 +298,7 @@ class SnapshotKeeper:
         return report
 
     def _flushed(self, model_id: str, report: FlushReport) -> None:
-        self.counts(model_id).last_flush = report
+        self.counts(model_id).recent.append(report)
         if report.saved or report.failed:
             failed = f", {len(report.failed)} failed" if report.failed else ""
             self.events.emit(model_id, "flushed",
@@ -331,6 +337,7 @@ class SnapshotKeeper:
         self.counts(model.id).saved += 1
         report.saved += 1
         report.saved_bytes += snapshot.bytes
+        report.saved_tokens += len(snapshot.tokens)
         report.seconds += time.monotonic() - started
         log.info("model %s: slot %d saved (%s): %d tokens, %d MiB", model.id, slot.id, why,
                  len(snapshot.tokens), snapshot.bytes // MIB)
@@ -345,6 +352,7 @@ class SnapshotKeeper:
             "restored": counts.restored, "missed": dict(counts.missed),
             "failed": counts.failed, "prefill_saved_tokens": counts.prefill_saved_tokens,
             "last_flush": counts.last_flush.as_dict() if counts.last_flush else None,
+            "recent_flushes": [f.as_dict() for f in counts.recent],
         }
 
     def report(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ class WorkerConfig:
     chat_template: str | None = None  # a template name the engine knows, or a file's path
     embeddings: bool = False  # serve /v1/embeddings (llama.cpp: larger output buffers)
     snapshot_dir: Path | None = None  # where slot KV state is saved and restored from
+    swa_full: bool = False  # sliding-window layers keep the whole context
 
 
 class Engine(Protocol):

@@ -33,6 +33,7 @@ def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:
     params.n_batch = EMBEDDING_BATCH
     params.n_ubatch = EMBEDDING_BATCH  # residency.estimate assumes it (SWA cache size)
     params.kv_unified = False  # each slot owns context / parallel tokens: predictable KV need
+    params.swa_full = config.swa_full  # the estimate counts it (engines/llamacpp.py)
     params.cache_ram_mib = config.cache_ram_mib
     params.cpuparams.n_threads = config.threads
     params.cpuparams_batch.n_threads = config.threads

@@ -1,0 +1,179 @@
+"""A conversation's follow-up after its model was evicted: KV snapshots against re-prefilling.
+
+The workload, the same for every target, per conversation length L (about 1K, 4K and 8K
+tokens of Qwen): a fresh server with room for one model; a greedy chat turn of L tokens to
+Qwen; a short completion from Gemma (Qwen is evicted to make room); then the follow-up
+question to Qwen, streamed. Measured: the follow-up's time to first token (it includes
+loading Qwen again on both targets) and the tokens the engine prefilled for it (its
+``timings.prompt_n``).
+
+* ``bunkhouse``: `bunkhouse serve --budget 900MiB` with KV snapshots on (a private
+  snapshot directory per run): Qwen's slot is saved when it is evicted and restored before
+  the follow-up;
+* ``router``: llama.cpp's router, `llama-server --models-dir DIR --models-max 1` with the same
+  engine options, when a binary is given: its eviction drops the KV cache, so the follow-up
+  prefills the whole conversation again.
+
+Also the cost on bunkhouse's side: the eviction's flush (seconds, bytes, bytes per token),
+and the Gemma request's time to first token (it waits for Qwen's drain, flush included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import (
+    GEMMA,
+    QWEN,
+    Profile,
+    bunkhouse,
+    free_port,
+    packaged,
+    process,
+    wait_http,
+)
+
+BUDGET = "900MiB"
+CONTEXT = 16384  # one slot: an 8K conversation and its follow-up fit
+PARALLEL = 1
+ANSWER_TOKENS = 16
+
+
+def conversation(tokens: int) -> list[dict[str, Any]]:
+    """A first turn of about ``tokens`` Qwen tokens (a module of small functions: about 18
+    tokens each)."""
+    functions = max(1, tokens // 18)
+    module = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(functions))
+    return [{"role": "system", "content": "You are a careful code reviewer."},
+            {"role": "user", "content": f"Here is a module:\n{module}\nWhich function "
+                                        f"returns x * {functions // 2} + {functions // 2 % 7}?"}]
+
+
+def chat(url: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed greedy chat turn: its text, time to first token and the engine's timings."""
+    body = {"model": QWEN, "messages": messages, "max_tokens": ANSWER_TOKENS,
+            "temperature": 0, "stream": True}
+    text: list[str] = []
+    first: float | None = None
+    timings: dict[str, Any] = {}
+    sent = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            timings = event.get("timings") or timings
+            for choice in event.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    first = first or time.perf_counter()
+                    text.append(content)
+    return {"text": "".join(text), "ttft_s": None if first is None else first - sent,
+            "prompt_n": timings.get("prompt_n"), "cache_n": timings.get("cache_n")}
+
+
+def gemma(url: str) -> float:
+    """Seconds until Gemma's first token (the eviction of Qwen comes first)."""
+    sent = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=600, json={
+            "model": GEMMA, "prompt": "Hello", "max_tokens": 2, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                return time.perf_counter() - sent
+    raise RuntimeError(f"{url}: Gemma sent no token")
+
+
+def scenario(url: str, tokens: int) -> dict[str, Any]:
+    messages = conversation(tokens)
+    first = chat(url, messages)
+    gemma_ttft = gemma(url)
+    follow_up = [*messages, {"role": "assistant", "content": first["text"]},
+                 {"role": "user", "content": "And which function returns x * 3 + 3?"}]
+    second = chat(url, follow_up)
+    return {"tokens": tokens, "first_prompt_n": first["prompt_n"],
+            "first_ttft_s": first["ttft_s"], "gemma_ttft_s": gemma_ttft,
+            "follow_up_ttft_s": second["ttft_s"], "follow_up_prompt_n": second["prompt_n"],
+            "follow_up_cache_n": second["cache_n"], "follow_up_text": second["text"]}
+
+
+@contextmanager
+def _config() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="bh-kv-") as tmp:
+        path = Path(tmp) / "bunkhouse.toml"
+        path.write_text(f"[defaults]\ncontext = {CONTEXT}\nparallel = {PARALLEL}\n")
+        yield path
+
+
+def run_bunkhouse(tokens: int) -> dict[str, Any]:
+    with _config() as config, tempfile.TemporaryDirectory(prefix="bh-kv-store-") as kv, \
+            bunkhouse("kv-bunkhouse", "--config", str(config), "--budget", BUDGET,
+                      "--kv-cache-dir", kv) as (url, _):
+        result = scenario(url, tokens)
+        qwen = httpx.get(f"{url}/v1/models/{QWEN}").json()["kv_cache"]
+        result["restored"] = qwen["restored"]
+        result["missed"] = qwen["missed"]
+        saves = [f for f in qwen["recent_flushes"] if f["saved"]]
+        result["flushes"] = saves
+        if saves:  # the first turn's slot: saved when idle, or when Qwen was evicted
+            first = saves[0]
+            result["flush_s"] = first["seconds"]
+            result["flush_bytes"] = first["saved_bytes"]
+            result["bytes_per_token"] = first["saved_bytes"] / first["saved_tokens"]
+        return result
+
+
+@contextmanager
+def _router(binary: str) -> Iterator[str]:
+    qwen, gemma_model = packaged(QWEN), packaged(GEMMA)
+    with tempfile.TemporaryDirectory(prefix="bh-router-") as tmp:
+        for model in (qwen, gemma_model):
+            os.symlink(model.path, Path(tmp) / f"{model.id}.gguf")
+        port = free_port()
+        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--models-dir", tmp,
+                "--models-max", "1", "-c", str(CONTEXT), "-np", str(PARALLEL),
+                "-t", str(qwen.options.threads), "-tb", str(qwen.options.threads),
+                "--cache-ram", "0", "-b", "512", "-ub", "512", "--no-webui"]
+        with process(argv, "kv-router") as proc, httpx.Client() as client:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(client, f"{url}/health", proc)
+            yield url
+
+
+def run_router(binary: str, tokens: int) -> dict[str, Any]:
+    with _router(binary) as url:
+        return scenario(url, tokens)
+
+
+def measure(profile: Profile, llama_server: str | None) -> dict[str, Any]:
+    result: dict[str, Any] = {"budget": BUDGET, "context": CONTEXT, "parallel": PARALLEL,
+                              "answer_tokens": ANSWER_TOKENS, "lengths": {}}
+    for tokens in profile.kv_lengths:
+        row: dict[str, Any] = {}
+        targets = ["bunkhouse", "router"] if llama_server else ["bunkhouse"]
+        for target in targets:
+            if target == "bunkhouse":
+                row[target] = run_bunkhouse(tokens)
+            else:
+                assert llama_server
+                row[target] = run_router(llama_server, tokens)
+            print(f"kv: {tokens} tokens, {target}: follow-up TTFT "
+                  f"{row[target]['follow_up_ttft_s']:.2f} s", file=sys.stderr)
+        if "router" in row:
+            b, r = row["bunkhouse"], row["router"]
+            row["ttft_ratio"] = b["follow_up_ttft_s"] / r["follow_up_ttft_s"]
+            row["same_answer"] = b["follow_up_text"] == r["follow_up_text"]
+        result["lengths"][str(tokens)] = row
+    return result
