@@ -234,3 +234,33 @@ def test_lines_split_across_chunks_are_joined(cuts: list[int]) -> None:
         lines += splitter.feed(data[a:b])
     lines += splitter.close()
     assert [ln for ln in lines if ln] == [ln for ln in sse_lines(data) if ln]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_engines_timings_reach_an_observer_streamed_or_assembled(stream: bool) -> None:
+    final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+             "timings": {"prompt_n": 3, "cache_n": 2990}}
+    raw = (b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+           + f"data: {json.dumps(final)}\n\n".encode() + b"data: [DONE]\n\n")
+    seen: list[dict[str, int]] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        for i in range(0, len(raw), 7):  # lines cut anywhere
+            yield raw[i:i + 7]
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    upstream = LlamaCppClient(httpx.MockTransport(handler), "m")
+
+    async def route(request: Request) -> Response:
+        data = {"messages": [], "stream": stream}
+        return await forward(upstream, "/v1/chat/completions", data, stream=stream,
+                             request=request, model_id="m", on_timings=seen.append)
+
+    client = TestClient(Starlette(routes=[Route("/c", route, methods=["POST"])]))
+    resp = client.post("/c", content=b"{}")
+    assert resp.status_code == 200
+    assert seen == [{"prompt_n": 3, "cache_n": 2990}]
+    if not stream:
+        assert resp.json()["choices"][0]["message"]["content"] == "hi"

@@ -28,7 +28,7 @@ from bunkhouse.api.schemas import (
 )
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.catalog.vocab import PairTable, pair_table
-from bunkhouse.engines.contract import EngineClient
+from bunkhouse.engines.contract import EngineClient, Messages
 from bunkhouse.errors import (
     BunkhouseError,
     EngineUnavailable,
@@ -90,11 +90,11 @@ class Front:
             held = _Held(lease.release)
             try:
                 engine = lease.worker.engine
-                await check_fits(model, path, data, engine.count_tokens)
                 keeper = self.keeper if self.keeper and self.keeper.active(model) else None
                 pinned = keeper is not None and _pinnable(path, data)
                 tokens = (await keeper.prompt_tokens(model, engine, path, data)
                           if keeper is not None and pinned else None)
+                await check_fits(model, path, data, _counter(engine, tokens))
                 slots = lease.slots
                 slot = await slots.enter(tokens)
                 held.push(functools.partial(self._leave, model, engine, slots, slot))
@@ -247,6 +247,20 @@ async def _pair_table(model: CatalogModel) -> PairTable | None:
 
 async def _openapi(request: Request) -> Response:
     return JSONResponse(openapi(__version__))
+
+
+def _counter(engine: EngineClient, tokens: list[int] | None
+             ) -> Callable[[str | Messages], Awaitable[int]]:
+    """The worker's token count, or the count of the request's one prompt already tokenized
+    (``tokens``: with its tools and template options, as the engine prefills it)."""
+    if tokens is None:
+        return engine.count_tokens
+    known = len(tokens)
+
+    async def count(prompt: str | Messages) -> int:
+        return known
+
+    return count
 
 
 def _pinnable(path: str, data: dict[str, Any]) -> bool:

@@ -281,18 +281,17 @@ class SnapshotKeeper:
         if key is None:
             return report
         started = time.monotonic()
+        deadline = started + self.options.flush_timeout_s
         async with self._flushing:
             for slot in list(gate.table):
                 if slot.busy or not slot.dirty:
                     continue
-                async with slot.lock:
-                    try:
-                        await asyncio.wait_for(
-                            self._save(model, engine, slot, key, slot.version, reason, report),
-                            self.options.flush_timeout_s)
-                    except TimeoutError:
-                        report.failed.append(f"slot {slot.id}: no answer in "
-                                             f"{self.options.flush_timeout_s:.0f} s")
+                try:
+                    async with asyncio.timeout_at(_loop_time(deadline)), slot.lock:
+                        await self._save(model, engine, slot, key, slot.version, reason, report)
+                except TimeoutError:
+                    report.failed.append(f"slot {slot.id}: not saved within the flush's "
+                                         f"{self.options.flush_timeout_s:.0f} s")
         report.seconds = time.monotonic() - started
         self._flushed(model.id, report)
         return report
@@ -384,6 +383,12 @@ class SnapshotKeeper:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _loop_time(monotonic: float) -> float:
+    """A ``time.monotonic()`` instant on the event loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic - time.monotonic())
 
 
 # Chat request fields the engine's template reads (llama.cpp's /apply-template takes them).
