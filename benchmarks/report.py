@@ -376,6 +376,12 @@ def _kv(k: dict[str, Any], goals: list[list[str]]) -> list[str]:
         f"(`timings.prompt_n`). One run per length.",
         "",
     ]
+    measured = k.get("measured")
+    if measured:
+        lines += [f"Measured on its own on {measured['started'][:10]} at commit "
+                  f"{measured['commit']} (`python -m benchmarks run --only kv --llama-server "
+                  f"PATH`, merged into this page's results); llama-server "
+                  f"`{measured.get('llama_server', '')}`.", ""]
     rows = []
     ratios: dict[str, float] = {}
     for length, row in k["lengths"].items():
@@ -404,6 +410,14 @@ def _kv(k: dict[str, Any], goals: list[list[str]]) -> list[str]:
                   "Qwen's drain and its save.", ""]
         lines += _table(["conversation", "save ms", "snapshot MiB", "KiB per token",
                          "Gemma TTFT s"], cost)
+    if ratios:
+        lines += ["Both targets pay for loading Qwen again (bunkhouse's swap is slower: "
+                  "section 3, and Gemma's column above against the router's "
+                  + ", ".join(f"{row['router']['gemma_ttft_s']:.2f} s"
+                              for row in k["lengths"].values() if row.get("router"))
+                  + "); after that, bunkhouse restores the slot (milliseconds) and "
+                  "prefills the new turn, where the router prefills the whole conversation "
+                  "again.", ""]
     at_4k = next((v for key, v in ratios.items() if 3000 <= int(key) <= 5000), None)
     if at_4k is not None:
         goals.append(["a follow-up after eviction at 4K tokens: at most 5% of the router's "

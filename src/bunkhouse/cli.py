@@ -377,7 +377,8 @@ def _snapshot_keeper(settings: Settings, events: EventLog) -> SnapshotKeeper | N
             limit = min(int(free * defaults.KV_CACHE_DISK_SHARE), defaults.KV_CACHE_MAX_BYTES)
         store = SnapshotStore(root, limit)
     except OSError as e:
-        log.warning("KV snapshots off: cannot use %s: %s; pass --kv-cache-dir DIR", root, e)
+        log.warning("KV snapshots off: cannot use %s: %s; pass another --kv-cache-dir DIR",
+                    root, e)
         return None
     log.info("KV snapshots in %s, at most %d MiB (%d kept, %d MiB)", root, limit // 2**20,
              len(store.snapshots()), store.stats.bytes // 2**20)
@@ -559,13 +560,19 @@ def control(verb: str, model: str, url: str, key: str | None, path: str | None) 
 def cache(action: str, model: str | None, root: Path | None) -> int:
     """``bunkhouse cache list|purge [MODEL]`` on the snapshot directory."""
     from bunkhouse.config import default_cache_dir
-    from bunkhouse.kvcache.store import SnapshotStore
+    from bunkhouse.kvcache.store import SnapshotStore, StoreInUse
 
     root = (root or default_cache_dir() / "kv").expanduser()
     if not root.is_dir():
         print(f"no KV snapshots: {root} does not exist")
         return 0
-    store = SnapshotStore(root, 1 << 62)
+    try:
+        store = SnapshotStore(root, 1 << 62)
+    except StoreInUse:
+        print(f"bunkhouse: error: a running bunkhouse uses {root}; stop it first, or remove "
+              "snapshots through it: DELETE /admin/cache[/MODEL] with an admin key",
+              file=sys.stderr)
+        return 1
     if action == "purge":
         removed = store.purge(model)
         print(f"removed {removed} snapshot(s) of {model or 'every model'} from {root}")

@@ -29,6 +29,7 @@ File work is blocking: callers run these methods on a thread (they lock internal
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -104,6 +105,10 @@ def _tokens(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+class StoreInUse(OSError):
+    """Another process (another front, or ``bunkhouse cache``) holds the store's directory."""
+
+
 class SnapshotRefused(Exception):
     """A commit that cannot be kept (too large for the budget, unreadable), or a snapshot
     that cannot be restored (the reason)."""
@@ -155,6 +160,40 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_HELD: dict[Path, list[int]] = {}  # root -> [descriptor, stores of this process using it]
+_HELD_LOCK = threading.Lock()
+
+
+def _hold(root: Path) -> Path:
+    """An exclusive lock on ``root`` for as long as a store of this process uses it (the only
+    writer: a second front would delete the first one's half-written files at its start).
+    Raises StoreInUse when another process holds it."""
+    key = root.resolve()
+    with _HELD_LOCK:
+        if key in _HELD:
+            _HELD[key][1] += 1
+            return key
+        fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreInUse(f"{root} is in use by another bunkhouse process") from None
+        _HELD[key] = [fd, 1]
+        return key
+
+
+def _release(key: Path) -> None:
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            os.close(held[0])
+            del _HELD[key]
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{_STAGING}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -204,7 +243,14 @@ class SnapshotStore:
         self._skipped: set[tuple[str, str]] = set()  # kept, counted once as unusable
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
+        self._held: Path | None = _hold(root)
         self._load()
+
+    def close(self) -> None:
+        """Let another process have the directory (once every store of this one closed)."""
+        if self._held is not None:
+            _release(self._held)
+            self._held = None
 
     # -- layout -----------------------------------------------------------------------
 
