@@ -103,7 +103,7 @@ class Admin:
         for model, engine, gate in self.residency.ready_workers():
             report = await keeper.flush(model, engine, gate, "flushed by an operator")
             flushed[model.id] = report.as_dict()
-        return JSONResponse({"flushed": flushed, "kv_cache": keeper.report()})
+        return JSONResponse({"flushed": flushed, "kv_cache": keeper.report(detail=True)})
 
     async def cache_purge(self, request: Request) -> Response:
         """Remove every snapshot, or one model's (``/admin/cache/{model_id}``)."""
@@ -116,7 +116,7 @@ class Admin:
         removed = await asyncio.to_thread(keeper.store.purge, model_id)
         log.info("KV snapshots purged by an operator: %d of %s", removed,
                  model_id or "every model")
-        return JSONResponse({"removed": removed, "kv_cache": keeper.report()})
+        return JSONResponse({"removed": removed, "kv_cache": keeper.report(detail=True)})
 
     async def register(self, request: Request) -> Response:
         if not self.options.allow_runtime_load:

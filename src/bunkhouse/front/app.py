@@ -194,7 +194,7 @@ class Front:
             "last_error": status.last_error,
         }
         if self.keeper is not None:
-            described["kv_cache"] = self.keeper.model_report(model.id)
+            described["kv_cache"] = self.keeper.model_report(model.id, detail)
         if detail:
             described["last_error_detail"] = status.last_error_detail
         return described
@@ -229,7 +229,7 @@ class Front:
             "free_bytes": budget - used,
             "peak_used_bytes": r.peak_bytes,
             "models": [self.model_object(m, detail=detail) for m in self.catalog],
-            "kv_cache": self.keeper.report() if self.keeper else None,
+            "kv_cache": self.keeper.report(detail) if self.keeper else None,
             "event_counts": r.events.counts,
             "events": [e.as_dict() for e in r.events.recent(100)],
         })

@@ -82,11 +82,14 @@ class FlushReport:
     failed: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, detail: bool = True) -> dict[str, Any]:
+        """``detail``: the failures' messages (they may name server paths: admins only);
+        else how many failed."""
         return {"reason": self.reason, "at": self.at, "saved": self.saved,
                 "saved_bytes": self.saved_bytes, "saved_tokens": self.saved_tokens,
                 "skipped": self.skipped,
-                "failed": self.failed, "seconds": round(self.seconds, 3)}
+                "failed": self.failed if detail else len(self.failed),
+                "seconds": round(self.seconds, 3)}
 
 
 @dataclass
@@ -343,20 +346,23 @@ class SnapshotKeeper:
 
     # -- reporting, shutdown -----------------------------------------------------------------
 
-    def model_report(self, model_id: str) -> dict[str, Any]:
+    def model_report(self, model_id: str, detail: bool = False) -> dict[str, Any]:
+        """The model's snapshot counts; ``detail`` (admins): failure messages too."""
         counts = self.counts(model_id)
         snapshots, size = self.store.model_stats(model_id)
         return {
             "snapshots": snapshots, "bytes": size, "saved": counts.saved,
             "restored": counts.restored, "missed": dict(counts.missed),
             "failed": counts.failed, "prefill_saved_tokens": counts.prefill_saved_tokens,
-            "last_flush": counts.last_flush.as_dict() if counts.last_flush else None,
-            "recent_flushes": [f.as_dict() for f in counts.recent],
+            "last_flush": counts.last_flush.as_dict(detail) if counts.last_flush else None,
+            "recent_flushes": [f.as_dict(detail) for f in counts.recent],
         }
 
-    def report(self) -> dict[str, Any]:
+    def report(self, detail: bool = False) -> dict[str, Any]:
+        """The store's counts; ``detail`` (admins): its directory too."""
         stats = self.store.stats.as_dict()
-        return {"dir": str(self.store.root), "max_bytes": self.store.max_bytes,
+        where = {"dir": str(self.store.root)} if detail else {}
+        return {**where, "max_bytes": self.store.max_bytes,
                 "min_tokens": self.options.min_tokens, **stats,
                 "disabled": sorted(set(self._disabled.values()))}
 
