@@ -196,7 +196,12 @@ class SnapshotKeeper:
     async def _restore(self, model: CatalogModel, engine: EngineClient, slot: Slot,
                        key: SnapshotKey, tokens: Sequence[int], live: int) -> Restore | None:
         least = max(self.options.min_tokens, live + self.options.min_tokens)
-        snapshot = await asyncio.to_thread(self.store.find, model.id, key, tokens, least)
+        try:
+            snapshot = await asyncio.to_thread(self.store.find, model.id, key, tokens, least)
+        except OSError as e:  # the directory itself: the request goes on without it
+            self.counts(model.id).failed += 1
+            log.warning("model %s: snapshots not searched: %s", model.id, e)
+            return None
         if snapshot is None:
             return None
         started = time.monotonic()
@@ -315,9 +320,10 @@ class SnapshotKeeper:
         counted, logged and put in ``report``."""
         report = report or FlushReport(why)
         started = time.monotonic()
-        model_dir = self.store.model_dir(model.id)
+        model_dir = self.store.root
         staged = self.store.staging_name()
         try:
+            model_dir = self.store.model_dir(model.id)
             await engine.save_slot(slot.id, staged)
             tokens = await asyncio.to_thread(engine_for(model).saved_tokens, model_dir / staged)
             if len(tokens) < self.options.min_tokens:

@@ -415,7 +415,11 @@ class SnapshotStore:
             raise SnapshotRefused("its data file is missing") from e
         if size != meta.get("bytes"):
             raise SnapshotRefused(f"its data file has {size} bytes, not {meta.get('bytes')}")
-        if _sha256(data) != meta.get("sha256"):
+        try:
+            checksum = _sha256(data)
+        except OSError as e:
+            raise SnapshotRefused(f"its data file cannot be read ({e.strerror})") from e
+        if checksum != meta.get("sha256"):
             raise SnapshotRefused("its checksum does not match")
         return Snapshot(model_id, digest, tuple(tokens), size, str(meta["sha256"]))
 
