@@ -141,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body", type=_size, default=defaults.MAX_BODY_BYTES,
                        metavar="SIZE",
                        help="largest request body; larger ones get 413 (16MiB)")
-    serve.add_argument("--kv-cache-dir", type=Path, metavar="DIR",
+    serve.add_argument("--kv-cache-dir", type=_dir_path, metavar="DIR",
                        help="where slots' saved KV state is kept, a private directory per "
                             "model (default: the cache directory's kv/)")
     serve.add_argument("--kv-cache-max", type=_size_or_zero, metavar="SIZE",
@@ -181,7 +181,7 @@ def parser() -> argparse.ArgumentParser:
                     "its admin API (DELETE /admin/cache[/MODEL]) while it runs.")
     cache.add_argument("action", choices=["list", "purge"])
     cache.add_argument("model", nargs="?", metavar="ID", help="only this model's snapshots")
-    cache.add_argument("--kv-cache-dir", type=Path, metavar="DIR",
+    cache.add_argument("--kv-cache-dir", type=_dir_path, metavar="DIR",
                        help="the snapshot directory (default: the cache directory's kv/)")
     return p
 
@@ -214,6 +214,12 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(e.message) from e
+
+
+def _dir_path(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("needs a directory")
+    return Path(text).expanduser()
 
 
 def _size_or_zero(text: str) -> int:
@@ -309,7 +315,7 @@ def serve(settings: Settings, catalog: Catalog) -> int:
     keeper = _snapshot_keeper(settings, events)
     launcher = LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
                                            settings.worker_engine),
-                             snapshot_dir=keeper.store.model_dir if keeper else None)
+                             snapshot_dir=keeper.store.worker_dir if keeper else None)
     residency = ResidencyManager(
         catalog,
         ResidencyOptions(budget_bytes=budget, ttl_s=settings.ttl_s,
@@ -560,18 +566,21 @@ def control(verb: str, model: str, url: str, key: str | None, path: str | None) 
 def cache(action: str, model: str | None, root: Path | None) -> int:
     """``bunkhouse cache list|purge [MODEL]`` on the snapshot directory."""
     from bunkhouse.config import default_cache_dir
-    from bunkhouse.kvcache.store import SnapshotStore, StoreInUse
+    from bunkhouse.kvcache.store import NotAStore, SnapshotStore, StoreInUse
 
     root = (root or default_cache_dir() / "kv").expanduser()
     if not root.is_dir():
         print(f"no KV snapshots: {root} does not exist")
         return 0
-    try:
-        store = SnapshotStore(root, 1 << 62)
+    try:  # a listing reads only; a purge holds the directory as a server would
+        store = SnapshotStore(root, 1 << 62, read_only=action == "list")
     except StoreInUse:
         print(f"bunkhouse: error: a running bunkhouse uses {root}; stop it first, or remove "
               "snapshots through it: DELETE /admin/cache[/MODEL] with an admin key",
               file=sys.stderr)
+        return 1
+    except NotAStore as e:
+        print(f"bunkhouse: error: {e}; nothing done", file=sys.stderr)
         return 1
     if action == "purge":
         removed = store.purge(model)
@@ -619,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
         return control(args.command, args.model, args.url, args.admin_key,
                        getattr(args, "path", None))
     if args.command == "cache":
+        if args.model is not None and not args.model.strip():
+            print("bunkhouse: error: give a model id, or none for every model", file=sys.stderr)
+            return 2
         return cache(args.action, args.model, args.kv_cache_dir)
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -132,10 +132,10 @@ def test_invalid_snapshots_are_skipped_with_their_reasons(tmp_path: Path) -> Non
         path.unlink()
     meta = json.loads(sidecar.read_text())
     data = sidecar.with_suffix(".bin").read_bytes()
-    for name, payload, key_model in (
-            ("flipped", data[:5000] + bytes([data[5000] ^ 0xFF]) + data[5001:], None),
-            ("truncated", data[: len(data) // 2], None),
-            ("othermodel", data, "/models/other.gguf|1|1")):
+    for name, payload, key_model in (  # named as the store names snapshots: 40 hex digits
+            ("f" * 40, data[:5000] + bytes([data[5000] ^ 0xFF]) + data[5001:], None),
+            ("e" * 40, data[: len(data) // 2], None),
+            ("d" * 40, data, "/models/other.gguf|1|1")):
         (folder / f"{name}.bin").write_bytes(payload)
         changed = json.loads(json.dumps(meta))
         if key_model:
@@ -153,6 +153,7 @@ def test_invalid_snapshots_are_skipped_with_their_reasons(tmp_path: Path) -> Non
     # The intact snapshot, under another context size: another KV layout.
     other = tmp_path / "other-context"
     (other / model_dir.name).mkdir(parents=True)
+    (other / ".bunkhouse-kv").touch()  # a snapshot directory, moved here
     for path in original.iterdir():
         shutil.copy2(path, other / model_dir.name / path.name)
     with serve(tmp_path / "resized", "--config", _config(tmp_path, 8192), "--budget",
@@ -162,3 +163,27 @@ def test_invalid_snapshots_are_skipped_with_their_reasons(tmp_path: Path) -> Non
         assert server.stats()["kv_cache"]["skipped"] == {
             "made for another KV layout (slot_context 8192, here 4096)": 1}
     assert (other / model_dir.name / sidecar.name).exists()  # kept: valid for its own key
+
+
+def test_a_snapshot_directory_removed_under_a_running_server_fails_no_request(
+        tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    with serve(tmp_path / "removed", "--kv-cache-dir", str(kv), "--api-key", "client-k",
+               "--admin-key", ADMIN) as server:
+        shutil.rmtree(kv)
+        for _ in range(2):  # a load, then the same worker
+            resp = httpx.post(f"{server.url}/v1/completions", timeout=300,
+                              headers={"authorization": "Bearer client-k"},
+                              json={"model": GEMMA, "prompt": "Hello " * 300, "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+        unloaded = httpx.post(f"{server.url}/v1/models/{GEMMA}/unload", timeout=60,
+                              headers={"authorization": f"Bearer {ADMIN}"})
+        assert unloaded.status_code == 204
+        gemma = httpx.get(f"{server.url}/v1/models/{GEMMA}",
+                          headers={"authorization": f"Bearer {ADMIN}"}).json()
+        assert gemma["state"] == "absent"
+        flush = gemma["kv_cache"]["last_flush"]
+        assert flush["saved"] == 1, flush  # the directory is made again
+        client = httpx.get(f"{server.url}/stats",
+                           headers={"authorization": "Bearer client-k"}).text
+        assert str(tmp_path) not in client

@@ -158,10 +158,12 @@ def test_a_crash_mid_write_leaves_nothing_that_is_read(tmp_path: Path) -> None:
     kept = _save(store, "m", [1, 2, 3])
     model_dir = store.model_dir("m")
     (model_dir / store.staging_name()).write_bytes(b"half a slot")  # the engine was writing
-    (model_dir / "0123abcd.bin").write_bytes(b"data whose sidecar never came")
+    (model_dir / f"{'0123abcd' * 5}.bin").write_bytes(b"data whose sidecar never came")
     (model_dir / f"{kept}.json.1234abcd.partial").write_bytes(b'{"half')
+    (model_dir / "notes.json").write_text("a file the store did not make")
     reopened = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
-    assert sorted(p.name for p in model_dir.iterdir()) == [f"{kept}.bin", f"{kept}.json"]
+    assert sorted(p.name for p in model_dir.iterdir()) == [f"{kept}.bin", f"{kept}.json",
+                                                           "notes.json"]
     found = reopened.find("m", KEY, [1, 2, 3, 4])
     assert found is not None and found.digest == kept
 
@@ -235,3 +237,46 @@ def test_the_tokens_of_a_saved_slot_file_and_every_malformed_one_refused(tmp_pat
     (tmp_path / "short").write_bytes(b"gg")
     with pytest.raises(ValueError):
         saved_tokens(tmp_path / "short")
+
+
+def test_a_directory_the_store_did_not_make_is_never_touched(tmp_path: Path) -> None:
+    from bunkhouse.kvcache.store import NotAStore
+
+    project = tmp_path / "project"
+    (project / "app").mkdir(parents=True)
+    (project / "app" / "package.json").write_text("{}")
+    (project / "app" / f"{'ab' * 20}.bin").write_bytes(b"x")
+    os.chmod(project, 0o755)
+    for read_only in (False, True):
+        with pytest.raises(NotAStore):
+            SnapshotStore(project, 1 << 20, read_only=read_only)
+    assert sorted(p.name for p in (project / "app").iterdir()) == [f"{'ab' * 20}.bin",
+                                                                    "package.json"]
+    assert stat.S_IMODE(os.stat(project).st_mode) == 0o755
+    SnapshotStore(tmp_path / "new", 1 << 20).close()  # a new directory is made a store
+    (tmp_path / "empty").mkdir()
+    SnapshotStore(tmp_path / "empty", 1 << 20).close()  # and so is an empty one
+
+
+def test_a_lowered_budget_applies_at_start_and_a_listing_changes_nothing(
+        tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
+    for i in range(4):
+        _save(store, "m", [i, i])
+    store.close()
+    model_dir = store.model_dir("m")
+    os.chmod(next(model_dir.glob("*.bin")), 0o644)
+    before = sorted(p.name for p in model_dir.iterdir())
+    listing = SnapshotStore(tmp_path / "kv", 1500, read_only=True)
+    assert len(listing.snapshots()) == 4 and sorted(p.name for p in model_dir.iterdir()) == before
+    smaller = SnapshotStore(tmp_path / "kv", 3000, clock=Clock())
+    assert len(smaller.snapshots()) == 2 and _disk_bytes(tmp_path / "kv") <= 3000
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in model_dir.iterdir())
+    smaller.close()
+
+
+def test_model_directories_are_distinct_for_every_id(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv", 1 << 20)
+    assert store.model_dir("team/gem:v1") != store.model_dir("team--gem-v1")
+    assert store.model_dir("team/gem:v1").parent == tmp_path / "kv"
+    store.close()

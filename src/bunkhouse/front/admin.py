@@ -93,7 +93,8 @@ class Admin:
 
     def _snapshots(self) -> SnapshotKeeper:
         if self.keeper is None:
-            raise Conflict("KV snapshots are off on this server (--kv-cache-max 0)")
+            raise Conflict("KV snapshots are off on this server: --kv-cache-max 0, or its "
+                           "--kv-cache-dir could not be used (its log says why at start)")
         return self.keeper
 
     async def cache_flush(self, request: Request) -> Response:

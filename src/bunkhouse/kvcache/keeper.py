@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -83,13 +84,15 @@ class FlushReport:
     seconds: float = 0.0
 
     def as_dict(self, detail: bool = True) -> dict[str, Any]:
-        """``detail``: the failures' messages (they may name server paths: admins only);
-        else how many failed."""
-        return {"reason": self.reason, "at": self.at, "saved": self.saved,
-                "saved_bytes": self.saved_bytes, "saved_tokens": self.saved_tokens,
-                "skipped": self.skipped,
-                "failed": self.failed if detail else len(self.failed),
-                "seconds": round(self.seconds, 3)}
+        """``detail``: the failures' messages too, as ``failures`` (they may name server
+        paths: admins only)."""
+        out = {"reason": self.reason, "at": self.at, "saved": self.saved,
+               "saved_bytes": self.saved_bytes, "saved_tokens": self.saved_tokens,
+               "skipped": self.skipped, "failed": len(self.failed),
+               "seconds": round(self.seconds, 3)}
+        if detail:
+            out["failures"] = self.failed
+        return out
 
 
 @dataclass
@@ -278,7 +281,7 @@ class SnapshotKeeper:
                 return
             report = FlushReport("idle", at=time.time())
             await self._save(model, engine, slot, key, version, "idle", report)
-        if report.saved:
+        if report.saved or report.failed:
             self._flushed(model.id, report)
 
     async def flush(self, model: CatalogModel, engine: EngineClient, gate: SlotGate,
@@ -336,6 +339,10 @@ class SnapshotKeeper:
         except (BunkhouseError, SnapshotRefused, ValueError, OSError) as e:
             (model_dir / staged).unlink(missing_ok=True)
             message = getattr(e, "message", None) or str(e)
+            with contextlib.suppress(OSError):
+                free = shutil.disk_usage(self.store.root).free
+                if free < 1 << 30:
+                    message += f" ({free // MIB} MiB free on the snapshot disk)"
             self.counts(model.id).failed += 1
             report.failed.append(f"slot {slot.id}: {message}")
             log.warning("model %s: slot %d not saved (%s): %s", model.id, slot.id, why, message)

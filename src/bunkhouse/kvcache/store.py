@@ -34,6 +34,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import stat
 import threading
 import time
 import uuid
@@ -47,6 +49,18 @@ log = logging.getLogger(__name__)
 
 _DATA, _SIDECAR, _STAGING = ".bin", ".json", ".partial"
 _VERSION = 1
+MARKER = ".bunkhouse-kv"
+"""The file that marks a directory as a snapshot store's (no other directory is written)."""
+# The store's own file names: <digest>.bin/.json, slot-<uuid>.partial, <digest>.json.<8>.partial
+_OURS = re.compile(r"[0-9a-f]{40}\.(bin|json)|slot-[0-9a-f]{32}\.partial"
+                   r"|[0-9a-f]{40}\.json\.[0-9a-f]{8}\.partial")
+
+
+def _dir_name(model_id: str) -> str:
+    """A model's directory name: readable, and distinct for every id (``a/b`` and ``a--b``
+    would otherwise share one)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "-", model_id)[:80]
+    return f"{safe}-{hashlib.sha256(model_id.encode()).hexdigest()[:8]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +117,10 @@ def _tokens(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(type(t) is int for t in value):
         raise ValueError("tokens must be a list of integers")
     return tuple(value)
+
+
+class NotAStore(OSError):
+    """A directory that is not a snapshot store's, and not new or empty: never written."""
 
 
 class StoreInUse(OSError):
@@ -213,6 +231,7 @@ class _Entry:
     used: float  # last commit or restore (monotonic order: LRU)
     tokens: tuple[int, ...]  # as its sidecar says
     key: dict[str, Any]  # as its sidecar says
+    folder: Path  # the directory its files are in
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -233,7 +252,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class SnapshotStore:
     """Snapshots of every model under ``root``, at most ``max_bytes`` together."""
 
-    def __init__(self, root: Path, max_bytes: int, clock: Any = time.time) -> None:
+    def __init__(self, root: Path, max_bytes: int, clock: Any = time.time, *,
+                 read_only: bool = False) -> None:
+        """Open (or create) the store in ``root``: a new or empty directory, or one a store
+        made (it holds :data:`MARKER`); any other directory is refused (NotAStore), so that
+        no file of the user's is ever removed or its mode changed. ``read_only``: index what
+        is there and change nothing (no lock, no clean-up, no budget applied).
+
+        Raises NotAStore, StoreInUse (another process holds it), OSError."""
         self.root = root
         self.max_bytes = max_bytes
         self.stats = StoreStats()
@@ -241,10 +267,29 @@ class SnapshotStore:
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._skipped: set[tuple[str, str]] = set()  # kept, counted once as unusable
+        self._read_only = read_only
+        self._held: Path | None = None
+        if not read_only:
+            self._claim(root)
+            self._held = _hold(root)
+        elif not (root / MARKER).is_file():
+            raise NotAStore(f"{root} is not a bunkhouse KV snapshot directory")
+        self._load()
+        if not read_only:
+            with self._lock:
+                self._make_room(0)  # a budget lowered since the last run
+
+    @staticmethod
+    def _claim(root: Path) -> None:
+        if root.exists() and not (root / MARKER).is_file():
+            if not root.is_dir():
+                raise NotAStore(f"{root} is not a directory")
+            if any(root.iterdir()):
+                raise NotAStore(f"{root} is not empty and is not a bunkhouse KV snapshot "
+                                "directory: give a new or empty one")
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
-        self._held: Path | None = _hold(root)
-        self._load()
+        (root / MARKER).touch(mode=0o600)
 
     def close(self) -> None:
         """Let another process have the directory (once every store of this one closed)."""
@@ -255,40 +300,71 @@ class SnapshotStore:
     # -- layout -----------------------------------------------------------------------
 
     def model_dir(self, model_id: str) -> Path:
-        """The model's private directory (the worker's snapshot directory)."""
-        safe = model_id.replace("/", "--").replace(":", "-")
-        path = self.root / safe
-        path.mkdir(mode=0o700, exist_ok=True)
+        """The model's private directory (the worker's snapshot directory), made again if it
+        was removed. Raises OSError when it cannot be (a file in its place, no permission)."""
+        path = self.root / _dir_name(model_id)
+        if not path.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            (self.root / MARKER).touch(mode=0o600)
+            path.mkdir(mode=0o700, exist_ok=True)
         return path
+
+    def worker_dir(self, model_id: str) -> Path | None:
+        """:meth:`model_dir` for a worker's start: None (the worker saves nothing, and says
+        so in the log) rather than an error that would fail the model's load."""
+        try:
+            return self.model_dir(model_id)
+        except OSError as e:
+            log.warning("model %s: KV snapshots off for this worker: %s", model_id, e)
+            return None
 
     def staging_name(self) -> str:
         """A fresh file name for the engine to save a slot into (in the model's directory)."""
         return f"slot-{uuid.uuid4().hex}{_STAGING}"
 
     def _load(self) -> None:
-        """Index what a previous run left; remove half-written files and orphans."""
-        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+        """Index what a previous run left; remove half-written files and orphans. Only
+        files named as the store names them are looked at; modes are made private again."""
+        for model_dir in sorted(p for p in self.root.iterdir()
+                                if p.is_dir() and not p.is_symlink()):
+            if not self._read_only:
+                os.chmod(model_dir, 0o700)
             for path in model_dir.iterdir():
-                if path.name.endswith(_STAGING):
-                    path.unlink(missing_ok=True)  # a write a crash interrupted
-            for sidecar in model_dir.glob(f"*{_SIDECAR}"):
-                data = sidecar.with_suffix(_DATA)
-                try:
-                    meta = json.loads(sidecar.read_text())
-                    size = data.stat().st_size + sidecar.stat().st_size
-                    model_id = str(meta["model_id"])
-                    tokens = _tokens(meta["tokens"])
-                    key = dict(meta["key"])
-                except (OSError, ValueError, KeyError, TypeError):
-                    self._discard(model_dir, sidecar.stem, "unreadable sidecar")
-                    continue
-                used = sidecar.stat().st_mtime  # the last use (see _touch)
-                self._entries[(model_id, sidecar.stem)] = _Entry(
-                    model_id, sidecar.stem, size, used, tokens, key)
-            for data in model_dir.glob(f"*{_DATA}"):
-                if not data.with_suffix(_SIDECAR).exists():
-                    data.unlink(missing_ok=True)  # its sidecar was never written
+                name = path.name
+                if _OURS.fullmatch(name) is None:
+                    continue  # not a file of the store's: left alone
+                if name.endswith(_STAGING):
+                    self._remove(path)  # a write a crash interrupted
+                elif name.endswith(_DATA) and not path.with_suffix(_SIDECAR).exists():
+                    self._remove(path)  # its sidecar was never written
+                elif name.endswith(_SIDECAR):
+                    self._index(model_dir, path)
         self.stats.bytes = sum(e.bytes for e in self._entries.values())
+
+    def _remove(self, path: Path) -> None:
+        if not self._read_only:
+            path.unlink(missing_ok=True)
+
+    def _index(self, model_dir: Path, sidecar: Path) -> None:
+        data = sidecar.with_suffix(_DATA)
+        try:
+            if not (stat.S_ISREG(data.lstat().st_mode) and stat.S_ISREG(sidecar.lstat().st_mode)):
+                raise ValueError("not a regular file")
+            meta = json.loads(sidecar.read_text())
+            size = data.stat().st_size + sidecar.stat().st_size
+            model_id = str(meta["model_id"])
+            tokens = _tokens(meta["tokens"])
+            key = dict(meta["key"])
+        except (OSError, ValueError, KeyError, TypeError):
+            if not self._read_only:
+                self._discard(model_dir, sidecar.stem, "unreadable sidecar")
+            return
+        if not self._read_only:
+            for path in (data, sidecar):
+                os.chmod(path, 0o600)
+        used = sidecar.stat().st_mtime  # the last use (see _touch)
+        self._entries[(model_id, sidecar.stem)] = _Entry(
+            model_id, sidecar.stem, size, used, tokens, key, model_dir)
 
     def _discard(self, model_dir: Path, digest: str, reason: str | None = None,
                  model_id: str | None = None) -> None:
@@ -354,7 +430,8 @@ class SnapshotStore:
                 raise
             self._entries[(model_id, digest)] = _Entry(model_id, digest, total, 0.0,
                                                        tuple(tokens),
-                                                       json.loads(json.dumps(key.as_dict())))
+                                                       json.loads(json.dumps(key.as_dict())),
+                                                       model_dir)
             self._touch(model_id, digest)
             self.stats.written += 1
             self.stats.bytes += total
@@ -368,7 +445,7 @@ class SnapshotStore:
             if (old.model_id == model_id and old.digest != digest and old.key == new.key
                     and len(old.tokens) <= len(new.tokens)
                     and new.tokens[: len(old.tokens)] == old.tokens):
-                self._discard(self.model_dir(model_id), old.digest, model_id=model_id)
+                self._discard(old.folder, old.digest, model_id=model_id)
                 self.stats.superseded += 1
 
     def _make_room(self, need: int) -> None:
@@ -377,7 +454,7 @@ class SnapshotStore:
         for victim in by_age:
             if self.stats.bytes + need <= self.max_bytes:
                 return
-            self._discard(self.model_dir(victim.model_id), victim.digest,
+            self._discard(victim.folder, victim.digest,
                           model_id=victim.model_id)
             self.stats.evicted += 1
 
@@ -385,7 +462,7 @@ class SnapshotStore:
         entry = self._entries[(model_id, digest)]
         entry.used = max(self._clock(), entry.used + 1e-6)
         with contextlib.suppress(OSError):  # the order survives a restart
-            os.utime(self.model_dir(model_id) / f"{digest}{_SIDECAR}",
+            os.utime(entry.folder / f"{digest}{_SIDECAR}",
                      (entry.used, entry.used))
 
     # -- reading ------------------------------------------------------------------------
@@ -431,10 +508,10 @@ class SnapshotStore:
         ones met on the way are removed; each is counted by reason and logged."""
         wanted = json.loads(json.dumps(key.as_dict()))  # as a sidecar holds it
         with self._lock:
-            model_dir = self.model_dir(model_id)
+            model_dir = self.root / _dir_name(model_id)  # where its worker reads them
             found: list[tuple[int, str]] = []
             for entry in list(self._entries.values()):
-                if entry.model_id != model_id:
+                if entry.model_id != model_id or entry.folder != model_dir:
                     continue
                 shared = common_prefix(entry.tokens, tokens)
                 if shared < min_tokens:
@@ -484,7 +561,7 @@ class SnapshotStore:
             victims = [e for e in self._entries.values()
                        if model_id is None or e.model_id == model_id]
             for entry in victims:
-                self._discard(self.model_dir(entry.model_id), entry.digest,
+                self._discard(entry.folder, entry.digest,
                               model_id=entry.model_id)
             return len(victims)
 

@@ -35,9 +35,10 @@ class LocalLauncher:
 
     def __init__(self, options: LaunchOptions, spawner: Spawner = spawn_local,
                  tmp_dir: Path | None = None,
-                 snapshot_dir: Callable[[str], Path] | None = None) -> None:
+                 snapshot_dir: Callable[[str], Path | None] | None = None) -> None:
         """``snapshot_dir(model_id)``: where a model's worker saves and restores slots (the
-        KV snapshot store's directory for it); None: workers save none."""
+        KV snapshot store's directory for it; None: this worker saves none); None: workers
+        save none."""
         self.options = options
         self._snapshot_dir = snapshot_dir
         self._spawner = spawner
