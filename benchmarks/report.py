@@ -469,7 +469,7 @@ def render(results: dict[str, Any]) -> str:
         "",
         "Rerun: `pip install -e \".[bench]\"`, then `python -m benchmarks run` (about 20 "
         "minutes on 2 cores) or `python -m benchmarks run --quick` (under 10); add "
-        "`--llama-server PATH` for the router comparison (section 3). Results go to "
+        "`--llama-server PATH` for the router comparisons (sections 3 and 6). Results go to "
         "`docs/benchmarks.md`, `docs/benchmarks/*.png` and `docs/benchmarks/results.json`; "
         "logs of every process to `benchmarks/results/`. Run it on an otherwise idle "
         "machine: when another process competes for the cores, llama.cpp's decode threads "
