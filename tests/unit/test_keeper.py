@@ -118,8 +118,11 @@ def test_a_restore_the_engine_did_not_reuse_stops_restores_until_the_config_chan
         gate.reset()
         _, again = await _run(keeper, gate, engine, model, LONG + " more")
         assert again is None and engine.restores == 1  # its snapshots are not used again
+        swa_full = dataclasses.replace(model, options=dataclasses.replace(
+            model.options, swa_full=True))  # no sliding window here: the same key
+        assert keeper.key(swa_full) == keeper.key(model) and not keeper.active(swa_full)
         fixed = dataclasses.replace(model, options=dataclasses.replace(
-            model.options, swa_full=True))  # a new key; its old snapshots do not match it
+            model.options, context=8192))  # a new key; its old snapshots do not match it
         assert keeper.active(fixed)
 
     asyncio.run(go())

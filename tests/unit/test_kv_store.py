@@ -82,7 +82,8 @@ def test_twenty_conversations_never_pass_the_budget_and_the_least_recent_go_firs
     assert kept_warm in digests and len(digests) <= 5
     assert store.stats.evicted >= 14
     with pytest.raises(SnapshotRefused):
-        _save(store, "m", [7], size=10 * per)  # can never fit
+        _save(store, "m", [7], size=10 * per)  # can never fit: not kept, and not a failure
+    assert store.stats.failed == 0
     assert _disk_bytes(tmp_path / "kv") <= store.max_bytes
 
 

@@ -148,6 +148,9 @@ class EngineAdapter(Protocol):
         types, a slot's context, sliding-window settings); None: this engine cannot save and
         restore slots."""
 
+    def sliding_window(self, model: CatalogModel) -> bool:
+        """Whether the model has layers whose KV cache holds only a window."""
+
     def saved_tokens(self, path: Path) -> list[int]:
         """The token ids a slot file saved by this engine covers; ValueError for a file that
         is not one."""

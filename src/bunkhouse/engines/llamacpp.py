@@ -322,7 +322,11 @@ class LlamaCpp:
         o = model.options
         return {"cache_type_k": "f16", "cache_type_v": "f16", "n_ubatch": N_UBATCH,
                 "slot_context": o.context // o.parallel, "kv_unified": False,
-                "swa_full": o.swa_full, "embeddings": model.embeddings}
+                "swa_full": o.swa_full and self.sliding_window(model),
+                "embeddings": model.embeddings}
+
+    def sliding_window(self, model: CatalogModel) -> bool:
+        return _swa_layers(model.info) > 0
 
     def saved_tokens(self, path: Path) -> list[int]:
         return saved_tokens(path)

@@ -44,6 +44,7 @@ from bunkhouse.kvcache.store import (
     SnapshotKey,
     SnapshotRefused,
     SnapshotStore,
+    TooLarge,
     common_prefix,
 )
 from bunkhouse.residency.events import EventLog
@@ -245,9 +246,12 @@ class SnapshotKeeper:
         key = self.key(model)
         if key is not None:
             self._disabled[key] = reason
+        hint = ""
+        if engine_for(model).sliding_window(model) and not model.options.swa_full:
+            hint = " (it has sliding-window attention: set swa_full = true for it)"
         log.warning("model %s: a restored snapshot did not save the prefill (%s); its "
-                    "snapshots are not restored again until its configuration changes (for "
-                    "a sliding-window model: swa_full = true)", model.id, reason)
+                    "snapshots are not restored again until its configuration changes%s",
+                    model.id, reason, hint)
         self.events.emit(model.id, "restore_missed", reason)
 
     # -- saving ---------------------------------------------------------------------------
@@ -336,6 +340,11 @@ class SnapshotKeeper:
                     slot.held, slot.dirty = tuple(tokens), False
                 return
             snapshot = await asyncio.to_thread(self.store.commit, model.id, staged, key, tokens)
+        except TooLarge as e:
+            report.skipped += 1
+            log.info("model %s: slot %d not kept (%s): %s; raise --kv-cache-max to keep "
+                     "conversations this long", model.id, slot.id, why, e)
+            return
         except (BunkhouseError, SnapshotRefused, ValueError, OSError) as e:
             (model_dir / staged).unlink(missing_ok=True)
             message = getattr(e, "message", None) or str(e)

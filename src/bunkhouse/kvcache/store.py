@@ -148,6 +148,10 @@ def key_difference(have: Any, want: dict[str, Any]) -> str:
         f"{k} {layout.get(k)}, here {want['layout'].get(k)}" for k in names) + ")"
 
 
+class TooLarge(SnapshotRefused):
+    """A snapshot larger than the whole budget: not kept, and not a failure."""
+
+
 class _OtherKey(SnapshotRefused):
     """The sidecar names another key than the index had: valid for that key, not this one."""
 
@@ -413,8 +417,8 @@ class SnapshotStore:
                     "written": self._clock()}).encode()
                 total = size + len(sidecar)
                 if total > self.max_bytes:
-                    raise SnapshotRefused(f"{total} bytes is more than the whole budget of "
-                                          f"{self.max_bytes}")
+                    raise TooLarge(f"{total} bytes is more than the whole budget of "
+                                   f"{self.max_bytes}")
                 self._make_room(total)
                 os.chmod(staged_path, 0o600)
                 os.replace(staged_path, data)
@@ -424,8 +428,9 @@ class SnapshotStore:
                 self.stats.failed += 1
                 staged_path.unlink(missing_ok=True)
                 raise SnapshotRefused(f"cannot keep the snapshot: {e}") from e
-            except SnapshotRefused:
-                self.stats.failed += 1
+            except SnapshotRefused as e:
+                if not isinstance(e, TooLarge):
+                    self.stats.failed += 1
                 staged_path.unlink(missing_ok=True)
                 raise
             self._entries[(model_id, digest)] = _Entry(model_id, digest, total, 0.0,
