@@ -101,7 +101,8 @@ def test_every_route_is_in_the_access_table_and_the_table_names_no_dead_route(
     assert served == set(ACCESS)
     assert {p for (_, p), level in ACCESS.items() if level is Level.OPEN} == {
         "/health", "/openapi.json"}
-    inference = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
+    inference = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages",
+                 "/v1/messages/count_tokens"}
     assert all(level is Level.ADMIN for (m, p), level in ACCESS.items()
                if m in ("POST", "DELETE") and p not in inference)
 

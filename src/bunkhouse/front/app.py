@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bunkhouse import __version__, defaults
+from bunkhouse.api import anthropic
 from bunkhouse.api.schemas import (
     BodyBudget,
     ChatCompletionRequest,
@@ -43,7 +44,8 @@ from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_loa
 from bunkhouse.front.auth import Keys, Level, access
 from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
-from bunkhouse.front.proxy import forward, stream_broke
+from bunkhouse.front.protocols import AnthropicShape
+from bunkhouse.front.proxy import Shape, forward, stream_broke
 from bunkhouse.front.site import SiteGuard, SitePolicy
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import Lease, ResidencyManager
@@ -83,51 +85,99 @@ class Front:
         async def handler(request: Request) -> Response:
             body = await read_body(request, self.max_body_bytes, self._bodies)
             parsed, data = await self._cpu(len(body), parse, body)
-            model = self.catalog.get(parsed.model)
-            data = await self._cpu(len(body), prepare, path, schema, model, data)
-            await refuse_before_load(model, path, data, functools.partial(_pair_table, model))
-            lease = await self.residency.acquire(model)
-            held = _Held(lease.release)
-            try:
-                engine = lease.worker.engine
-                keeper = self.keeper if self.keeper and self.keeper.active(model) else None
-                pinned = keeper is not None and _pinnable(path, data)
-                tokens = (await keeper.prompt_tokens(model, engine, path, data)
-                          if keeper is not None and pinned else None)
-                await check_fits(model, path, data, _counter(engine, tokens))
-                slots = lease.slots
-                slot = await slots.enter(tokens)
-                held.push(functools.partial(self._leave, model, engine, slots, slot))
-                await self.compute.enter(model.id)
-                held.push(lambda: self.compute.leave(model.id))
-                if await request.is_disconnected():  # gone while it waited: never started
-                    held.close()
-                    return Response(status_code=499)
-                self._check_still_served(lease)
-                on_timings = None
-                if keeper is not None:
-                    restore = await keeper.prepare(model, engine, slot, tokens)
-                    if restore is not None:
-                        on_timings = functools.partial(keeper.check, model, restore)
-                    if pinned and slot.id >= 0:
-                        data = {**data, "id_slot": slot.id}
-                response = await forward(engine, path, data,
-                                         stream=parsed.stream, request=request,
-                                         model_id=model.id, on_done=held.close,
-                                         on_broken=self._broken(lease), on_timings=on_timings)
-            except EngineUnavailable as e:
-                held.close()
-                if self.residency.closing:  # the front's shutdown cut it, not the worker
-                    raise ShuttingDown(model.id) from e
-                lease.report(False)
-                raise
-            except BaseException:
-                held.close()  # idempotent: forward may have closed it already
-                raise
-            lease.report(True)  # it answered: whatever it said, it is alive
-            return response
+            return await self.generate(request, path, schema, parsed, data, len(body))
 
         return handler
+
+    def messages(self) -> Callable[[Request], Awaitable[Response]]:
+        """Anthropic's ``POST /v1/messages``: translated to a chat completion request
+        (api/anthropic.py), served by :meth:`generate`, answered in Anthropic's shape."""
+        def parse(body: bytes) -> tuple[Any, dict[str, Any]]:
+            data = anthropic.to_chat(parse_json_object(body))
+            return validate(ChatCompletionRequest, data), data
+
+        async def handler(request: Request) -> Response:
+            body = await read_body(request, self.max_body_bytes, self._bodies)
+            parsed, data = await self._cpu(len(body), parse, body)
+            stops = list(data.get("stop") or [])
+            return await self.generate(request, "/v1/chat/completions", ChatCompletionRequest,
+                                       parsed, data, len(body),
+                                       lambda model_id: AnthropicShape(model_id, stops))
+
+        return handler
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        """Anthropic's ``POST /v1/messages/count_tokens``: the prompt's tokens, as the
+        model's worker templates and tokenizes it (the model is loaded if it is not)."""
+        body = await read_body(request, self.max_body_bytes, self._bodies)
+
+        def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
+            given = parse_json_object(raw)
+            data = anthropic.to_chat({**given, "max_tokens": 1, "stream": False})
+            return validate(ChatCompletionRequest, data), data
+
+        parsed, data = await self._cpu(len(body), parse, body)
+        model = self.catalog.get(parsed.model)
+        data = await self._cpu(len(body), prepare, "/v1/chat/completions",
+                               ChatCompletionRequest, model, data)
+        lease = await self.residency.acquire(model)
+        try:
+            tokens = await lease.worker.engine.tokenize(
+                {k: v for k, v in data.items() if k in ("messages", "tools", "tool_choice")})
+        finally:
+            lease.release()
+        return JSONResponse({"input_tokens": len(tokens)})
+
+    async def generate(self, request: Request, path: str, schema: Schema, parsed: Any,
+                       data: dict[str, Any], size: int,
+                       shape: Callable[[str], Shape] | None = None) -> Response:
+        """The one generation path every protocol takes: routing by ``model``, the checks
+        before a load, the lease, the context check, KV snapshots, the slot and compute
+        turns, the proxy; ``shape(model_id)`` answers in another protocol."""
+        model = self.catalog.get(parsed.model)
+        data = await self._cpu(size, prepare, path, schema, model, data)
+        await refuse_before_load(model, path, data, functools.partial(_pair_table, model))
+        lease = await self.residency.acquire(model)
+        held = _Held(lease.release)
+        try:
+            engine = lease.worker.engine
+            keeper = self.keeper if self.keeper and self.keeper.active(model) else None
+            pinned = keeper is not None and _pinnable(path, data)
+            tokens = (await keeper.prompt_tokens(model, engine, path, data)
+                      if keeper is not None and pinned else None)
+            await check_fits(model, path, data, _counter(engine, tokens))
+            slots = lease.slots
+            slot = await slots.enter(tokens)
+            held.push(functools.partial(self._leave, model, engine, slots, slot))
+            await self.compute.enter(model.id)
+            held.push(lambda: self.compute.leave(model.id))
+            if await request.is_disconnected():  # gone while it waited: never started
+                held.close()
+                return Response(status_code=499)
+            self._check_still_served(lease)
+            on_timings = None
+            if keeper is not None:
+                restore = await keeper.prepare(model, engine, slot, tokens)
+                if restore is not None:
+                    on_timings = functools.partial(keeper.check, model, restore)
+                if pinned and slot.id >= 0:
+                    data = {**data, "id_slot": slot.id}
+            response = await forward(engine, path, data,
+                                     stream=parsed.stream, request=request,
+                                     model_id=model.id, on_done=held.close,
+                                     on_broken=self._broken(lease), on_timings=on_timings,
+                                     shape=shape(model.id) if shape else None)
+        except EngineUnavailable as e:
+            held.close()
+            if self.residency.closing:  # the front's shutdown cut it, not the worker
+                raise ShuttingDown(model.id) from e
+            lease.report(False)
+            raise
+        except BaseException:
+            held.close()  # idempotent: forward may have closed it already
+            raise
+        lease.report(True)  # it answered: whatever it said, it is alive
+        return response
 
     def _leave(self, model: CatalogModel, engine: EngineClient, slots: SlotGate,
                slot: Slot) -> None:
@@ -300,7 +350,11 @@ def _error_handlers(keys: Keys) -> dict[Any, Handler]:
             log.error("%s %s: %s", request.method, request.url.path[:200], exc.full_message())
         elif exc.detail:
             log.info("%s %s: %s", request.method, request.url.path[:200], exc.full_message())
-        body = error_body(exc, detail=keys.level_of(request) is Level.ADMIN)
+        detail = keys.level_of(request) is Level.ADMIN
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's clients read theirs
+            body = anthropic.error_envelope(exc, detail)
+        else:
+            body = error_body(exc, detail=detail)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers())
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -365,6 +419,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               front.generation("/v1/chat/completions", ChatCompletionRequest)),
         route("POST", "/v1/completions", front.generation("/v1/completions", CompletionRequest)),
         route("POST", "/v1/embeddings", front.generation("/v1/embeddings", EmbeddingRequest)),
+        route("POST", "/v1/messages", front.messages()),
+        route("POST", "/v1/messages/count_tokens", front.count_message_tokens),
         route("GET", "/v1/models", front.list_models),
         route("POST", "/v1/models", admin.register),
         route("POST", "/v1/models/{model_id:path}/{action}", admin.action),

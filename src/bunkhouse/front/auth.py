@@ -36,6 +36,8 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("POST", "/v1/chat/completions"): Level.CLIENT,
     ("POST", "/v1/completions"): Level.CLIENT,
     ("POST", "/v1/embeddings"): Level.CLIENT,
+    ("POST", "/v1/messages"): Level.CLIENT,
+    ("POST", "/v1/messages/count_tokens"): Level.CLIENT,
     ("GET", "/v1/models"): Level.CLIENT,
     ("GET", "/v1/models/{model_id:path}"): Level.CLIENT,
     ("GET", "/stats"): Level.CLIENT,

@@ -38,6 +38,31 @@ def _op(summary: str, ok: str, body: dict[str, Any] | None = None,
     return op
 
 
+def _messages_body(max_tokens: bool) -> dict[str, Any]:
+    """Anthropic's Messages request, as its API reference describes the fields served."""
+    block = {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}}}
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": block}]}
+    props: dict[str, Any] = {
+        "model": {"type": "string"},
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"enum": ["user", "assistant"]}, "content": content}}},
+        "system": content, "stream": {"type": "boolean"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0},
+        "stop_sequences": {"type": "array", "items": {"type": "string"}},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {"type": "object"}, "metadata": {"type": "object"},
+    }
+    required = ["messages"]
+    if max_tokens:
+        props["max_tokens"] = {"type": "integer", "minimum": 1}
+        required.append("max_tokens")
+    schema = {"type": "object", "required": required, "properties": props}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
 def openapi(version: str) -> dict[str, Any]:
     schemas: dict[str, Any] = {"Error": {
         "type": "object", "required": ["error"],
@@ -57,6 +82,15 @@ def openapi(version: str) -> dict[str, Any]:
         **{f"/v1/models/{{model_id}}/{action}": {"post": _op(
             f"{action} a catalog model (admin)", "200", params=_MODEL_ID)}
            for action in ("load", "unload", "pin", "unpin")},
+        "/v1/messages": {"post": _op("Anthropic Messages (SSE with stream); errors in "
+                                     "Anthropic's envelope", "200", _messages_body(True))},
+        "/v1/messages/count_tokens": {"post": _op("Anthropic: the prompt's tokens", "200",
+                                                  _messages_body(False))},
+        "/admin/cache/flush": {"post": _op("save every ready model's idle KV slots (admin)",
+                                           "200")},
+        "/admin/cache": {"delete": _op("remove every KV snapshot (admin)", "200")},
+        "/admin/cache/{model_id}": {"delete": _op("remove a model's KV snapshots (admin)",
+                                                  "200", params=_MODEL_ID)},
         "/health": {"get": _op("liveness and every model's state", "200")},
         "/stats": {"get": _op("memory budget, models and recent events", "200")},
     }

@@ -18,7 +18,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from starlette.requests import Request
@@ -42,14 +42,40 @@ log = logging.getLogger(__name__)
 Timings = Callable[[dict[str, Any]], None]
 """Called with the engine's ``timings`` of an answer (prompt_n, cache_n, ...)."""
 
+
+class StreamShaper(Protocol):
+    """One stream's chat completion events turned into another protocol's bytes."""
+
+    def feed(self, event: dict[str, Any]) -> bytes: ...
+
+    def end(self) -> bytes:
+        """The closing events (once, whatever calls it again)."""
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        """An error (an OpenAI error object) as the protocol's error event."""
+
+
+class Shape(Protocol):
+    """Another protocol's view of a chat completion answer (front/protocols.py)."""
+
+    def answer(self, chat: dict[str, Any]) -> dict[str, Any]: ...
+
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        """An OpenAI error envelope, re-enveloped for the protocol."""
+
+    def stream(self) -> StreamShaper: ...
+
 MAX_ERROR_BYTES = 1 << 20
 """Most of an engine's error body read (its errors are a few hundred bytes)."""
 
 
-def _engine_error(engine: EngineClient, status: int, body: bytes, route: str) -> JSONResponse:
+def _engine_error(engine: EngineClient, status: int, body: bytes, route: str,
+                  shape: Shape | None = None) -> JSONResponse:
     """The engine's error answer in the OpenAI envelope, as its adapter shapes it (a refusal
-    of the request's input is a 400 naming the field)."""
+    of the request's input is a 400 naming the field); in ``shape``'s protocol if given."""
     status, content = engine.error(status, body, route)
+    if shape is not None:
+        content = shape.error(status, content)
     return JSONResponse(content, status_code=status)
 
 
@@ -72,7 +98,7 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
                   stream: bool, request: Request, model_id: str,
                   on_done: Callable[[], None] = _nothing,
                   on_broken: Callable[[Exception], BunkhouseError] | None = None,
-                  on_timings: Timings | None = None) -> Response:
+                  on_timings: Timings | None = None, shape: Shape | None = None) -> Response:
     """Send ``body`` to the worker behind ``engine`` and relay its answer.
 
     ``body`` is raw bytes, sent as they are, or a parsed request, serialized here once: a
@@ -84,6 +110,8 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
     worker was sending breaks, and returns the error the client gets as the stream's last
     event (default: 502 ``engine_unavailable``). ``on_timings(timings)`` is called with the
     engine's ``timings`` object of a single answer (streamed or assembled), if it sends one.
+    ``shape``: the answer, a stream's events and errors in another protocol (a single chat
+    answer only).
     """
     assembler = None
     if isinstance(body, dict):
@@ -94,23 +122,26 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
         body = json.dumps(data).encode()
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)
-        return await _forward_stream(engine, path, body, model_id, on_done, broken, on_timings)
+        return await _forward_stream(engine, path, body, model_id, on_done, broken, on_timings,
+                                     shape)
     return await _forward_once(engine, path, body, request, model_id, assembler, on_done,
-                               on_timings)
+                               on_timings, shape)
 
 
 async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id: str,
                           on_done: Callable[[], None],
                           on_broken: Callable[[Exception], BunkhouseError],
-                          on_timings: Timings | None) -> Response:
+                          on_timings: Timings | None, shape: Shape | None) -> Response:
     resp = await engine.generate(path, body)
     if resp.status_code >= 400:
         try:
-            return _engine_error(engine, resp.status_code, await _read_error(resp), path)
+            return _engine_error(engine, resp.status_code, await _read_error(resp), path,
+                                 shape)
         finally:
             await resp.aclose()
             on_done()
-    return _Relay(resp, model_id, on_done, on_broken, on_timings)
+    return _Relay(resp, model_id, on_done, on_broken, on_timings,
+                  shape.stream() if shape else None)
 
 
 async def _raw(resp: httpx.Response) -> AsyncIterator[bytes]:
@@ -149,15 +180,19 @@ class _Relay(StreamingResponse):
 
     def __init__(self, upstream: httpx.Response, model_id: str, on_done: Callable[[], None],
                  on_broken: Callable[[Exception], BunkhouseError] | None,
-                 on_timings: Timings | None = None) -> None:
+                 on_timings: Timings | None = None,
+                 shaper: StreamShaper | None = None) -> None:
         """``on_broken`` None: a plain answer, relayed with its length, so that a client
-        sees a break as a short body rather than as an event."""
+        sees a break as a short body rather than as an event. ``shaper``: the events are
+        sent in another protocol."""
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
         length = upstream.headers.get("content-length")
         if on_broken is None and length is not None:
             headers["content-length"] = length
+        body = (_relay(upstream, model_id, on_broken, on_timings) if shaper is None
+                else _shaped(upstream, model_id, on_broken, on_timings, shaper))
         super().__init__(
-            _relay(upstream, model_id, on_broken, on_timings),
+            body,
             status_code=upstream.status_code,
             media_type=upstream.headers.get("content-type", "text/event-stream"),
             headers=headers,
@@ -191,6 +226,42 @@ async def _relay(resp: httpx.Response, model_id: str,
         await resp.aclose()
 
 
+async def _shaped(resp: httpx.Response, model_id: str,
+                  on_broken: Callable[[Exception], BunkhouseError] | None,
+                  on_timings: Timings | None, shaper: StreamShaper) -> AsyncIterator[bytes]:
+    """The stream's events, line by line, through ``shaper``."""
+    lines = LineSplitter()
+    try:
+        async for chunk in _raw(resp):
+            out = b"".join(_shape_line(line, shaper, on_timings) for line in lines.feed(chunk))
+            if out:
+                yield out
+        out = b"".join(_shape_line(line, shaper, on_timings) for line in lines.close())
+        yield out + shaper.end()
+    except httpx.TransportError as e:
+        log.warning("model %s: answer from worker broke: %r", model_id, e)
+        if on_broken is not None:
+            yield shaper.error(error_body(on_broken(e)))
+    finally:
+        await resp.aclose()
+
+
+def _shape_line(line: str, shaper: StreamShaper, on_timings: Timings | None) -> bytes:
+    try:
+        event = data_event(line)
+    except StreamError as e:
+        return shaper.error(e.body)
+    except ValueError:
+        return b""
+    if event == DONE:
+        return shaper.end()
+    if not isinstance(event, dict):
+        return b""
+    if on_timings is not None and isinstance(event.get("timings"), dict):
+        on_timings(event["timings"])
+    return shaper.feed(event)
+
+
 def _watch_timings(lines: list[str], on_timings: Timings) -> None:
     for line in lines:
         if '"timings"' not in line:
@@ -213,9 +284,10 @@ Assembler = Callable[[], Assembly]
 
 async def _forward_once(engine: EngineClient, path: str, body: bytes, request: Request,
                         model_id: str, assembler: Assembler | None,
-                        on_done: Callable[[], None], on_timings: Timings | None) -> Response:
+                        on_done: Callable[[], None], on_timings: Timings | None,
+                        shape: Shape | None = None) -> Response:
     call = asyncio.create_task(_call(engine, path, body, model_id, assembler, on_done,
-                                     on_timings))
+                                     on_timings, shape))
     gone = asyncio.create_task(_client_gone(request))
     try:
         done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -231,7 +303,7 @@ async def _forward_once(engine: EngineClient, path: str, body: bytes, request: R
 
 async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
                 assembler: Assembler | None, on_done: Callable[[], None],
-                on_timings: Timings | None = None) -> Response:
+                on_timings: Timings | None = None, shape: Shape | None = None) -> Response:
     """The answer to a plain request. ``on_done`` runs here once the exchange is over, or,
     for an answer relayed as it arrives, when the relay ends."""
     relayed = False
@@ -239,12 +311,13 @@ async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
         resp = await engine.generate(path, body)
         try:
             if resp.status_code >= 400:
-                return _engine_error(engine, resp.status_code, await _read_error(resp), path)
+                return _engine_error(engine, resp.status_code, await _read_error(resp), path,
+                                     shape)
             if assembler is None:
                 relayed = True
                 return _Relay(resp, model_id, on_done, None)
             assembly = assembler()
-            answer = await _assemble(engine, path, resp, model_id, assembly)
+            answer = await _assemble(engine, path, resp, model_id, assembly, shape)
             timings = assembly.timings
             if on_timings is not None and timings is not None:
                 on_timings(timings)
@@ -258,7 +331,7 @@ async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
 
 
 async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model_id: str,
-                    assembly: Assembly) -> Response:
+                    assembly: Assembly, shape: Shape | None = None) -> Response:
     """Fold the engine's stream into one answer as it arrives."""
     try:
         async for line in _lines(resp):
@@ -270,10 +343,11 @@ async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model
     except httpx.TransportError as e:
         raise EngineUnavailable(f"model {model_id!r}: worker answer broke: {e!r}") from e
     except StreamError as e:
-        return _engine_error(engine, 500, json.dumps(e.body).encode(), path)
+        return _engine_error(engine, 500, json.dumps(e.body).encode(), path, shape)
     except ValueError as e:
         raise EngineUnavailable(f"model {model_id!r}: unreadable stream from worker: {e}") from e
-    return JSONResponse(assembly.result())
+    result = assembly.result()
+    return JSONResponse(shape.answer(result) if shape else result)
 
 
 async def _client_gone(request: Request) -> None:

@@ -1,0 +1,365 @@
+"""Anthropic's Messages API in terms of OpenAI chat completions: pure functions, no I/O.
+
+The front serves ``POST /v1/messages`` by translating the request into a chat completion
+request (:func:`to_chat`), sending it down the one generation path every protocol shares, and
+translating the answer back: a whole one with :func:`message_from_chat`, a stream chunk by
+chunk with :class:`MessageStream`. Errors use Anthropic's envelope (:func:`error_envelope`).
+
+Source: Anthropic's API reference, "Messages" and "Streaming Messages" (event order
+``message_start``, then per content block ``content_block_start``, deltas,
+``content_block_stop``, then ``message_delta`` with the stop reason and output usage, then
+``message_stop``; tool input streams as ``input_json_delta``).
+
+Errors: :func:`to_chat` raises :class:`bunkhouse.errors.InvalidRequest` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from bunkhouse.errors import BunkhouseError, InvalidRequest
+
+MAX_MESSAGES = 10_000  # turns in one request
+MAX_BLOCKS = 10_000  # content blocks in one message
+MAX_TOOLS = 512  # tools in one request
+MAX_STOP_SEQUENCES = 16
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                 "function_call": "tool_use", "content_filter": "refusal"}
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error",
+                529: "overloaded_error"}
+
+
+def error_object(status: int, message: str) -> dict[str, Any]:
+    """An error as Anthropic sends it: ``{"type": "error", "error": {"type", "message"}}``,
+    its type from the HTTP status (Anthropic's "Errors" page)."""
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_envelope(err: BunkhouseError, detail: bool = False) -> dict[str, Any]:
+    """``err`` in Anthropic's envelope; ``detail``: its private detail too (admins)."""
+    return error_object(err.status, err.full_message() if detail else err.message)
+
+
+def _need(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise InvalidRequest(message, param=param)
+
+
+def _text_of(content: Any, param: str) -> str:
+    """A string, or text blocks joined (a system prompt, a tool result)."""
+    if isinstance(content, str):
+        return content
+    _need(isinstance(content, list), f"{param} must be a string or an array of text blocks",
+          param)
+    parts = []
+    for i, block in enumerate(content):
+        _need(isinstance(block, dict) and block.get("type") == "text"
+              and isinstance(block.get("text"), str),
+              f"{param}[{i}] must be a text block ({{\"type\": \"text\", \"text\": ...}})",
+              f"{param}.{i}")
+        parts.append(block["text"])
+    return "\n".join(parts)
+
+
+def _message(i: int, message: Any) -> list[dict[str, Any]]:
+    """One Anthropic message as OpenAI chat messages (tool results become tool messages)."""
+    where = f"messages.{i}"
+    _need(isinstance(message, dict), f"{where} must be an object", where)
+    role = message.get("role")
+    _need(role in ("user", "assistant"), f"{where}.role must be \"user\" or \"assistant\"",
+          f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    _need(isinstance(content, list), f"{where}.content must be a string or an array of "
+                                     "content blocks", f"{where}.content")
+    _need(len(content) <= MAX_BLOCKS, f"{where}.content has more than {MAX_BLOCKS} blocks",
+          f"{where}.content")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content.{j}"
+        _need(isinstance(block, dict) and isinstance(block.get("type"), str),
+              f"{at} must be a content block with a type", at)
+        kind = block["type"]
+        if kind == "text":
+            _need(isinstance(block.get("text"), str), f"{at}.text must be a string", at)
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            _need(isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+                  and isinstance(block.get("input", {}), dict),
+                  f"{at} needs a string id, a string name and an object input", at)
+            calls.append({"id": block["id"], "type": "function", "function": {
+                "name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+        elif kind == "tool_result" and role == "user":
+            _need(isinstance(block.get("tool_use_id"), str),
+                  f"{at}.tool_use_id must be a string", f"{at}.tool_use_id")
+            text = _text_of(block.get("content", ""), f"{at}.content")
+            if block.get("is_error") is True:
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                            "content": text})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # earlier reasoning: not sent back to the model
+        else:
+            raise InvalidRequest(f"{at}.type {kind!r} is not supported here (text, tool_use "
+                                 "in assistant turns, tool_result in user turns)",
+                                 param=f"{at}.type")
+    out: list[dict[str, Any]] = list(results)
+    if calls:
+        out.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls})
+    elif texts or not results:
+        out.append({"role": role, "content": "".join(texts)})
+    return out
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    at = f"tools.{i}"
+    _need(isinstance(tool, dict) and isinstance(tool.get("name"), str),
+          f"{at} must be an object with a string name", at)
+    schema = tool.get("input_schema", {"type": "object"})
+    _need(isinstance(schema, dict), f"{at}.input_schema must be an object",
+          f"{at}.input_schema")
+    function: dict[str, Any] = {"name": tool["name"], "parameters": schema}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: Any) -> Any:
+    _need(isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none"),
+          "tool_choice must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}",
+          "tool_choice")
+    kind = choice["type"]
+    if kind == "tool":
+        _need(isinstance(choice.get("name"), str), "tool_choice.name must be a string",
+              "tool_choice.name")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return {"auto": "auto", "any": "required", "none": "none"}[kind]
+
+
+def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    _need(isinstance(value, int | float) and not isinstance(value, bool) and lo <= value <= hi,
+          f"{name} must be a number from {lo:g} to {hi:g}", name)
+    return float(value)
+
+
+def to_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic Messages request as an OpenAI chat completion request (the same model,
+    stream flag, limits and sampling). Raises InvalidRequest naming the field."""
+    max_tokens = body.get("max_tokens")
+    _need(isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1,
+          "max_tokens is required: a positive integer", "max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty array", param="messages")
+    _need(len(messages) <= MAX_MESSAGES, f"messages has more than {MAX_MESSAGES} turns",
+          "messages")
+    chat: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        chat.append({"role": "system", "content": _text_of(body["system"], "system")})
+    for i, message in enumerate(messages):
+        chat += _message(i, message)
+    out: dict[str, Any] = {"messages": chat, "max_tokens": max_tokens}
+    model = body.get("model")
+    if model is not None:
+        _need(isinstance(model, str), "model must be a string", "model")
+        out["model"] = model
+    stream = body.get("stream", False)
+    _need(isinstance(stream, bool), "stream must be a boolean", "stream")
+    if stream:
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+    for name, lo, hi in (("temperature", 0, 1), ("top_p", 0, 1)):
+        value = _number(body, name, lo, hi)
+        if value is not None:
+            out[name] = value
+    top_k = body.get("top_k")
+    if top_k is not None:
+        _need(isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0,
+              "top_k must be a non-negative integer", "top_k")
+        out["top_k"] = top_k
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        _need(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
+              and len(stops) <= MAX_STOP_SEQUENCES,
+              f"stop_sequences must be at most {MAX_STOP_SEQUENCES} non-empty strings",
+              "stop_sequences")
+        if stops:
+            out["stop"] = stops
+    tools = body.get("tools")
+    if tools is not None:
+        _need(isinstance(tools, list) and len(tools) <= MAX_TOOLS,
+              f"tools must be an array of at most {MAX_TOOLS} tools", "tools")
+        if tools:
+            out["tools"] = [_tool(i, t) for i, t in enumerate(tools)]
+    if body.get("tool_choice") is not None:
+        out["tool_choice"] = _tool_choice(body["tool_choice"])
+    metadata = body.get("metadata")
+    _need(metadata is None or isinstance(metadata, dict), "metadata must be an object",
+          "metadata")
+    return out
+
+
+def _stop(finish: str | None, text: str, stops: list[str]) -> tuple[str, str | None]:
+    """Anthropic's stop reason (and the stop sequence that ended it, if one did)."""
+    if finish == "stop":
+        # the engine drops a matched stop word from the text; which one ended it is the one
+        # the answer does not contain past its end (a best guess when several could)
+        for seq in stops:
+            if seq not in text:
+                return "stop_sequence", seq
+        return "end_turn", None
+    return _STOP_REASONS.get(finish or "stop", "end_turn"), None
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def _usage(chat: dict[str, Any]) -> dict[str, int]:
+    usage = chat.get("usage") or {}
+    return {"input_tokens": int(usage.get("prompt_tokens") or 0),
+            "output_tokens": int(usage.get("completion_tokens") or 0)}
+
+
+def _tool_input(arguments: Any) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments or "{}")
+    except (TypeError, ValueError):
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def message_from_chat(chat: dict[str, Any], model: str,
+                      stops: list[str] | None = None) -> dict[str, Any]:
+    """A ``chat.completion`` answer as an Anthropic ``message``."""
+    choice = (chat.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    blocks: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"],
+                       "signature": ""})
+    text = message.get("content") or ""
+    if text:
+        blocks.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        blocks.append({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                       "name": fn.get("name", ""), "input": _tool_input(fn.get("arguments"))})
+    reason, sequence = _stop(choice.get("finish_reason"), text, stops or [])
+    if message.get("tool_calls"):
+        reason, sequence = "tool_use", None
+    return {"id": message_id(), "type": "message", "role": "assistant", "model": model,
+            "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": _usage(chat)}
+
+
+Event = tuple[str, dict[str, Any]]
+
+
+class MessageStream:
+    """Chat completion chunks in, Anthropic stream events out, block by block: text, then
+    each tool call (its arguments as ``input_json_delta``). Feed every chunk's JSON object to
+    :meth:`feed`; :meth:`end` gives the closing events."""
+
+    def __init__(self, model: str, stops: list[str] | None = None) -> None:
+        self.model = model
+        self.stops = stops or []
+        self._started = False
+        self._block: tuple[str, int] | None = None  # (kind, tool call index) now open
+        self._index = -1
+        self._text: list[str] = []
+        self._finish: str | None = None
+        self._usage = {"input_tokens": 0, "output_tokens": 0}
+        self._tool_ids: dict[int, str] = {}
+
+    def _start(self) -> list[Event]:
+        if self._started:
+            return []
+        self._started = True
+        return [("message_start", {"type": "message_start", "message": {
+            "id": message_id(), "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": dict(self._usage)}})]
+
+    def _open(self, kind: str, tool: int, block: dict[str, Any]) -> list[Event]:
+        events = self._close()
+        self._index += 1
+        self._block = (kind, tool)
+        events.append(("content_block_start", {"type": "content_block_start",
+                                               "index": self._index, "content_block": block}))
+        return events
+
+    def _close(self) -> list[Event]:
+        if self._block is None:
+            return []
+        self._block = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self._index})]
+
+    def feed(self, chunk: dict[str, Any]) -> list[Event]:
+        events = self._start()
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self._usage = _usage(chunk)
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                if self._block != ("text", -1):
+                    events += self._open("text", -1, {"type": "text", "text": ""})
+                self._text.append(text)
+                events.append(("content_block_delta", {
+                    "type": "content_block_delta", "index": self._index,
+                    "delta": {"type": "text_delta", "text": text}}))
+            for call in delta.get("tool_calls") or []:
+                events += self._tool_delta(call)
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+        return events
+
+    def _tool_delta(self, call: dict[str, Any]) -> list[Event]:
+        events: list[Event] = []
+        i = int(call.get("index", 0))
+        fn = call.get("function") or {}
+        if self._block != ("tool", i):
+            tool_id = call.get("id") or self._tool_ids.get(i) or f"toolu_{uuid.uuid4().hex}"
+            self._tool_ids[i] = tool_id
+            events += self._open("tool", i, {"type": "tool_use", "id": tool_id,
+                                             "name": fn.get("name", ""), "input": {}})
+        if fn.get("arguments"):
+            events.append(("content_block_delta", {
+                "type": "content_block_delta", "index": self._index,
+                "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}}))
+        return events
+
+    def end(self) -> list[Event]:
+        events = self._start() + self._close()
+        reason, sequence = _stop(self._finish, "".join(self._text), self.stops)
+        if self._tool_ids:
+            reason, sequence = "tool_use", None
+        events.append(("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"output_tokens": self._usage["output_tokens"]}}))
+        events.append(("message_stop", {"type": "message_stop"}))
+        return events
+
+
+def sse(event: Event) -> bytes:
+    """One event in the event-stream format Anthropic's SDKs read."""
+    name, data = event
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
