@@ -20,8 +20,8 @@ and the Gemma request's time to first token (it waits for Qwen's drain, flush in
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import sys
 import tempfile
 import time
@@ -32,16 +32,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import (
-    GEMMA,
-    QWEN,
-    Profile,
-    bunkhouse,
-    free_port,
-    packaged,
-    process,
-    wait_http,
-)
+from benchmarks.common import GEMMA, QWEN, Profile, bunkhouse, packaged
+from benchmarks.swap import router
 
 BUDGET = "900MiB"
 CONTEXT = 16384  # one slot: an 8K conversation and its follow-up fit
@@ -135,25 +127,10 @@ def run_bunkhouse(tokens: int) -> dict[str, Any]:
         return result
 
 
-@contextmanager
-def _router(binary: str) -> Iterator[str]:
-    qwen, gemma_model = packaged(QWEN), packaged(GEMMA)
-    with tempfile.TemporaryDirectory(prefix="bh-router-") as tmp:
-        for model in (qwen, gemma_model):
-            os.symlink(model.path, Path(tmp) / f"{model.id}.gguf")
-        port = free_port()
-        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--models-dir", tmp,
-                "--models-max", "1", "-c", str(CONTEXT), "-np", str(PARALLEL),
-                "-t", str(qwen.options.threads), "-tb", str(qwen.options.threads),
-                "--cache-ram", "0", "-b", "512", "-ub", "512", "--no-webui"]
-        with process(argv, "kv-router") as proc, httpx.Client() as client:
-            url = f"http://127.0.0.1:{port}"
-            wait_http(client, f"{url}/health", proc)
-            yield url
-
-
 def run_router(binary: str, tokens: int) -> dict[str, Any]:
-    with _router(binary) as url:
+    options = dataclasses.replace(packaged(QWEN).options, context=CONTEXT, parallel=PARALLEL,
+                                  cache_ram_mib=0)
+    with router(binary, "kv-router", options) as (url, _):
         return scenario(url, tokens)
 
 

@@ -40,6 +40,7 @@ from benchmarks.common import (
     process,
     wait_http,
 )
+from bunkhouse.config import EngineOptions
 
 BUDGET = "800MiB"
 TOKENS = 8
@@ -76,14 +77,17 @@ def llama_server_version(binary: str) -> str:
 
 
 @contextmanager
-def _router(binary: str, name: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def router(binary: str, name: str, options: EngineOptions | None = None
+           ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """llama.cpp's router over the packaged Qwen and Gemma, room for one, on Qwen's engine
+    options (or ``options``); yields its URL and process once it answers."""
     qwen, gemma = packaged(QWEN), packaged(GEMMA)
     with tempfile.TemporaryDirectory(prefix="bh-router-") as tmp:
         for model in (qwen, gemma):
             os.symlink(model.path, Path(tmp) / f"{model.id}.gguf")
         port = free_port()
         argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--models-dir", tmp,
-                "--models-max", "1", *_engine_args(qwen)]
+                "--models-max", "1", *_engine_args(qwen, options)]
         with process(argv, name) as proc, httpx.Client() as client:
             url = f"http://127.0.0.1:{port}"
             wait_http(client, f"{url}/health", proc)
@@ -116,8 +120,8 @@ def engine_starts(llama_server: str | None) -> dict[str, dict[str, float]]:
     return out
 
 
-def _engine_args(model: Any) -> list[str]:
-    o = model.options
+def _engine_args(model: Any, options: EngineOptions | None = None) -> list[str]:
+    o = options or model.options
     return ["-c", str(o.context), "-np", str(o.parallel), "-t", str(o.threads),
             "-tb", str(o.threads), "--cache-ram", str(o.cache_ram_mib), "-b", "512",
             "-ub", "512", "--no-webui"]
@@ -174,7 +178,7 @@ def measure(profile: Profile, llama_server: str | None) -> dict[str, Any]:
                     run["peak_used_bytes"] = httpx.get(f"{url}/stats").json()["peak_used_bytes"]
             else:
                 assert llama_server
-                with _router(llama_server, "swap-router") as (url, proc):
+                with router(llama_server, "swap-router") as (url, proc):
                     run = workload(url, children(proc.pid), profile.swap_requests)
             result["runs"].setdefault(target, []).append(run)
         result.setdefault("engine_starts", []).append(engine_starts(llama_server))

@@ -252,9 +252,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
             api_keys=_keys(args.api_key, args.api_key_file, "BUNKHOUSE_API_KEYS"),
             admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS"),
             max_body_bytes=args.max_body,
-            kv_cache_dir=args.kv_cache_dir.expanduser() if args.kv_cache_dir else None,
             kv_cache_max=args.kv_cache_max,
         )
+        if args.kv_cache_dir:
+            settings = dataclasses.replace(settings, kv_cache_dir=args.kv_cache_dir)
     if args.config is not None:
         settings = load_config_file(args.config.expanduser(), settings)
         if args.no_packaged:
@@ -371,7 +372,7 @@ def _snapshot_keeper(settings: Settings, events: EventLog) -> SnapshotKeeper | N
     from bunkhouse.kvcache.keeper import SnapshotKeeper
     from bunkhouse.kvcache.store import SnapshotStore
 
-    root = settings.kv_cache_dir or settings.cache_dir / "kv"
+    root = settings.kv_cache_dir
     limit = settings.kv_cache_max
     if limit == 0:
         log.info("KV snapshots off (--kv-cache-max 0)")
@@ -565,10 +566,10 @@ def control(verb: str, model: str, url: str, key: str | None, path: str | None) 
 
 def cache(action: str, model: str | None, root: Path | None) -> int:
     """``bunkhouse cache list|purge [MODEL]`` on the snapshot directory."""
-    from bunkhouse.config import default_cache_dir
+    from bunkhouse.config import default_kv_cache_dir
     from bunkhouse.kvcache.store import NotAStore, SnapshotStore, StoreInUse
 
-    root = (root or default_cache_dir() / "kv").expanduser()
+    root = root or default_kv_cache_dir()
     if not root.is_dir():
         print(f"no KV snapshots: {root} does not exist")
         return 0

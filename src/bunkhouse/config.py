@@ -116,7 +116,7 @@ class Settings:
     allowed_roots: tuple[Path, ...] = ()  # for runtime paths; empty: the model roots
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides local ones (front/site.py)
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
-    kv_cache_dir: Path | None = None  # None: cache_dir / "kv"
+    kv_cache_dir: Path = field(default_factory=lambda: default_kv_cache_dir())
     kv_cache_max: int | None = None  # bytes; None: a share of the free disk; 0: no snapshots
     ready_timeout_s: float = d.READY_TIMEOUT_S
     stop_grace_s: float = d.STOP_GRACE_S
@@ -130,6 +130,11 @@ def default_cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "bunkhouse"
+
+
+def default_kv_cache_dir() -> Path:
+    """Where KV snapshots are kept unless ``--kv-cache-dir`` says otherwise."""
+    return default_cache_dir() / "kv"
 
 
 def check_model_id(model_id: str, where: str) -> str:

@@ -24,6 +24,17 @@ from starlette.requests import ClientDisconnect, Request
 from bunkhouse.errors import ClientGone, InvalidRequest, RequestTooLarge, ServerBusy
 
 
+def text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string in a JSON value (nested lists and objects included)."""
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, list):
+        return sum(text_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(text_bytes(v) for v in value.values())
+    return 0
+
+
 def _number(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError("must be a number")

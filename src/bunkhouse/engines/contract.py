@@ -84,8 +84,9 @@ class EngineClient(Protocol):
         model's chat template is applied."""
 
     async def tokenize(self, prompt: str | Messages | dict[str, Any]) -> list[int]:
-        """The token ids the engine prefills for a raw prompt, chat ``messages``, or a chat
-        request's templated fields (messages, tools, template options) once templated."""
+        """The token ids the engine prefills for a raw prompt, chat ``messages``, or a whole
+        chat request (the adapter templates the fields its template reads: messages, tools,
+        template options)."""
 
     async def generate(self, route: str, body: bytes) -> httpx.Response:
         """Start an OpenAI-shaped generation (``route`` one of the OpenAI paths: chat,

@@ -133,6 +133,11 @@ _FIELD_HINTS: list[tuple[re.Pattern[str], dict[str, str]]] = [
      {"": "prompt", "/v1/embeddings": "input", "/v1/chat/completions": "messages"}),
 ]
 
+# Chat request fields the server's /apply-template reads (its oaicompat chat parsing).
+TEMPLATED_FIELDS = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls",
+                              "chat_template_kwargs", "add_generation_prompt",
+                              "enable_thinking", "reasoning_format", "response_format"})
+
 EMBEDDING_BATCH = 512  # worker: n_batch = n_ubatch = 512 (what runs with embeddings on)
 N_UBATCH = EMBEDDING_BATCH  # the micro-batch every worker runs with (set explicitly)
 
@@ -225,7 +230,8 @@ class LlamaCppClient:
         # as the server tokenizes a prompt: special tokens added and parsed
         text: Any = prompt
         if not isinstance(prompt, str):
-            chat = prompt if isinstance(prompt, dict) else {"messages": prompt}
+            chat = ({k: v for k, v in prompt.items() if k in TEMPLATED_FIELDS}
+                    if isinstance(prompt, dict) else {"messages": prompt})
             templated = await self._post("/apply-template", chat)
             text = templated.get("prompt") if isinstance(templated, dict) else None
             if not isinstance(text, str):

@@ -24,6 +24,7 @@ import collections
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from bunkhouse.api.schemas import text_bytes
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.vocab import PairTable
 from bunkhouse.defaults import LARGE_INPUT_BYTES
@@ -116,16 +117,6 @@ def slot_context(model: CatalogModel) -> int:
     return model.options.context // model.options.parallel
 
 
-def _text_bytes(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value.encode())
-    if isinstance(value, list):
-        return sum(_text_bytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_text_bytes(v) for v in value.values())
-    return 0
-
-
 CountTokens = Callable[[str | Messages], Awaitable[int]]
 
 
@@ -151,8 +142,8 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any],
     max_tokens = body.get("max_tokens") or 0  # missing: the rest of the slot's context
     if path == "/v1/chat/completions":
         messages = body.get("messages", [])
-        bound = (_text_bytes(messages) + _PER_MESSAGE_BYTES * len(messages) + _TEMPLATE_BYTES
-                 + _text_bytes(body.get("tools")) * 2)
+        bound = (text_bytes(messages) + _PER_MESSAGE_BYTES * len(messages) + _TEMPLATE_BYTES
+                 + text_bytes(body.get("tools")) * 2)
         if bound + max_tokens < limit:
             return
         prompts: list[Any] = [_Chat(messages)]

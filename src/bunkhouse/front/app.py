@@ -122,8 +122,7 @@ class Front:
                                ChatCompletionRequest, model, data)
         lease = await self.residency.acquire(model)
         try:
-            tokens = await lease.worker.engine.tokenize(
-                {k: v for k, v in data.items() if k in ("messages", "tools", "tool_choice")})
+            tokens = await lease.worker.engine.tokenize(data)
         finally:
             lease.release()
         return JSONResponse({"input_tokens": len(tokens)})

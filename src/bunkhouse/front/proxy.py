@@ -257,9 +257,15 @@ def _shape_line(line: str, shaper: StreamShaper, on_timings: Timings | None) -> 
         return shaper.end()
     if not isinstance(event, dict):
         return b""
-    if on_timings is not None and isinstance(event.get("timings"), dict):
-        on_timings(event["timings"])
+    _timings_of(event, on_timings)
     return shaper.feed(event)
+
+
+def _timings_of(event: Any, on_timings: Timings | None) -> None:
+    """Hand an event's ``timings`` object, if it has one, to ``on_timings``."""
+    if on_timings is not None and isinstance(event, dict) \
+            and isinstance(event.get("timings"), dict):
+        on_timings(event["timings"])
 
 
 def _watch_timings(lines: list[str], on_timings: Timings) -> None:
@@ -267,9 +273,7 @@ def _watch_timings(lines: list[str], on_timings: Timings) -> None:
         if '"timings"' not in line:
             continue
         with contextlib.suppress(ValueError, StreamError):
-            event = data_event(line)
-            if isinstance(event, dict) and isinstance(event.get("timings"), dict):
-                on_timings(event["timings"])
+            _timings_of(data_event(line), on_timings)
 
 
 def _single(data: dict[str, Any]) -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bunkhouse import defaults
+from bunkhouse.api.schemas import text_bytes
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import EngineClient
@@ -152,14 +153,15 @@ class SnapshotKeeper:
     async def prompt_tokens(self, model: CatalogModel, engine: EngineClient, path: str,
                             data: dict[str, Any]) -> list[int] | None:
         """The prompt's tokens as the engine will prefill them, when it may be worth a
-        snapshot (one prompt, one answer, at least ``min_tokens`` long); else None."""
-        if not self.active(model) or data.get("n", 1) != 1:
+        snapshot (one prompt, one answer, at least ``min_tokens`` long); else None. For a
+        model the caller found :meth:`active`."""
+        if data.get("n", 1) != 1:
             return None
         if path == "/v1/chat/completions":
             messages = data.get("messages")
-            if not isinstance(messages, list) or _text_bytes(data) < self.options.min_tokens:
+            if not isinstance(messages, list) or text_bytes(data) < self.options.min_tokens:
                 return None
-            prompt: str | dict[str, Any] = {k: v for k, v in data.items() if k in _TEMPLATED}
+            prompt: str | dict[str, Any] = data  # the engine templates what it reads of it
         elif path == "/v1/completions":
             raw = data.get("prompt")
             if isinstance(raw, list) and len(raw) == 1:
@@ -419,17 +421,4 @@ def _loop_time(monotonic: float) -> float:
     return loop.time() + (monotonic - time.monotonic())
 
 
-# Chat request fields the engine's template reads (llama.cpp's /apply-template takes them).
-_TEMPLATED = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls",
-                        "chat_template_kwargs", "add_generation_prompt", "enable_thinking",
-                        "reasoning_format", "response_format"})
 
-
-def _text_bytes(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value.encode())
-    if isinstance(value, list):
-        return sum(_text_bytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_text_bytes(v) for v in value.values())
-    return 0
