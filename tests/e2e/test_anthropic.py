@@ -1,7 +1,6 @@
 """Anthropic's Messages API through `bunkhouse serve`, driven by the real `anthropic` SDK:
-create, stream, count_tokens, stop sequences, and errors in Anthropic's envelope. (Tool
-calls are translated, tests/unit/test_anthropic.py; end to end they wait for the engine to
-return parsed tool calls for the packaged Qwen, which it does not yet on any protocol.)"""
+create, stream, count_tokens, stop sequences, tool round trips (and the same tool calls on
+OpenAI's chat completions), and errors in Anthropic's envelope."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
+import openai
 import pytest
 
 from tests.e2e.server import Server, serve
@@ -56,6 +56,88 @@ def test_create_stream_and_count_tokens(client: anthropic.Anthropic) -> None:
                                                 "content": "Count from 1 to 10 with commas."}],
                                      stop_sequences=["5"])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "5"
+
+
+WEATHER_TOOL: anthropic.types.ToolParam = {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                     "required": ["city"]}}
+ASK = "What is the weather in Paris?"
+RESULT = "Sunny, 18 degrees Celsius"
+
+
+def test_a_required_tool_call_and_its_result_round_trip(client: anthropic.Anthropic) -> None:
+    question: list[anthropic.types.MessageParam] = [{"role": "user", "content": ASK}]
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        made = client.messages.create(model=QWEN, max_tokens=64, extra_body=GREEDY,
+                                      messages=question, tools=[WEATHER_TOOL],
+                                      tool_choice=choice)  # type: ignore[arg-type]
+        assert made.stop_reason == "tool_use", made.content
+        (call,) = [b for b in made.content if b.type == "tool_use"]
+        assert call.name == "get_weather" and call.input == {"city": "Paris"}
+        assert call.id
+
+    with client.messages.stream(model=QWEN, max_tokens=64, extra_body=GREEDY,
+                                messages=question, tools=[WEATHER_TOOL],
+                                tool_choice={"type": "any"}) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert "input_json" in kinds and final.stop_reason == "tool_use"
+    (streamed,) = [b for b in final.content if b.type == "tool_use"]
+    assert streamed.input == {"city": "Paris"}
+
+    turns: list[anthropic.types.MessageParam] = [
+        *question, {"role": "assistant", "content": made.content},  # type: ignore[typeddict-item]
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": RESULT}]}]
+    # (with the tools still offered, the 0.5B model repeats its call instead of answering)
+    answer = client.messages.create(model=QWEN, max_tokens=48, extra_body=GREEDY,
+                                    messages=turns)
+    asked = client.messages.count_tokens(model=QWEN, messages=question)
+    assert answer.usage.input_tokens > asked.input_tokens  # the call and its result were read
+    text = "".join(b.text for b in answer.content if b.type == "text")
+    assert "18" in text, answer.content  # the packaged model quotes the result
+    failed = [*turns[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": call.id, "content": "no such city",
+         "is_error": True}]}]
+    assert client.messages.create(model=QWEN, max_tokens=8, extra_body=GREEDY,
+                                  messages=failed).content  # type: ignore[arg-type]
+
+
+def test_tool_calls_on_openai_chat_completions(server: Server) -> None:
+    tools: list[openai.types.chat.ChatCompletionToolParam] = [{
+        "type": "function", "function": {"name": "get_weather",
+                                         "parameters": WEATHER_TOOL["input_schema"]}}]
+    ask: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": ASK}]
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as sdk:
+        for choice in ("required", "auto"):
+            made = sdk.chat.completions.create(model=QWEN, messages=ask, tools=tools,
+                                               tool_choice=choice, temperature=0,
+                                               max_tokens=64)
+            assert made.choices[0].finish_reason == "tool_calls"
+            message = made.choices[0].message
+            assert message.content is None and message.tool_calls
+            call = message.tool_calls[0]
+            assert call.type == "function" and call.function.name == "get_weather"
+            assert call.function.arguments == '{"city": "Paris"}'
+            chunks = list(sdk.chat.completions.create(
+                model=QWEN, messages=ask, tools=tools, tool_choice=choice, temperature=0,
+                max_tokens=64, stream=True))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            assert not "".join(d.content or "" for d in deltas)
+            (streamed,) = [t for d in deltas for t in d.tool_calls or []]
+            assert streamed.function and streamed.function.arguments == '{"city": "Paris"}'
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        answer = sdk.chat.completions.create(model=QWEN, temperature=0, max_tokens=48, messages=[
+            *ask, message.model_dump(exclude_none=True),  # type: ignore[list-item]
+            {"role": "tool", "tool_call_id": call.id, "content": RESULT}])
+        assert "18" in (answer.choices[0].message.content or "")
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model=QWEN, messages=ask, tools=tools, max_tokens=8,
+                                        tool_choice={"type": "function",
+                                                     "function": {"name": "nope"}})
+        assert "tool_choice" in str(info.value)
 
 
 def test_errors_come_in_anthropics_envelope(client: anthropic.Anthropic,

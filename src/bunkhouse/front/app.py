@@ -27,6 +27,7 @@ from bunkhouse.api.schemas import (
     read_body,
     validate,
 )
+from bunkhouse.api.tool_calls import ToolCallReader, unknown_forced_tool
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.catalog.vocab import PairTable, pair_table
 from bunkhouse.engines.contract import EngineClient, Messages
@@ -34,6 +35,7 @@ from bunkhouse.errors import (
     BunkhouseError,
     EngineUnavailable,
     GGUFError,
+    InvalidRequest,
     MethodNotAllowed,
     NotFound,
     ShuttingDown,
@@ -44,7 +46,7 @@ from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_loa
 from bunkhouse.front.auth import Keys, Level, access
 from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
-from bunkhouse.front.protocols import AnthropicShape
+from bunkhouse.front.protocols import AnthropicShape, ChatShape, ToolCallShape
 from bunkhouse.front.proxy import Shape, forward, stream_broke
 from bunkhouse.front.site import SiteGuard, SitePolicy
 from bunkhouse.kvcache.keeper import SnapshotKeeper
@@ -134,6 +136,9 @@ class Front:
         before a load, the lease, the context check, KV snapshots, the slot and compute
         turns, the proxy; ``shape(model_id)`` answers in another protocol."""
         model = self.catalog.get(parsed.model)
+        reader = None
+        if path == "/v1/chat/completions":
+            data, reader = _tool_reader(data)
         data = await self._cpu(size, prepare, path, schema, model, data)
         await refuse_before_load(model, path, data, functools.partial(_pair_table, model))
         lease = await self.residency.acquire(model)
@@ -165,7 +170,7 @@ class Front:
                                      stream=parsed.stream, request=request,
                                      model_id=model.id, on_done=held.close,
                                      on_broken=self._broken(lease), on_timings=on_timings,
-                                     shape=shape(model.id) if shape else None)
+                                     shape=_shape(model.id, shape, reader))
         except EngineUnavailable as e:
             held.close()
             if self.residency.closing:  # the front's shutdown cut it, not the worker
@@ -292,6 +297,25 @@ async def _pair_table(model: CatalogModel) -> PairTable | None:
     except (OSError, GGUFError) as e:
         log.warning("model %s: no token bound from its vocabulary: %s", model.id, e)
         return None
+
+
+def _tool_reader(data: dict[str, Any]) -> tuple[dict[str, Any], ToolCallReader | None]:
+    """The chat request to send and the reader of the tool calls in its answer's text
+    (api/tool_calls.py). Raises InvalidRequest for a required tool that is not declared."""
+    missing = unknown_forced_tool(data)
+    if missing is not None:
+        raise InvalidRequest(f"tool_choice names the function {missing!r}, which is not in "
+                             "tools", param="tool_choice")
+    return ToolCallReader.for_request(data)
+
+
+def _shape(model_id: str, shape: Callable[[str], Shape] | None,
+           reader: ToolCallReader | None) -> Shape | None:
+    """The protocol's shape, with the tool-call reader in front of it if there is one."""
+    inner = shape(model_id) if shape else None
+    if reader is None:
+        return inner
+    return ToolCallShape(reader, inner or ChatShape())
 
 
 async def _openapi(request: Request) -> Response:

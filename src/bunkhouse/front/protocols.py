@@ -1,12 +1,16 @@
-"""Answers in another protocol than OpenAI's: the shapes (front/proxy.py ``Shape``) the
-generation path takes for Anthropic's Messages API; the translation itself is pure, in
-api/anthropic.py."""
+"""Answers in another shape than the engine's: the shapes (front/proxy.py ``Shape``) the
+generation path takes for Anthropic's Messages API, and for tool calls read out of an
+answer's text; the translations themselves are pure, in api/anthropic.py and
+api/tool_calls.py."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from bunkhouse.api import anthropic
+from bunkhouse.api.tool_calls import ToolCallReader
+from bunkhouse.front.proxy import Shape, StreamShaper
 
 
 def _message(body: dict[str, Any]) -> str:
@@ -52,3 +56,75 @@ class AnthropicShape:
 
     def stream(self) -> _AnthropicStream:
         return _AnthropicStream(self.model, self.stops)
+
+
+class _ChatStream:
+    """Chat completion events sent as they are (OpenAI's own protocol)."""
+
+    def __init__(self) -> None:
+        self._ended = False
+
+    def feed(self, event: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    def end(self) -> bytes:
+        if self._ended:
+            return b""
+        self._ended = True
+        return b"data: [DONE]\n\n"
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        self._ended = True
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+
+
+class ChatShape:
+    """OpenAI's chat completion protocol itself: for a chat answer another shape rewrites
+    (:class:`ToolCallShape`) when the client speaks OpenAI."""
+
+    def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
+        return chat
+
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        return body
+
+    def stream(self) -> StreamShaper:
+        return _ChatStream()
+
+
+class _ToolCallStream:
+    def __init__(self, reader: ToolCallReader, inner: StreamShaper) -> None:
+        self._reader = reader
+        self._inner = inner
+        self._ended = False
+
+    def feed(self, event: dict[str, Any]) -> bytes:
+        return b"".join(self._inner.feed(e) for e in self._reader.feed(event))
+
+    def end(self) -> bytes:
+        if self._ended:
+            return b""
+        self._ended = True
+        return b"".join(self._inner.feed(e) for e in self._reader.end()) + self._inner.end()
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        self._ended = True
+        return self._inner.error(body)
+
+
+class ToolCallShape:
+    """``inner``'s answer with the tool calls ``reader`` finds in the text (api/tool_calls.py)
+    read out of it first."""
+
+    def __init__(self, reader: ToolCallReader, inner: Shape) -> None:
+        self.reader = reader
+        self.inner = inner
+
+    def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
+        return self.inner.answer(self.reader.answer(chat))
+
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        return self.inner.error(status, body)
+
+    def stream(self) -> StreamShaper:
+        return _ToolCallStream(self.reader, self.inner.stream())

@@ -1,0 +1,249 @@
+"""Tool calls the engine's own template parser misses: pure functions, no I/O.
+
+llama.cpp parses a model's tool calls by the markers its chat template uses (Qwen's
+``<tool_call>`` tags) and, for ``tool_choice: "required"``, constrains the output with a
+grammar that still allows any text before the first call. A small model (the packaged
+Qwen2.5-Coder 0.5B) writes the call as bare JSON or in a Markdown fence instead, so the
+engine answered "required" with the call as text and kept going until ``max_tokens``.
+
+So the front:
+
+* **forces** a call when the client requires one (``tool_choice`` ``"required"``, or a named
+  function, which llama.cpp does not honour at all): the request goes to the engine with
+  ``tool_choice: "none"`` (the template still shows the model its tools) and a JSON schema
+  that admits exactly one call ``{"name": <a permitted tool>, "arguments": <its
+  parameters>}``; the answer's text is read back as that call (:func:`forced_request`);
+* **recovers** a call under ``tool_choice: "auto"`` when the whole answer is one call (or a
+  list of calls) naming a declared tool, bare, in a fence or in ``<tool_call>`` tags, and the
+  engine found none itself (:func:`calls_from_text`).
+
+:class:`ToolCallReader` applies both to a whole ``chat.completion`` or, event by event, to a
+stream: text that may still become a call is held back until it is clear.
+
+Ollama reads calls out of text the same way (its tool-call parser by the template's format).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from typing import Any
+
+_FENCE = re.compile(r"^```[a-zA-Z]*\s*(.*?)\s*```$", re.DOTALL)
+_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPENERS = ("{", "[", "```", "<tool_call>")
+
+
+def _names(tools: Any) -> list[str]:
+    names = []
+    for tool in tools if isinstance(tools, list) else []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.append(fn["name"])
+    return names
+
+
+def _required_name(choice: Any) -> str | None:
+    """The function a ``tool_choice`` names, or "" for "required", or None (not forced)."""
+    if choice == "required":
+        return ""
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return str(fn["name"])
+        if isinstance(choice.get("name"), str):  # the Responses API's flat form
+            return str(choice["name"])
+    return None
+
+
+def call_schema(tools: list[dict[str, Any]], only: str = "") -> dict[str, Any]:
+    """The JSON schema of one call of ``tools`` (of the tool named ``only``, if given)."""
+    options = []
+    for tool in tools:
+        fn = tool.get("function") or {}
+        if only and fn.get("name") != only:
+            continue
+        params = fn.get("parameters")
+        options.append({
+            "type": "object",
+            "properties": {"name": {"const": fn.get("name")},
+                           "arguments": params if isinstance(params, dict) and params
+                           else {"type": "object"}},
+            "required": ["name", "arguments"]})
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def forced_request(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The chat request rewritten so that the engine must answer with one tool call, when
+    ``data`` requires one and sets no output format of its own; else None.
+
+    Raises nothing: a named function that is not among ``tools`` is left to the engine's own
+    checks (see :func:`unknown_forced_tool`)."""
+    tools = data.get("tools")
+    only = _required_name(data.get("tool_choice"))
+    if not tools or only is None or data.get("response_format") or data.get("json_schema") \
+            or data.get("grammar") or data.get("n", 1) != 1:
+        return None
+    if only and only not in _names(tools):
+        return None
+    return {**data, "tool_choice": "none", "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "tool_call", "schema": call_schema(tools, only)}}}
+
+
+def unknown_forced_tool(data: dict[str, Any]) -> str | None:
+    """The name a ``tool_choice`` requires that is not among ``tools``, if so."""
+    only = _required_name(data.get("tool_choice"))
+    if only and only not in _names(data.get("tools")):
+        return only
+    return None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(value: Any, names: list[str]) -> dict[str, Any] | None:
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": value["name"], "arguments": json.dumps(args)}}
+
+
+def calls_from_text(text: str, names: list[str]) -> list[dict[str, Any]] | None:
+    """The tool calls ``text`` is made of, in OpenAI's ``tool_calls`` shape, when the whole
+    text (stripped) is one call object or a list of them naming tools in ``names``: bare, in
+    a Markdown fence, or each in ``<tool_call>`` tags. None if it is anything else."""
+    text = text.strip()
+    if not text or not names:
+        return None
+    tagged = _TAGGED.findall(text)
+    if tagged:
+        if _TAGGED.sub("", text).strip():
+            return None
+        bodies = tagged
+    else:
+        fenced = _FENCE.match(text)
+        bodies = [fenced.group(1) if fenced else text]
+    calls: list[dict[str, Any]] = []
+    for body in bodies:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        for item in value if isinstance(value, list) else [value]:
+            call = _call(item, names)
+            if call is None:
+                return None
+            calls.append(call)
+    return calls or None
+
+
+def _may_become_call(text: str) -> bool:
+    """Whether text an answer began with may still turn out to be a tool call."""
+    head = text.lstrip()
+    return not head or any(head.startswith(o) or o.startswith(head) for o in _OPENERS)
+
+
+class ToolCallReader:
+    """Reads tool calls out of one chat answer's text (see the module's docstring).
+
+    ``names``: the declared tools; ``forced``: the request was rewritten by
+    :func:`forced_request`, so the whole text is the call."""
+
+    def __init__(self, names: list[str], forced: bool) -> None:
+        self.names = names
+        self.forced = forced
+        self._held: list[str] = []
+        self._holding = True
+        self._engine_calls = False
+
+    @classmethod
+    def for_request(cls, data: dict[str, Any]) -> tuple[dict[str, Any], ToolCallReader | None]:
+        """The request to send and the reader of its answer (None: nothing to read)."""
+        names = _names(data.get("tools"))
+        if not names or data.get("tool_choice") == "none" or data.get("n", 1) != 1:
+            return data, None
+        forced = forced_request(data)
+        if forced is not None:
+            return forced, cls(names, forced=True)
+        if _required_name(data.get("tool_choice")) is not None \
+                or data.get("response_format") or data.get("json_schema"):
+            return data, None
+        return data, cls(names, forced=False)
+
+    def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """A whole ``chat.completion`` with its calls read out of its text."""
+        choices = chat.get("choices") or []
+        if len(choices) != 1:
+            return chat
+        message = choices[0].get("message") or {}
+        text = message.get("content")
+        if message.get("tool_calls") or not isinstance(text, str):
+            return chat
+        calls = calls_from_text(text, self.names)
+        if calls is None:
+            return chat
+        out = copy.copy(chat)
+        out["choices"] = [{**choices[0], "finish_reason": "tool_calls",
+                           "message": {**message, "content": None, "tool_calls": calls}}]
+        return out
+
+    def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """One stream event in, the events to send now out (text that may still become a
+        call held back; the calls sent in the event that finishes the answer)."""
+        choices = event.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not self._holding:
+            return [event]
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        if delta.get("tool_calls"):
+            self._engine_calls = True
+        text = delta.get("content")
+        if isinstance(text, str) and text and not self._engine_calls:
+            self._held.append(text)
+            if self.forced or _may_become_call("".join(self._held)):
+                delta = {k: v for k, v in delta.items() if k != "content"}
+            else:
+                delta = {**delta, "content": "".join(self._held)}
+                self._held = []
+                self._holding = False
+        if choice.get("finish_reason") and self._holding:
+            return [self._finish(event, choice, delta)]
+        if not delta and not choice.get("finish_reason") and text:
+            return []  # only held text: nothing to send yet
+        return [{**event, "choices": [{**choice, "delta": delta}]}]
+
+    def _finish(self, event: dict[str, Any], choice: dict[str, Any],
+                delta: dict[str, Any]) -> dict[str, Any]:
+        self._holding = False
+        text = "".join(self._held)
+        self._held = []
+        calls = calls_from_text(text, self.names) if text else None
+        if calls is None:
+            if text:
+                delta = {**delta, "content": text}
+            return {**event, "choices": [{**choice, "delta": delta}]}
+        delta = {**delta, "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        return {**event, "choices": [{**choice, "delta": delta,
+                                      "finish_reason": "tool_calls"}]}
+
+    def end(self) -> list[dict[str, Any]]:
+        """Text still held when a stream ended without a finishing event, as one event."""
+        if not self._held:
+            return []
+        text = "".join(self._held)
+        self._held = []
+        self._holding = False
+        return [{"object": "chat.completion.chunk",
+                 "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}]

@@ -1,0 +1,195 @@
+"""Tool calls read out of an answer's text (api/tool_calls.py): forcing a required call by a
+JSON schema, recovering a call written as text, whole answers and streams."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from bunkhouse.api.tool_calls import (
+    ToolCallReader,
+    calls_from_text,
+    forced_request,
+    unknown_forced_tool,
+)
+from bunkhouse.front.assemble import assemble_chat
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+def request(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [WEATHER, TIME], **extra}
+
+
+def test_required_becomes_a_schema_of_one_call_of_any_tool() -> None:
+    sent = forced_request(request(tool_choice="required"))
+    assert sent is not None and sent["tool_choice"] == "none" and sent["tools"]
+    schema = sent["response_format"]["json_schema"]["schema"]
+    names = [o["properties"]["name"]["const"] for o in schema["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+    assert schema["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    assert schema["anyOf"][1]["properties"]["arguments"] == {"type": "object"}
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_time"}},
+                                    {"type": "function", "name": "get_time"}])
+def test_a_named_function_is_the_only_one_the_schema_admits(choice: Any) -> None:
+    sent = forced_request(request(tool_choice=choice))
+    assert sent is not None
+    schema = sent["response_format"]["json_schema"]["schema"]
+    assert schema["properties"]["name"] == {"const": "get_time"}
+
+
+@pytest.mark.parametrize("extra", [
+    {"tool_choice": "auto"}, {"tool_choice": "none"}, {},
+    {"tool_choice": "required", "response_format": {"type": "json_object"}},
+    {"tool_choice": "required", "n": 2},
+    {"tool_choice": {"type": "function", "function": {"name": "nope"}}}])
+def test_nothing_is_forced_unless_a_declared_call_is_required_alone(extra: Any) -> None:
+    assert forced_request(request(**extra)) is None
+
+
+def test_an_undeclared_required_function_is_named() -> None:
+    assert unknown_forced_tool(request(
+        tool_choice={"type": "function", "function": {"name": "nope"}})) == "nope"
+    assert unknown_forced_tool(request(tool_choice="required")) is None
+
+
+@pytest.mark.parametrize("text", [
+    CALL, f"  {CALL}\n", f"```json\n{CALL}\n```", f"```\n{CALL}```",
+    f"<tool_call>\n{CALL}\n</tool_call>", f"[{CALL}]",
+    '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}'])
+def test_a_call_written_as_text_is_read(text: str) -> None:
+    calls = calls_from_text(text, ["get_weather"])
+    assert calls is not None and len(calls) == 1
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_several_tagged_calls_are_several_calls() -> None:
+    text = f"<tool_call>{CALL}</tool_call>\n<tool_call>{CALL}</tool_call>"
+    calls = calls_from_text(text, ["get_weather"])
+    assert calls is not None and len(calls) == 2
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+@pytest.mark.parametrize("text", [
+    "", "Paris is sunny.", '{"name": "other", "arguments": {}}', '{"city": "Paris"}',
+    f"Sure! {CALL}", f"{CALL}\n{CALL}", f"<tool_call>{CALL}</tool_call> and more",
+    '{"name": "get_weather", "arguments": [1]}', '{"name": "get_weather", "arguments": "x"}',
+    "```python\nprint(1)\n```", "[]"])
+def test_anything_else_is_text(text: str) -> None:
+    assert calls_from_text(text, ["get_weather"]) is None
+
+
+def chat(text: str, finish: str = "stop") -> dict[str, Any]:
+    return {"object": "chat.completion", "choices": [{
+        "index": 0, "message": {"role": "assistant", "content": text},
+        "finish_reason": finish}], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}
+
+
+def test_a_whole_answer_made_of_a_call_becomes_a_tool_call() -> None:
+    out = ToolCallReader(["get_weather"], forced=True).answer(chat(CALL))
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 5}
+    plain = chat("It is sunny.")
+    assert ToolCallReader(["get_weather"], forced=False).answer(plain) == plain
+
+
+def chunks(pieces: list[str], finish: str = "stop") -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = [{"object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}]}]
+    events += [{"object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": p}, "finish_reason": None}]} for p in pieces]
+    events.append({"object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {}, "finish_reason": finish}]})
+    events.append({"object": "chat.completion.chunk", "choices": [],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+    return events
+
+
+def read(reader: ToolCallReader, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = [e for event in events for e in reader.feed(event)]
+    return out + reader.end()
+
+
+def test_a_streamed_call_is_held_and_sent_as_one_tool_call_delta() -> None:
+    pieces = ['{"name"', ': "get_weather", ', '"arguments": {"city": ', '"Paris"}}']
+    out = read(ToolCallReader(["get_weather"], forced=False), chunks(pieces))
+    assert not any((c.get("delta") or {}).get("content")
+                   for e in out for c in e["choices"])
+    whole = assemble_chat(out)
+    message = whole["choices"][0]["message"]
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert whole["usage"]["completion_tokens"] == 5
+
+
+def test_streamed_text_goes_out_once_it_cannot_be_a_call() -> None:
+    reader = ToolCallReader(["get_weather"], forced=False)
+    events = chunks(["  ", "Paris", " is sunny."])
+    sent = [reader.feed(e) for e in events]
+    assert sent[1] == [] or not sent[1][0]["choices"][0]["delta"].get("content")
+    assert sent[2][0]["choices"][0]["delta"]["content"] == "  Paris"  # released with what held it
+    assert sent[3][0]["choices"][0]["delta"]["content"] == " is sunny."
+    assert assemble_chat([e for s in sent for e in s])["choices"][0]["message"]["content"] \
+        == "  Paris is sunny."
+
+
+def test_held_text_that_is_no_call_after_all_is_sent_at_the_finish() -> None:
+    pieces = ['{"city": ', '"Paris"}']
+    whole = assemble_chat(read(ToolCallReader(["get_weather"], forced=False), chunks(pieces)))
+    assert whole["choices"][0]["message"]["content"] == '{"city": "Paris"}'
+    assert whole["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_forced_call_cut_by_max_tokens_stays_text() -> None:
+    pieces = ['{"name": "get_weather", "argu']
+    whole = assemble_chat(read(ToolCallReader(["get_weather"], forced=True),
+                               chunks(pieces, "length")))
+    assert whole["choices"][0]["message"]["content"] == pieces[0]
+    assert whole["choices"][0]["finish_reason"] == "length"
+
+
+def test_calls_the_engine_parsed_itself_pass_untouched() -> None:
+    engine_call = {"index": 0, "id": "x", "type": "function",
+                   "function": {"name": "get_weather", "arguments": "{}"}}
+    events = chunks([])
+    events.insert(1, {"object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"tool_calls": [engine_call]}, "finish_reason": None}]})
+    out = read(ToolCallReader(["get_weather"], forced=False), events)
+    assert out == events
+
+
+def test_a_stream_cut_before_its_finish_still_sends_what_was_held() -> None:
+    reader = ToolCallReader(["get_weather"], forced=False)
+    for event in chunks(['{"na'])[:2]:
+        reader.feed(event)
+    assert reader.end()[0]["choices"][0]["delta"]["content"] == '{"na'
+    assert reader.end() == []
+
+
+@pytest.mark.parametrize("extra,forced", [
+    ({"tool_choice": "required"}, True), ({"tool_choice": "auto"}, False), ({}, False)])
+def test_the_reader_for_a_request(extra: Any, forced: bool) -> None:
+    sent, reader = ToolCallReader.for_request(request(**extra))
+    assert reader is not None and reader.forced is forced
+    assert (sent.get("tool_choice") == "none") is forced
+
+
+@pytest.mark.parametrize("data", [
+    request(tool_choice="none"), request(n=2), {"model": "m", "messages": []},
+    request(response_format={"type": "json_object"})])
+def test_no_reader_where_there_is_nothing_to_read(data: dict[str, Any]) -> None:
+    assert ToolCallReader.for_request(data) == (data, None)
