@@ -11,6 +11,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -153,6 +154,9 @@ def _packaged_catalog() -> Catalog:
 def bunkhouse(name: str, *args: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`bunkhouse serve ARGS` on a free port, ready; yields its URL and process."""
     port = free_port()
+    if "--responses-db" not in args:  # never the user's own stored responses
+        args = (*args, "--responses-db",
+                str(Path(tempfile.mkdtemp(prefix="bunkhouse-bench-")) / "responses.db"))
     with process([*bunkhouse_argv(), "serve", "--port", str(port), *args], name) as proc, \
             httpx.Client() as client:
         url = f"http://127.0.0.1:{port}"

@@ -27,6 +27,7 @@ from bunkhouse.errors import BunkhouseError, ConfigError
 from bunkhouse.residency.events import EventLog
 
 if TYPE_CHECKING:
+    from bunkhouse.front.response_store import ResponseStore
     from bunkhouse.kvcache.keeper import SnapshotKeeper
 
 log = logging.getLogger("bunkhouse")
@@ -148,6 +149,17 @@ def parser() -> argparse.ArgumentParser:
                        help="disk the KV snapshots may take, all models together, least "
                             "recently used removed first (default: 10%% of the free disk, at "
                             "most 32 GiB; 0 turns snapshots off)")
+    serve.add_argument("--responses-db", type=_file_path, metavar="FILE",
+                       help="the SQLite file that keeps Responses API answers for "
+                            "previous_response_id and GET /v1/responses/{id}; it holds "
+                            "conversations (default: responses.db in the data directory, "
+                            "~/.local/share/bunkhouse)")
+    serve.add_argument("--responses-keep", type=_count, default=defaults.RESPONSES_KEEP,
+                       metavar="N", help="stored responses kept, oldest dropped first "
+                                         "(%(default)s; 0 stores none)")
+    serve.add_argument("--responses-days", type=_positive, metavar="DAYS",
+                       default=defaults.RESPONSES_MAX_AGE_S / 86400,
+                       help="stored responses older than this are dropped (%(default)g)")
     serve.add_argument("--compute-gate", choices=["on", "off"], default="on",
                        help="on: one model computes at a time, so that workers never "
                             "oversubscribe the CPU; off: for GPU hosts (%(default)s)")
@@ -222,6 +234,28 @@ def _dir_path(text: str) -> Path:
     return Path(text).expanduser()
 
 
+def _file_path(text: str) -> Path:
+    if not text.strip() or text.endswith("/"):
+        raise argparse.ArgumentTypeError("needs a file name")
+    return Path(text).expanduser()
+
+
+def _count(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (0 or more)")
+    return int(text)
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def _size_or_zero(text: str) -> int:
     return 0 if text.strip() == "0" else _size(text)
 
@@ -253,7 +287,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
             admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS"),
             max_body_bytes=args.max_body,
             kv_cache_max=args.kv_cache_max,
+            responses_keep=args.responses_keep,
+            responses_max_age_s=args.responses_days * 86400,
         )
+        if args.responses_db:
+            settings = dataclasses.replace(settings, responses_db=args.responses_db)
         if args.kv_cache_dir:
             settings = dataclasses.replace(settings, kv_cache_dir=args.kv_cache_dir)
     if args.config is not None:
@@ -326,7 +364,7 @@ def serve(settings: Settings, catalog: Catalog) -> int:
         launcher.start, events=events, flush=keeper.flush if keeper else None,
     )
     app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close,
-                    keeper=keeper,
+                    keeper=keeper, responses=_response_store(settings),
                     compute=ComputeGate(enabled=settings.compute_gate),
                     keys=Keys(settings.api_keys, settings.admin_keys),
                     max_body_bytes=settings.max_body_bytes,
@@ -390,6 +428,17 @@ def _snapshot_keeper(settings: Settings, events: EventLog) -> SnapshotKeeper | N
     log.info("KV snapshots in %s, at most %d MiB (%d kept, %d MiB)", root, limit // 2**20,
              len(store.snapshots()), store.stats.bytes // 2**20)
     return SnapshotKeeper(store, events)
+
+
+def _response_store(settings: Settings) -> ResponseStore | None:
+    """Where Responses API answers are stored, or None when none are (opened by the app)."""
+    from bunkhouse.front.response_store import ResponseStore
+
+    if settings.responses_keep == 0:
+        log.info("responses not stored (--responses-keep 0)")
+        return None
+    return ResponseStore(settings.responses_db, settings.responses_keep,
+                         settings.responses_max_age_s)
 
 
 def _raise_open_files_limit(target: int = 65536) -> None:

@@ -118,6 +118,9 @@ class Settings:
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     kv_cache_dir: Path = field(default_factory=lambda: default_kv_cache_dir())
     kv_cache_max: int | None = None  # bytes; None: a share of the free disk; 0: no snapshots
+    responses_db: Path = field(default_factory=lambda: default_data_dir() / "responses.db")
+    responses_keep: int = d.RESPONSES_KEEP  # stored Responses API answers; 0: none stored
+    responses_max_age_s: float = d.RESPONSES_MAX_AGE_S
     ready_timeout_s: float = d.READY_TIMEOUT_S
     stop_grace_s: float = d.STOP_GRACE_S
     log_level: str = "info"
@@ -129,6 +132,17 @@ def default_cache_dir() -> Path:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "bunkhouse"
+
+
+def default_data_dir() -> Path:
+    """Where bunkhouse keeps what is not a cache (stored responses): $BUNKHOUSE_DATA_DIR, or
+    bunkhouse/ in $XDG_DATA_HOME (~/.local/share)."""
+    env = os.environ.get("BUNKHOUSE_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
     return base / "bunkhouse"
 
 

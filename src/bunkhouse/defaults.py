@@ -88,3 +88,9 @@ the front starts, at most KV_CACHE_MAX_BYTES."""
 
 KV_CACHE_MAX_BYTES = 32 * 1024**3
 """The default snapshot budget's ceiling."""
+
+RESPONSES_KEEP = 10_000
+"""Stored Responses API answers kept, oldest dropped first (``--responses-keep``)."""
+RESPONSES_MAX_AGE_S = 30 * 86400.0
+"""Age at which a stored response is dropped: 30 days, as OpenAI keeps stored responses
+(``--responses-days``)."""

@@ -57,6 +57,8 @@ def running(workdir: Path, *args: str, env: dict[str, str] | None = None) -> Ite
     log_path = workdir / "serve.log"
     if "--kv-cache-dir" not in args:  # never the user's own snapshots
         args = (*args, "--kv-cache-dir", str(workdir / "kv"))
+    if "--responses-db" not in args:  # never the user's own stored responses
+        args = (*args, "--responses-db", str(workdir / "responses.db"))
     exe = shutil.which("bunkhouse")
     argv = [exe] if exe else [sys.executable, "-m", "bunkhouse"]
     with log_path.open("wb") as log:

@@ -19,11 +19,11 @@ import json
 import uuid
 from typing import Any
 
+from bunkhouse.api.fields import need, stream_and_sampling, tools
 from bunkhouse.errors import BunkhouseError, InvalidRequest
 
 MAX_MESSAGES = 10_000  # turns in one request
 MAX_BLOCKS = 10_000  # content blocks in one message
-MAX_TOOLS = 512  # tools in one request
 MAX_STOP_SEQUENCES = 16
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
@@ -47,23 +47,18 @@ def error_envelope(err: BunkhouseError, detail: bool = False) -> dict[str, Any]:
     return error_object(err.status, err.full_message() if detail else err.message)
 
 
-def _need(cond: bool, message: str, param: str) -> None:
-    if not cond:
-        raise InvalidRequest(message, param=param)
-
-
 def _text_of(content: Any, param: str) -> str:
     """A string, or text blocks joined (a system prompt, a tool result)."""
     if isinstance(content, str):
         return content
-    _need(isinstance(content, list), f"{param} must be a string or an array of text blocks",
-          param)
+    need(isinstance(content, list), f"{param} must be a string or an array of text blocks",
+         param)
     parts = []
     for i, block in enumerate(content):
-        _need(isinstance(block, dict) and block.get("type") == "text"
-              and isinstance(block.get("text"), str),
-              f"{param}[{i}] must be a text block ({{\"type\": \"text\", \"text\": ...}})",
-              f"{param}.{i}")
+        need(isinstance(block, dict) and block.get("type") == "text"
+             and isinstance(block.get("text"), str),
+             f"{param}[{i}] must be a text block ({{\"type\": \"text\", \"text\": ...}})",
+             f"{param}.{i}")
         parts.append(block["text"])
     return "\n".join(parts)
 
@@ -71,37 +66,37 @@ def _text_of(content: Any, param: str) -> str:
 def _message(i: int, message: Any) -> list[dict[str, Any]]:
     """One Anthropic message as OpenAI chat messages (tool results become tool messages)."""
     where = f"messages.{i}"
-    _need(isinstance(message, dict), f"{where} must be an object", where)
+    need(isinstance(message, dict), f"{where} must be an object", where)
     role = message.get("role")
-    _need(role in ("user", "assistant"), f"{where}.role must be \"user\" or \"assistant\"",
-          f"{where}.role")
+    need(role in ("user", "assistant"), f"{where}.role must be \"user\" or \"assistant\"",
+         f"{where}.role")
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    _need(isinstance(content, list), f"{where}.content must be a string or an array of "
+    need(isinstance(content, list), f"{where}.content must be a string or an array of "
                                      "content blocks", f"{where}.content")
-    _need(len(content) <= MAX_BLOCKS, f"{where}.content has more than {MAX_BLOCKS} blocks",
-          f"{where}.content")
+    need(len(content) <= MAX_BLOCKS, f"{where}.content has more than {MAX_BLOCKS} blocks",
+         f"{where}.content")
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         at = f"{where}.content.{j}"
-        _need(isinstance(block, dict) and isinstance(block.get("type"), str),
-              f"{at} must be a content block with a type", at)
+        need(isinstance(block, dict) and isinstance(block.get("type"), str),
+             f"{at} must be a content block with a type", at)
         kind = block["type"]
         if kind == "text":
-            _need(isinstance(block.get("text"), str), f"{at}.text must be a string", at)
+            need(isinstance(block.get("text"), str), f"{at}.text must be a string", at)
             texts.append(block["text"])
         elif kind == "tool_use" and role == "assistant":
-            _need(isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
-                  and isinstance(block.get("input", {}), dict),
-                  f"{at} needs a string id, a string name and an object input", at)
+            need(isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+                 and isinstance(block.get("input", {}), dict),
+                 f"{at} needs a string id, a string name and an object input", at)
             calls.append({"id": block["id"], "type": "function", "function": {
                 "name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
         elif kind == "tool_result" and role == "user":
-            _need(isinstance(block.get("tool_use_id"), str),
-                  f"{at}.tool_use_id must be a string", f"{at}.tool_use_id")
+            need(isinstance(block.get("tool_use_id"), str),
+                 f"{at}.tool_use_id must be a string", f"{at}.tool_use_id")
             text = _text_of(block.get("content", ""), f"{at}.content")
             if block.get("is_error") is True:
                 text = f"Error: {text}"
@@ -123,11 +118,11 @@ def _message(i: int, message: Any) -> list[dict[str, Any]]:
 
 def _tool(i: int, tool: Any) -> dict[str, Any]:
     at = f"tools.{i}"
-    _need(isinstance(tool, dict) and isinstance(tool.get("name"), str),
-          f"{at} must be an object with a string name", at)
+    need(isinstance(tool, dict) and isinstance(tool.get("name"), str),
+         f"{at} must be an object with a string name", at)
     schema = tool.get("input_schema", {"type": "object"})
-    _need(isinstance(schema, dict), f"{at}.input_schema must be an object",
-          f"{at}.input_schema")
+    need(isinstance(schema, dict), f"{at}.input_schema must be an object",
+         f"{at}.input_schema")
     function: dict[str, Any] = {"name": tool["name"], "parameters": schema}
     if isinstance(tool.get("description"), str):
         function["description"] = tool["description"]
@@ -135,37 +130,28 @@ def _tool(i: int, tool: Any) -> dict[str, Any]:
 
 
 def _tool_choice(choice: Any) -> Any:
-    _need(isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none"),
-          "tool_choice must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}",
-          "tool_choice")
+    need(isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none"),
+         "tool_choice must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}",
+         "tool_choice")
     kind = choice["type"]
     if kind == "tool":
-        _need(isinstance(choice.get("name"), str), "tool_choice.name must be a string",
-              "tool_choice.name")
+        need(isinstance(choice.get("name"), str), "tool_choice.name must be a string",
+             "tool_choice.name")
         return {"type": "function", "function": {"name": choice["name"]}}
     return {"auto": "auto", "any": "required", "none": "none"}[kind]
-
-
-def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    _need(isinstance(value, int | float) and not isinstance(value, bool) and lo <= value <= hi,
-          f"{name} must be a number from {lo:g} to {hi:g}", name)
-    return float(value)
 
 
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """An Anthropic Messages request as an OpenAI chat completion request (the same model,
     stream flag, limits and sampling). Raises InvalidRequest naming the field."""
     max_tokens = body.get("max_tokens")
-    _need(isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1,
-          "max_tokens is required: a positive integer", "max_tokens")
+    need(isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1,
+         "max_tokens is required: a positive integer", "max_tokens")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty array", param="messages")
-    _need(len(messages) <= MAX_MESSAGES, f"messages has more than {MAX_MESSAGES} turns",
-          "messages")
+    need(len(messages) <= MAX_MESSAGES, f"messages has more than {MAX_MESSAGES} turns",
+         "messages")
     chat: list[dict[str, Any]] = []
     if body.get("system") is not None:
         chat.append({"role": "system", "content": _text_of(body["system"], "system")})
@@ -174,41 +160,26 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"messages": chat, "max_tokens": max_tokens}
     model = body.get("model")
     if model is not None:
-        _need(isinstance(model, str), "model must be a string", "model")
+        need(isinstance(model, str), "model must be a string", "model")
         out["model"] = model
-    stream = body.get("stream", False)
-    _need(isinstance(stream, bool), "stream must be a boolean", "stream")
-    if stream:
-        out["stream"] = True
-        out["stream_options"] = {"include_usage": True}
-    for name, lo, hi in (("temperature", 0, 1), ("top_p", 0, 1)):
-        value = _number(body, name, lo, hi)
-        if value is not None:
-            out[name] = value
+    stream_and_sampling(body, out, temperature_max=1)  # Anthropic's range
     top_k = body.get("top_k")
     if top_k is not None:
-        _need(isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0,
-              "top_k must be a non-negative integer", "top_k")
+        need(isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0,
+             "top_k must be a non-negative integer", "top_k")
         out["top_k"] = top_k
     stops = body.get("stop_sequences")
     if stops is not None:
-        _need(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
-              and len(stops) <= MAX_STOP_SEQUENCES,
-              f"stop_sequences must be at most {MAX_STOP_SEQUENCES} non-empty strings",
-              "stop_sequences")
+        need(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
+             and len(stops) <= MAX_STOP_SEQUENCES,
+             f"stop_sequences must be at most {MAX_STOP_SEQUENCES} non-empty strings",
+             "stop_sequences")
         if stops:
             out["stop"] = stops
-    tools = body.get("tools")
-    if tools is not None:
-        _need(isinstance(tools, list) and len(tools) <= MAX_TOOLS,
-              f"tools must be an array of at most {MAX_TOOLS} tools", "tools")
-        if tools:
-            out["tools"] = [_tool(i, t) for i, t in enumerate(tools)]
-    if body.get("tool_choice") is not None:
-        out["tool_choice"] = _tool_choice(body["tool_choice"])
+    tools(body, out, _tool, _tool_choice)
     metadata = body.get("metadata")
-    _need(metadata is None or isinstance(metadata, dict), "metadata must be an object",
-          "metadata")
+    need(metadata is None or isinstance(metadata, dict), "metadata must be an object",
+         "metadata")
     return out
 
 

@@ -48,6 +48,7 @@ from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
 from bunkhouse.front.protocols import AnthropicShape, ChatShape, ToolCallShape
 from bunkhouse.front.proxy import Shape, forward, stream_broke
+from bunkhouse.front.response_store import ResponseStore, ResponseStoreError
 from bunkhouse.front.site import SiteGuard, SitePolicy
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import Lease, ResidencyManager
@@ -85,8 +86,8 @@ class Front:
             return validate(schema, data), data
 
         async def handler(request: Request) -> Response:
-            body = await read_body(request, self.max_body_bytes, self._bodies)
-            parsed, data = await self._cpu(len(body), parse, body)
+            body = await self.read(request)
+            parsed, data = await self.cpu(len(body), parse, body)
             return await self.generate(request, path, schema, parsed, data, len(body))
 
         return handler
@@ -99,8 +100,8 @@ class Front:
             return validate(ChatCompletionRequest, data), data
 
         async def handler(request: Request) -> Response:
-            body = await read_body(request, self.max_body_bytes, self._bodies)
-            parsed, data = await self._cpu(len(body), parse, body)
+            body = await self.read(request)
+            parsed, data = await self.cpu(len(body), parse, body)
             stops = list(data.get("stop") or [])
             return await self.generate(request, "/v1/chat/completions", ChatCompletionRequest,
                                        parsed, data, len(body),
@@ -111,16 +112,16 @@ class Front:
     async def count_message_tokens(self, request: Request) -> Response:
         """Anthropic's ``POST /v1/messages/count_tokens``: the prompt's tokens, as the
         model's worker templates and tokenizes it (the model is loaded if it is not)."""
-        body = await read_body(request, self.max_body_bytes, self._bodies)
+        body = await self.read(request)
 
         def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
             given = parse_json_object(raw)
             data = anthropic.to_chat({**given, "max_tokens": 1, "stream": False})
             return validate(ChatCompletionRequest, data), data
 
-        parsed, data = await self._cpu(len(body), parse, body)
+        parsed, data = await self.cpu(len(body), parse, body)
         model = self.catalog.get(parsed.model)
-        data = await self._cpu(len(body), prepare, "/v1/chat/completions",
+        data = await self.cpu(len(body), prepare, "/v1/chat/completions",
                                ChatCompletionRequest, model, data)
         lease = await self.residency.acquire(model)
         try:
@@ -139,7 +140,7 @@ class Front:
         reader = None
         if path == "/v1/chat/completions":
             data, reader = _tool_reader(data)
-        data = await self._cpu(size, prepare, path, schema, model, data)
+        data = await self.cpu(size, prepare, path, schema, model, data)
         await refuse_before_load(model, path, data, functools.partial(_pair_table, model))
         lease = await self.residency.acquire(model)
         held = _Held(lease.release)
@@ -189,7 +190,11 @@ class Front:
         if self.keeper is not None:
             self.keeper.slot_idle(model, engine, slots, slot)
 
-    async def _cpu(self, size: int, fn: Callable[..., R], *args: Any) -> R:
+    async def read(self, request: Request) -> bytes:
+        """The request's body, within the body size limit and the bytes in flight."""
+        return await read_body(request, self.max_body_bytes, self._bodies)
+
+    async def cpu(self, size: int, fn: Callable[..., R], *args: Any) -> R:
         """``fn(*args)``: inline for a small input; for a large one on a thread, two at a
         time."""
         if size < defaults.LARGE_INPUT_BYTES:
@@ -403,11 +408,16 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               max_body_bytes: int = DEFAULT_MAX_BODY,
               admin_options: AdminOptions | None = None,
               site: SitePolicy | None = None,
-              keeper: SnapshotKeeper | None = None) -> Starlette:
+              keeper: SnapshotKeeper | None = None,
+              responses: ResponseStore | None = None) -> Starlette:
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
-    default serves loopback names only, as when bound to 127.0.0.1."""
+    default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
+    Responses API answers are stored (opened at startup; None: none are)."""
+    from bunkhouse.front.responses import ResponsesRoutes
+
     keys = keys or Keys()
     front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys, keeper)
+    stored = ResponsesRoutes(front, responses)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
                   functools.partial(front.model_object, detail=True), keeper)
 
@@ -419,6 +429,13 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         residency.open()
         background = asyncio.create_task(residency.run_background())
+        if responses is not None:
+            try:
+                count = await responses.open()
+                log.info("stored responses in %s (%d kept)", responses.path, count)
+            except ResponseStoreError as e:
+                log.warning("responses not stored: %s; pass another --responses-db FILE", e)
+                stored.store = None
         try:
             for model_id in preload:
                 try:
@@ -434,6 +451,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
             await residency.close()
             if keeper is not None:
                 keeper.log_shutdown([m.id for m in catalog])
+            if stored.store is not None:
+                await stored.store.close()
             if on_shutdown is not None:
                 on_shutdown()
 
@@ -444,6 +463,10 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("POST", "/v1/embeddings", front.generation("/v1/embeddings", EmbeddingRequest)),
         route("POST", "/v1/messages", front.messages()),
         route("POST", "/v1/messages/count_tokens", front.count_message_tokens),
+        route("POST", "/v1/responses", stored.create),
+        route("GET", "/v1/responses/{response_id}", stored.retrieve),
+        route("DELETE", "/v1/responses/{response_id}", stored.delete),
+        route("GET", "/v1/responses/{response_id}/input_items", stored.input_items),
         route("GET", "/v1/models", front.list_models),
         route("POST", "/v1/models", admin.register),
         route("POST", "/v1/models/{model_id:path}/{action}", admin.action),

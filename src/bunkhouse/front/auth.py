@@ -13,6 +13,7 @@ route missing from it is an error at startup (docs/security.md prints the same t
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -38,6 +39,10 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("POST", "/v1/embeddings"): Level.CLIENT,
     ("POST", "/v1/messages"): Level.CLIENT,
     ("POST", "/v1/messages/count_tokens"): Level.CLIENT,
+    ("POST", "/v1/responses"): Level.CLIENT,
+    ("GET", "/v1/responses/{response_id}"): Level.CLIENT,
+    ("DELETE", "/v1/responses/{response_id}"): Level.CLIENT,
+    ("GET", "/v1/responses/{response_id}/input_items"): Level.CLIENT,
     ("GET", "/v1/models"): Level.CLIENT,
     ("GET", "/v1/models/{model_id:path}"): Level.CLIENT,
     ("GET", "/stats"): Level.CLIENT,
@@ -112,6 +117,16 @@ class Keys:
         if not self.client or (key is not None and _matches(key, self.client)):
             return Level.CLIENT
         return Level.OPEN
+
+    def owner(self, request: Request) -> str | None:
+        """Whose stored state (responses) the request may see: a hash of its client key; ""
+        on a server without client keys (one shared owner); None for an admin (anyone's)."""
+        if self.level_of(request) is Level.ADMIN:
+            return None
+        key = presented_key(request)
+        if not self.client or key is None:
+            return ""
+        return hashlib.sha256(b"bunkhouse-owner:" + key.encode()).hexdigest()[:32]
 
     def guard(self, level: Level, handler: Handler) -> Handler:
         async def guarded(request: Request) -> Response:

@@ -63,6 +63,33 @@ def _messages_body(max_tokens: bool) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
+_RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True,
+                 "schema": {"type": "string"}}]
+
+
+def _responses_body() -> dict[str, Any]:
+    """OpenAI's Responses request, as its API reference describes the fields served."""
+    item = {"type": "object", "properties": {"type": {"enum": [
+        "message", "function_call", "function_call_output", "reasoning"]}}}
+    props: dict[str, Any] = {
+        "model": {"type": "string"},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1,
+                                                 "items": item}]},
+        "instructions": {"type": "string"}, "previous_response_id": {"type": "string"},
+        "store": {"type": "boolean"}, "stream": {"type": "boolean"},
+        "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"]}},
+        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]},
+                                  {"type": "object"}]},
+        "parallel_tool_calls": {"type": "boolean"}, "text": {"type": "object"},
+        "metadata": {"type": "object"}, "reasoning": {"type": "object"},
+    }
+    schema = {"type": "object", "required": ["input"], "properties": props}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
 def openapi(version: str) -> dict[str, Any]:
     schemas: dict[str, Any] = {"Error": {
         "type": "object", "required": ["error"],
@@ -86,6 +113,14 @@ def openapi(version: str) -> dict[str, Any]:
                                      "Anthropic's envelope", "200", _messages_body(True))},
         "/v1/messages/count_tokens": {"post": _op("Anthropic: the prompt's tokens", "200",
                                                   _messages_body(False))},
+        "/v1/responses": {"post": _op("OpenAI Responses (SSE with stream); stored unless "
+                                      "store is false", "200", _responses_body())},
+        "/v1/responses/{response_id}": {
+            "get": _op("a stored response", "200", params=_RESPONSE_ID),
+            "delete": _op("delete a stored response", "200", params=_RESPONSE_ID)},
+        "/v1/responses/{response_id}/input_items": {"get": _op(
+            "a stored response's input items (limit, order, after)", "200",
+            params=_RESPONSE_ID)},
         "/admin/cache/flush": {"post": _op("save every ready model's idle KV slots (admin)",
                                            "200")},
         "/admin/cache": {"delete": _op("remove every KV snapshot (admin)", "200")},

@@ -1,14 +1,15 @@
 """Answers in another shape than the engine's: the shapes (front/proxy.py ``Shape``) the
-generation path takes for Anthropic's Messages API, and for tool calls read out of an
-answer's text; the translations themselves are pure, in api/anthropic.py and
-api/tool_calls.py."""
+generation path takes for Anthropic's Messages API, OpenAI's Responses API, and tool calls
+read out of an answer's text; the translations themselves are pure, in api/anthropic.py,
+api/responses.py and api/tool_calls.py."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
-from bunkhouse.api import anthropic
+from bunkhouse.api import anthropic, responses
 from bunkhouse.api.tool_calls import ToolCallReader
 from bunkhouse.front.proxy import Shape, StreamShaper
 
@@ -128,3 +129,50 @@ class ToolCallShape:
 
     def stream(self) -> StreamShaper:
         return _ToolCallStream(self.reader, self.inner.stream())
+
+
+Stored = Callable[[dict[str, Any]], None]
+"""Called with a finished response object (where the front stores it)."""
+
+
+class _ResponseStream:
+    def __init__(self, events: responses.ResponseStream) -> None:
+        self._events = events
+        self._ended = False
+
+    def feed(self, event: dict[str, Any]) -> bytes:
+        return b"".join(responses.sse(e) for e in self._events.feed(event))
+
+    def end(self) -> bytes:
+        if self._ended:
+            return b""
+        self._ended = True
+        return b"".join(responses.sse(e) for e in self._events.end())
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        self._ended = True  # a failed response ends the stream
+        err = body.get("error")
+        code = err.get("code") if isinstance(err, dict) else None
+        return b"".join(responses.sse(e) for e in self._events.failed(
+            _message(body), code if isinstance(code, str) else None))
+
+
+class ResponsesShape:
+    """A chat completion answer as an OpenAI Responses ``response``; ``on_done`` gets each
+    finished response (whole or at the end of its stream)."""
+
+    def __init__(self, echo: responses.Echo, on_done: Stored | None = None) -> None:
+        self.echo = echo
+        self.on_done = on_done
+
+    def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
+        response = responses.response_from_chat(chat, self.echo)
+        if self.on_done is not None:
+            self.on_done(response)
+        return response
+
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        return body  # OpenAI's envelope, as on every OpenAI route
+
+    def stream(self) -> StreamShaper:
+        return _ResponseStream(responses.ResponseStream(self.echo, self.on_done))

@@ -1,0 +1,173 @@
+"""Stored Responses API answers: SQLite in the front, so that ``previous_response_id``
+continues a conversation after the worker that answered was evicted, crashed or the front
+restarted (the seeds keep this history in the parent process too).
+
+One row per stored response: its owner (a hash of the client key that made it, so that one
+client never reads, continues or deletes another's; "" on a server without client keys), the
+response object, its input items (for the input-items
+listing) and the whole conversation after it as chat messages (api/responses.py
+``conversation``). A row holds its whole conversation rather than pointing at its parent, so
+that retention or a ``DELETE`` of an earlier turn never breaks a later one; the price is a
+conversation stored once per turn, bounded by the retention below and the request body limit.
+
+Every database call runs on one thread of its own, in the order made: that thread is the one
+writer (WAL mode lets other readers of the file in), a write never blocks the event loop, and
+a read made after a write (a client's ``GET`` after ``response.completed``) sees it.
+
+Retention: at most ``max_count`` responses and none older than ``max_age_s`` seconds, applied
+at start and after each write, oldest first. The file and its WAL are private (0600) in a
+private directory (0700): it holds conversations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from bunkhouse import defaults
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    created REAL NOT NULL,
+    response TEXT NOT NULL,
+    items TEXT NOT NULL,
+    conversation TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
+"""
+
+
+class ResponseStoreError(Exception):
+    """The database cannot be opened or used (the message names the file)."""
+
+
+class ResponseStore:
+    """Stored responses in the SQLite file at ``path``.
+
+    Raises ResponseStoreError from :meth:`open` if the file cannot be made or read."""
+
+    def __init__(self, path: Path, max_count: int = defaults.RESPONSES_KEEP,
+                 max_age_s: float = defaults.RESPONSES_MAX_AGE_S) -> None:
+        self.path = path
+        self.max_count = max_count
+        self.max_age_s = max_age_s
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="response-store")
+        self._db: sqlite3.Connection | None = None
+
+    # -- on the store's thread ---------------------------------------------------------
+    def _open(self) -> int:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.close(fd)
+            os.chmod(self.path, 0o600)
+            db = sqlite3.connect(self.path, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=10000")
+            db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as e:
+            raise ResponseStoreError(f"cannot use the response store {self.path}: {e}") from e
+        self._db = db
+        for suffix in ("-wal", "-shm"):
+            extra = Path(f"{self.path}{suffix}")
+            if extra.exists():
+                os.chmod(extra, 0o600)
+        self._retain()
+        return int(db.execute("SELECT count(*) FROM responses").fetchone()[0])
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise ResponseStoreError("the response store is closed")
+        return self._db
+
+    def _retain(self) -> None:
+        db = self._conn()
+        db.execute("DELETE FROM responses WHERE created < ?", (time.time() - self.max_age_s,))
+        db.execute("DELETE FROM responses WHERE created < (SELECT created FROM responses "
+                   "ORDER BY created DESC LIMIT 1 OFFSET ?)", (self.max_count - 1,))
+
+    def _put(self, owner: str, response: dict[str, Any], items: list[dict[str, Any]],
+             conversation: list[dict[str, Any]]) -> None:
+        self._conn().execute(
+            "INSERT OR REPLACE INTO responses (id, owner, created, response, items, "
+            "conversation) VALUES (?, ?, ?, ?, ?, ?)",
+            (response["id"], owner, time.time(), json.dumps(response), json.dumps(items),
+             json.dumps(conversation)))
+        self._retain()
+
+    def _get(self, column: str, response_id: str, owner: str | None) -> Any:
+        if column not in ("response", "items", "conversation"):
+            raise ValueError(f"no column {column!r}")
+        row = self._conn().execute(
+            f"SELECT {column} FROM responses WHERE id = ? AND (owner = ? OR ?)",
+            (response_id, owner or "", owner is None)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def _delete(self, response_id: str, owner: str | None) -> bool:
+        cur = self._conn().execute("DELETE FROM responses WHERE id = ? AND (owner = ? OR ?)",
+                                   (response_id, owner or "", owner is None))
+        return cur.rowcount > 0
+
+    def _close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    # -- from the event loop -----------------------------------------------------------
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def open(self) -> int:
+        """Open (or make) the database and apply retention; returns how many it holds."""
+        return await self._call(self._open)
+
+    def put(self, owner: str, response: dict[str, Any], items: list[dict[str, Any]],
+            conversation: list[dict[str, Any]]) -> None:
+        """Store ``response`` for ``owner`` (queued: any later call sees it). A failure is
+        logged, not raised: the answer was given; only a later continuation of it will not
+        be found."""
+        future = self._thread.submit(self._put, owner, response, items, conversation)
+
+        def logged(done: concurrent.futures.Future[None]) -> None:
+            error = done.exception()
+            if error is not None:
+                log.warning("response %s not stored (%s): a later previous_response_id "
+                            "naming it will get 404", response.get("id"), error)
+
+        future.add_done_callback(logged)
+
+    # Each lookup sees only ``owner``'s responses (None: anyone's, for an admin).
+    async def response(self, response_id: str, owner: str | None) -> dict[str, Any] | None:
+        return await self._call(self._get, "response", response_id, owner)
+
+    async def items(self, response_id: str, owner: str | None) -> list[dict[str, Any]] | None:
+        return await self._call(self._get, "items", response_id, owner)
+
+    async def conversation(self, response_id: str,
+                           owner: str | None) -> list[dict[str, Any]] | None:
+        return await self._call(self._get, "conversation", response_id, owner)
+
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        return await self._call(self._delete, response_id, owner)
+
+    async def close(self) -> None:
+        """Finish queued writes and close the database."""
+        await self._call(self._close)
+        self._thread.shutdown(wait=True)

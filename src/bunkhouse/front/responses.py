@@ -1,0 +1,114 @@
+"""OpenAI's Responses API routes: ``POST /v1/responses`` (translated to a chat completion
+request by api/responses.py and served by the one generation path, ``Front.generate``), and
+the stored responses (front/response_store.py): ``GET`` and ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from bunkhouse.api import responses
+from bunkhouse.api.schemas import ChatCompletionRequest, parse_json_object, validate
+from bunkhouse.errors import InvalidRequest, NotFound
+from bunkhouse.front.protocols import ResponsesShape
+from bunkhouse.front.response_store import ResponseStore
+
+if TYPE_CHECKING:
+    from bunkhouse.front.app import Front
+
+MAX_PAGE = 100  # input items in one listing page (OpenAI's limit)
+
+
+class ResponseNotFound(NotFound):
+    code = "response_not_found"
+
+
+class PreviousResponseNotFound(NotFound):
+    code = "previous_response_not_found"
+
+
+class ResponsesRoutes:
+    """The Responses API over ``front``; ``store`` None: nothing is stored (a
+    ``previous_response_id`` is then never found)."""
+
+    def __init__(self, front: Front, store: ResponseStore | None) -> None:
+        self.front = front
+        self.store = store
+
+    async def create(self, request: Request) -> Response:
+        front = self.front
+        body = await front.read(request)
+        given = await front.cpu(len(body), parse_json_object, body)
+        items = await front.cpu(len(body), responses.check_request, given)
+        owner = front.keys.owner(request)
+        history: list[dict[str, Any]] = []
+        previous = given.get("previous_response_id")
+        if previous:
+            found = (await self.store.conversation(previous, owner)
+                     if self.store else None)
+            if found is None:
+                raise PreviousResponseNotFound(
+                    f"previous response {previous!r} not found (never stored, deleted, or "
+                    "past the server's retention)", param="previous_response_id")
+            history = found
+        data = await front.cpu(len(body), responses.to_chat, given, items, history)
+        parsed = await front.cpu(len(body), validate, ChatCompletionRequest, data)
+        store = self.store if given.get("store", True) is not False else None
+
+        def shape(model_id: str) -> ResponsesShape:
+            on_done = (functools.partial(_keep, store, owner or "", items, history)
+                       if store is not None else None)
+            return ResponsesShape(responses.Echo(given, model_id), on_done)
+
+        return await front.generate(request, "/v1/chat/completions", ChatCompletionRequest,
+                                    parsed, data, len(body), shape)
+
+    async def retrieve(self, request: Request) -> Response:
+        found = await self._stored(request, "response")
+        return JSONResponse(found)
+
+    async def delete(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        owner = self.front.keys.owner(request)
+        if self.store is None or not await self.store.delete(response_id, owner):
+            raise _not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def input_items(self, request: Request) -> Response:
+        items = await self._stored(request, "items")
+        query = request.query_params
+        raw = query.get("limit", "20")
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+            raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}",
+                                 param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order must be \"asc\" or \"desc\"", param="order")
+        return JSONResponse(responses.input_items_page(items, limit=int(raw), order=order,
+                                                       after=query.get("after")))
+
+    async def _stored(self, request: Request, what: str) -> Any:
+        response_id = request.path_params["response_id"]
+        found = None
+        owner = self.front.keys.owner(request)
+        if self.store is not None:
+            found = await (self.store.response(response_id, owner) if what == "response"
+                           else self.store.items(response_id, owner))
+        if found is None:
+            raise _not_found(response_id)
+        return found
+
+
+def _not_found(response_id: str) -> NotFound:
+    return ResponseNotFound(f"response {response_id[:200]!r} not found (never stored, deleted, "
+                            "or past the server's retention)")
+
+
+def _keep(store: ResponseStore, owner: str, items: list[dict[str, Any]],
+          history: list[dict[str, Any]], response: dict[str, Any]) -> None:
+    if response.get("status") in ("completed", "incomplete"):
+        store.put(owner, response, items, responses.conversation(history, items, response))

@@ -1,0 +1,175 @@
+"""OpenAI's Responses API through `bunkhouse serve`, driven by the real `openai` SDK: create,
+stream, a three-turn chain by previous_response_id, retrieve, input items, delete, a tool
+round trip, structured output; a chain continued after SIGKILL of the worker and after a
+restart of the front; bad input in OpenAI's envelope."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server import Server, serve
+from tests.helpers import wait_for
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+TERSE = "You are terse. Answer in a few words."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serve(tmp_path_factory.mktemp("responses"), "--preload", QWEN) as running:
+        yield running
+
+
+def sdk(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+def ask(client: openai.OpenAI, text: str, previous: str | None = None,
+        **extra: Any) -> openai.types.responses.Response:
+    return client.responses.create(model=QWEN, input=text, instructions=TERSE, temperature=0,
+                                   max_output_tokens=24, previous_response_id=previous or
+                                   openai.NOT_GIVEN, **extra)
+
+
+def test_create_stream_a_chain_retrieve_and_delete(server: Server) -> None:
+    with sdk(server) as client:
+        first = ask(client, "My name is Ada. Reply with just: OK")
+        assert first.status == "completed" and first.object == "response"
+        assert first.model == QWEN and first.output_text.strip()
+        assert first.usage is not None and first.usage.input_tokens > 0
+        second = ask(client, "My favourite colour is green. Reply with just: OK", first.id)
+        assert second.previous_response_id == first.id
+        # the third turn, streamed, knows both earlier turns
+        with client.responses.stream(model=QWEN, input="What is my name?",
+                                     instructions=TERSE, temperature=0, max_output_tokens=24,
+                                     previous_response_id=second.id) as stream:
+            events = list(stream)
+            third = stream.get_final_response()
+        kinds = [e.type for e in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert kinds[-1] == "response.completed" and "response.output_text.delta" in kinds
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert "Ada" in third.output_text
+        streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert streamed == third.output_text
+
+        kept = client.responses.retrieve(third.id)
+        assert kept.output_text == third.output_text and kept.status == "completed"
+        items = client.responses.input_items.list(third.id)
+        assert [i.type for i in items.data] == ["message"]  # this turn's input only
+        assert items.data[0].content[0].text == "What is my name?"  # type: ignore[union-attr]
+
+        client.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+        # a later turn holds its whole conversation: deleting an earlier one breaks nothing
+        colour = ask(client, "What is my favourite colour?", third.id)
+        assert "green" in colour.output_text.lower()
+
+        unstored = ask(client, "Say hi.", store=False)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(unstored.id)
+
+
+def test_a_function_call_round_trip_and_structured_output(server: Server) -> None:
+    weather = {"type": "function", "name": "get_weather",
+               "description": "Get the current weather for a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                              "required": ["city"]}}
+    with sdk(server) as client:
+        called = client.responses.create(model=QWEN, input="What is the weather in Paris?",
+                                         tools=[weather],  # type: ignore[list-item]
+                                         tool_choice="required", temperature=0)
+        (call,) = called.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        assert call.arguments == '{"city": "Paris"}' and call.call_id
+        with client.responses.stream(model=QWEN, input="What is the weather in Paris?",
+                                     tools=[weather],  # type: ignore[list-item]
+                                     tool_choice="required", temperature=0) as stream:
+            kinds = [e.type for e in stream]
+            final = stream.get_final_response()
+        assert "response.function_call_arguments.done" in kinds
+        assert final.output[0].type == "function_call"
+        answered = client.responses.create(
+            model=QWEN, previous_response_id=called.id, temperature=0, max_output_tokens=48,
+            input=[{"type": "function_call_output", "call_id": call.call_id,
+                    "output": "Sunny, 18 degrees Celsius"}])
+        assert "18" in answered.output_text  # the packaged model quotes the result
+
+        person = client.responses.create(
+            model=QWEN, input="Describe a person named Bob, aged 30.", temperature=0,
+            text={"format": {"type": "json_schema", "name": "person", "schema": {
+                "type": "object", "properties": {"name": {"type": "string"},
+                                                 "age": {"type": "integer"}},
+                "required": ["name", "age"]}}})
+        import json
+        assert json.loads(person.output_text) == {"name": "Bob", "age": 30}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": QWEN}, "input"),
+    ({"model": QWEN, "input": 5}, "input"),
+    ({"model": QWEN, "input": []}, "input"),
+    ({"model": QWEN, "input": [{"type": "message", "role": "robot", "content": "x"}]},
+     "input.0.role"),
+    ({"model": QWEN, "input": [{"type": "input_image"}]}, "input.0.type"),
+    ({"model": QWEN, "input": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": QWEN, "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"model": QWEN, "input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"model": QWEN, "input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"model": QWEN, "input": "hi", "store": "yes"}, "store"),
+    ({"model": QWEN, "input": "hi", "background": True}, "background"),
+    ({"model": QWEN, "input": "hi", "metadata": {"k": 1}}, "metadata"),
+])
+def test_bad_input_is_a_400_naming_the_field(server: Server, body: dict[str, Any],
+                                             param: str) -> None:
+    resp = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_unknown_ids_are_404s(server: Server) -> None:
+    resp = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "model": QWEN, "input": "hi", "previous_response_id": "resp_nope"})
+    assert resp.status_code == 404
+    assert resp.json()["error"]["code"] == "previous_response_not_found"
+    assert resp.json()["error"]["param"] == "previous_response_id"
+    for method, path in (("GET", "/v1/responses/resp_nope"),
+                         ("DELETE", "/v1/responses/resp_nope"),
+                         ("GET", "/v1/responses/resp_nope/input_items")):
+        got = httpx.request(method, f"{server.url}{path}", timeout=60)
+        assert got.status_code == 404 and got.json()["error"]["code"] == "response_not_found"
+    with sdk(server) as client:
+        made = ask(client, "Say hi.")
+    bad = httpx.get(f"{server.url}/v1/responses/{made.id}/input_items?limit=0", timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
+def test_a_chain_outlives_a_killed_worker_and_a_restarted_front(tmp_path: Path) -> None:
+    db = tmp_path / "private" / "responses.db"
+    with serve(tmp_path / "first", "--preload", QWEN, "--responses-db", str(db)) as server, \
+            sdk(server) as client:
+        first = ask(client, "My name is Ada. Reply with just: OK")
+        pid = server.model(QWEN)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: server.model(QWEN)["pid"] != pid, 120, "the killed worker noticed")
+        second = ask(client, "What is my name?", first.id)
+        assert "Ada" in second.output_text
+    assert stat.S_IMODE(db.stat().st_mode) == 0o600
+    assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
+    with serve(tmp_path / "second", "--responses-db", str(db)) as server, \
+            sdk(server) as client:
+        third = ask(client, "What is my name, once more?", second.id)
+        assert "Ada" in third.output_text
+        assert client.responses.retrieve(first.id).output_text == first.output_text

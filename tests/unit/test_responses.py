@@ -1,0 +1,285 @@
+"""The Responses API's translation (api/responses.py) and its store
+(front/response_store.py), on their own."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bunkhouse.api import responses
+from bunkhouse.errors import InvalidRequest
+from bunkhouse.front.assemble import assemble_chat
+from bunkhouse.front.response_store import ResponseStore, ResponseStoreError
+
+
+def chat_request(body: dict[str, Any], history: list[dict[str, Any]] | None = None
+                 ) -> dict[str, Any]:
+    return responses.to_chat(body, responses.check_request(body), history or [])
+
+
+def test_a_string_input_with_instructions_is_a_system_and_a_user_message() -> None:
+    out = chat_request({"model": "m", "input": "hi", "instructions": "Be brief.",
+                        "max_output_tokens": 9, "temperature": 0.5, "stream": True})
+    assert out["messages"] == [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "hi"}]
+    assert out["max_tokens"] == 9 and out["temperature"] == 0.5 and out["model"] == "m"
+    assert out["stream"] is True and out["stream_options"] == {"include_usage": True}
+
+
+def test_items_become_messages_after_the_history() -> None:
+    history = [{"role": "user", "content": "before"}, {"role": "assistant", "content": "ok"}]
+    out = chat_request({"input": [
+        {"role": "developer", "content": "rules"},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "two"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+    ]}, history)
+    assert out["messages"][:2] == history
+    assert out["messages"][2:] == [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g",
+                                                          "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"}]
+
+
+def test_tools_tool_choice_and_text_format_are_translated() -> None:
+    out = chat_request({"input": "hi", "tools": [
+        {"type": "function", "name": "f", "description": "d",
+         "parameters": {"type": "object"}}], "tool_choice": {"type": "function", "name": "f"},
+        "parallel_tool_calls": False,
+        "text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"}}}})
+    assert out["tools"] == [{"type": "function", "function": {
+        "name": "f", "description": "d", "parameters": {"type": "object"}}}]
+    assert out["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert out["parallel_tool_calls"] is False
+    assert out["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object"}}}
+    assert "response_format" not in chat_request({"input": "x",
+                                                  "text": {"format": {"type": "text"}}})
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "input"), ({"input": None}, "input"), ({"input": [1]}, "input.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     "input.0.content.0.type"),
+    ({"input": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]},
+     "input.0.call_id"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
+    ({"input": "x", "model": 3}, "model"), ({"input": "x", "instructions": []}, "instructions"),
+    ({"input": "x", "previous_response_id": 1}, "previous_response_id"),
+    ({"input": "x", "top_p": 2}, "top_p"), ({"input": "x", "tools": {}}, "tools"),
+    ({"input": "x", "tools": [{"type": "function"}]}, "tools.0.name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": []}]},
+     "tools.0.parameters"),
+    ({"input": "x", "tool_choice": "always"}, "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+    ({"input": "x", "text": "json"}, "text"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"input": ["x"] * (responses.MAX_INPUT_ITEMS + 1)}, "input"),
+])
+def test_bad_fields_are_named(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        chat_request(body)
+    assert info.value.param == param
+
+
+def chat_answer(content: str | None, finish: str = "stop",
+                calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return {"choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                      "prompt_tokens_details": {"cached_tokens": 2}}}
+
+
+def test_a_chat_answer_is_a_response_object() -> None:
+    echo = responses.Echo({"input": "x", "metadata": {"a": "b"}}, "m")
+    out = responses.response_from_chat(chat_answer("Hello"), echo)
+    assert out["object"] == "response" and out["id"].startswith("resp_")
+    assert out["status"] == "completed" and out["model"] == "m"
+    assert out["metadata"] == {"a": "b"} and out["store"] is True
+    (item,) = out["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == "Hello"
+    assert out["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 2},
+                            "output_tokens": 3,
+                            "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": 10}
+    cut = responses.response_from_chat(chat_answer("Hel", "length"), echo)
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_tool_calls_and_reasoning_are_output_items() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    answer = chat_answer(None, "tool_calls", [call])
+    answer["choices"][0]["message"]["reasoning_content"] = "thinking"
+    out = responses.response_from_chat(answer, responses.Echo({"input": "x"}, "m"))
+    assert [i["type"] for i in out["output"]] == ["reasoning", "function_call"]
+    assert out["output"][1]["call_id"] == "call_1" and out["output"][1]["name"] == "f"
+    # the next turn continues from the call, without the reasoning
+    convo = responses.conversation([], responses.input_items("x"), out)
+    assert convo == [{"role": "user", "content": "x"},
+                     {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+
+def stream_events(pieces: list[dict[str, Any]], finish: str = "stop") -> list[dict[str, Any]]:
+    chunks = [{"choices": [{"index": 0, "delta": p, "finish_reason": None}]} for p in pieces]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}})
+    done: list[dict[str, Any]] = []
+    stream = responses.ResponseStream(responses.Echo({"input": "x"}, "m"), done.append)
+    events = [e for c in chunks for e in stream.feed(c)] + stream.end()
+    assert len(done) == 1 and events[-1]["response"] == done[0]
+    whole = assemble_chat(chunks)
+    assert [i["type"] for i in done[0]["output"]] == [
+        i["type"] for i in responses.response_from_chat(
+            whole, responses.Echo({"input": "x"}, "m"))["output"]]
+    return events
+
+
+def test_a_streamed_text_answer_has_openais_event_sequence() -> None:
+    events = stream_events([{"role": "assistant", "content": None}, {"content": "Hel"},
+                            {"content": "lo"}])
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[6]["text"] == "Hello"
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+    assert final["usage"]["total_tokens"] == 6
+    assert {e["item_id"] for e in events[3:8]} == {events[2]["item"]["id"]}
+
+
+def test_a_streamed_call_has_argument_deltas() -> None:
+    events = stream_events([
+        {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                         "function": {"name": "f", "arguments": "{\"a\""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}], "tool_calls")
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.function_call_arguments.delta") == 2
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert done["arguments"] == "{\"a\": 1}"
+    added = next(e for e in events if e["type"] == "response.output_item.added")
+    assert added["item"]["name"] == "f" and added["item"]["call_id"] == "call_1"
+
+
+def test_a_stream_cut_by_max_tokens_is_incomplete_and_a_failure_is_failed() -> None:
+    events = stream_events([{"content": "Hel"}], "length")
+    assert events[-1]["type"] == "response.incomplete"
+    stream = responses.ResponseStream(responses.Echo({"input": "x"}, "m"))
+    failed = stream.failed("worker broke", "engine_unavailable")
+    assert [e["type"] for e in failed] == ["response.created", "response.in_progress",
+                                           "response.failed"]
+    assert failed[-1]["response"]["error"] == {"code": "engine_unavailable",
+                                               "message": "worker broke"}
+
+
+def test_input_items_pages() -> None:
+    items = [{"id": f"i{n}"} for n in range(5)]
+    page = responses.input_items_page(items, limit=2, order="desc", after=None)
+    assert [i["id"] for i in page["data"]] == ["i4", "i3"] and page["has_more"]
+    page = responses.input_items_page(items, limit=10, order="asc", after="i2")
+    assert [i["id"] for i in page["data"]] == ["i3", "i4"] and not page["has_more"]
+    assert page["first_id"] == "i3" and page["last_id"] == "i4"
+    with pytest.raises(InvalidRequest):
+        responses.input_items_page(items, limit=2, order="asc", after="zzz")
+
+
+def _response(n: int) -> dict[str, Any]:
+    return {"id": f"resp_{n}", "object": "response", "output": [], "n": n}
+
+
+def test_the_store_keeps_responses_privately_across_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "data" / "r.db"
+
+    async def run() -> None:
+        store = ResponseStore(path)
+        assert await store.open() == 0
+        store.put("", _response(1), [{"id": "i"}], [{"role": "user", "content": "x"}])
+        assert await store.response("resp_1", "") == _response(1)  # read after the queued write
+        assert await store.items("resp_1", "") == [{"id": "i"}]
+        assert await store.conversation("resp_1", "") == [{"role": "user", "content": "x"}]
+        assert await store.response("resp_2", "") is None
+        await store.close()
+        again = ResponseStore(path)
+        assert await again.open() == 1
+        again.put("alice", _response(3), [], [])
+        assert await again.response("resp_3", "bob") is None  # another client's
+        assert not await again.delete("resp_3", "bob")
+        assert await again.response("resp_3", None) == _response(3)  # an admin's view
+        assert await again.response("resp_3", "alice") == _response(3)
+        assert await again.delete("resp_1", "") and not await again.delete("resp_1", "")
+        assert await again.response("resp_1", None) is None
+        await again.close()
+
+    asyncio.run(run())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    with open(path, "rb") as f:
+        assert f.read(16) == b"SQLite format 3\x00"
+
+
+def test_retention_keeps_the_newest_by_count_and_drops_old_ones(tmp_path: Path) -> None:
+    path = tmp_path / "r.db"
+
+    async def run() -> None:
+        store = ResponseStore(path, max_count=3)
+        await store.open()
+        for n in range(6):
+            store.put("", _response(n), [], [])
+            await asyncio.sleep(0.01)
+        kept = [n for n in range(6) if await store.response(f"resp_{n}", None)]
+        assert kept == [3, 4, 5]
+        await store.close()
+        # a lower limit, and an age limit, apply at the next start
+        aged = ResponseStore(path, max_count=2, max_age_s=3600)
+        assert await aged.open() == 2
+        await aged.close()
+        await asyncio.sleep(0.05)
+        young = ResponseStore(path, max_age_s=0.01)
+        assert await young.open() == 0
+        await young.close()
+
+    asyncio.run(run())
+
+
+def test_an_unusable_path_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+
+    async def run() -> None:
+        with pytest.raises(ResponseStoreError, match="file"):
+            await ResponseStore(tmp_path / "file" / "r.db").open()
+
+    asyncio.run(run())
+
+
+def test_a_failed_write_is_logged_not_raised(tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    async def run() -> None:
+        store = ResponseStore(tmp_path / "r.db")
+        await store.open()
+        store.put("", {"id": "resp_x", "bad": {1, 2}}, [], [])  # not JSON: the write fails
+        assert await store.response("resp_x", None) is None
+        await store.close()
+
+    asyncio.run(run())
+    assert "not stored" in caplog.text
+
