@@ -173,3 +173,28 @@ def test_a_chain_outlives_a_killed_worker_and_a_restarted_front(tmp_path: Path) 
         third = ask(client, "What is my name, once more?", second.id)
         assert "Ada" in third.output_text
         assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_one_clients_stored_responses_are_not_anothers(tmp_path: Path) -> None:
+    with serve(tmp_path, "--preload", QWEN, env={"BUNKHOUSE_API_KEYS": "alice-key,bob-key",
+                                                 "BUNKHOUSE_ADMIN_KEYS": "admin-key"}) as server:
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0,
+                                 timeout=300)
+
+        with client("alice-key") as alice, client("bob-key") as bob, \
+                client("admin-key") as admin:
+            made = ask(alice, "My name is Ada. Reply with just: OK")
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.retrieve(made.id)
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.input_items.list(made.id)
+            with pytest.raises(openai.NotFoundError):
+                ask(bob, "What is my name?", made.id)
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.delete(made.id)
+            assert admin.responses.retrieve(made.id).id == made.id
+            assert "Ada" in ask(alice, "What is my name?", made.id).output_text
+            alice.responses.delete(made.id)
+            with pytest.raises(openai.NotFoundError):
+                admin.responses.retrieve(made.id)

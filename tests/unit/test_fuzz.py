@@ -25,6 +25,7 @@ from bunkhouse.config import Settings
 from bunkhouse.front.admin import AdminOptions
 from bunkhouse.front.app import build_app
 from bunkhouse.front.auth import Keys
+from bunkhouse.front.response_store import ResponseStore
 from bunkhouse.front.site import SitePolicy
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from tests.helpers import write_tiny_gguf
@@ -74,6 +75,7 @@ def _app(root: Path) -> Any:
 
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
     return build_app(catalog, residency, keys=Keys(admin=["fuzz"]),
+                     responses=ResponseStore(root / "responses.db"),
                      admin_options=AdminOptions(allow_runtime_load=True, roots=(root,)),
                      site=SitePolicy(allowed_hosts=("testserver",)))  # the test client's Host
 

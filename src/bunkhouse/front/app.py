@@ -434,8 +434,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
                 count = await responses.open()
                 log.info("stored responses in %s (%d kept)", responses.path, count)
             except ResponseStoreError as e:
-                log.warning("responses not stored: %s; pass another --responses-db FILE", e)
-                stored.store = None
+                log.warning("responses not stored: %s; pass another --responses-db FILE",
+                            e.message)
         try:
             for model_id in preload:
                 try:
@@ -451,8 +451,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
             await residency.close()
             if keeper is not None:
                 keeper.log_shutdown([m.id for m in catalog])
-            if stored.store is not None:
-                await stored.store.close()
+            if responses is not None:
+                await responses.close()
             if on_shutdown is not None:
                 on_shutdown()
 

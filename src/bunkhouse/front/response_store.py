@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bunkhouse import defaults
+from bunkhouse.errors import BunkhouseError
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,12 @@ CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
 """
 
 
-class ResponseStoreError(Exception):
+class ResponseStoreError(BunkhouseError):
     """The database cannot be opened or used (the message names the file)."""
+
+    status = 503
+    type = "server_error"
+    code = "response_store_unavailable"
 
 
 class ResponseStore:
@@ -66,8 +71,7 @@ class ResponseStore:
         self.path = path
         self.max_count = max_count
         self.max_age_s = max_age_s
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="response-store")
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None
 
     # -- on the store's thread ---------------------------------------------------------
@@ -132,17 +136,29 @@ class ResponseStore:
 
     # -- from the event loop -----------------------------------------------------------
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._thread is None:
+            raise ResponseStoreError(f"the response store {self.path} is not open")
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def open(self) -> int:
-        """Open (or make) the database and apply retention; returns how many it holds."""
-        return await self._call(self._open)
+        """Open (or make) the database and apply retention; returns how many it holds.
+        Raises ResponseStoreError (then the store stays closed)."""
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="response-store")
+        try:
+            return await self._call(self._open)
+        except ResponseStoreError:
+            await self.close()
+            raise
 
     def put(self, owner: str, response: dict[str, Any], items: list[dict[str, Any]],
             conversation: list[dict[str, Any]]) -> None:
         """Store ``response`` for ``owner`` (queued: any later call sees it). A failure is
         logged, not raised: the answer was given; only a later continuation of it will not
         be found."""
+        if self._thread is None:
+            log.warning("response %s not stored: the store is closed", response.get("id"))
+            return
         future = self._thread.submit(self._put, owner, response, items, conversation)
 
         def logged(done: concurrent.futures.Future[None]) -> None:
@@ -168,6 +184,8 @@ class ResponseStore:
         return await self._call(self._delete, response_id, owner)
 
     async def close(self) -> None:
-        """Finish queued writes and close the database."""
-        await self._call(self._close)
-        self._thread.shutdown(wait=True)
+        """Finish queued writes and close the database (it may be opened again)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(thread, self._close)
+            thread.shutdown(wait=True)
