@@ -9,6 +9,10 @@ taken at the first content chunk, decode tokens/s over the chunks after it. A ro
 requests at once (C = 1, then 4) to each target in turn, the order alternating between rounds
 so that drift in the machine's speed cancels out; a round's figure is the median of its
 requests. Prompts differ per round and target so that no target is served from a cache.
+
+Then the same question through each of the front's protocols (OpenAI chat completions,
+Anthropic Messages, OpenAI Responses), one at a time, taking turns: what a translated
+protocol costs against chat completions on the same server.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,28 +32,47 @@ from benchmarks.common import NO_KEEPALIVE, QWEN, Profile, bunkhouse, engine_ser
 CONCURRENCY = (1, 4)
 
 
-def stream_once(url: str, key: str, prompt: str, tokens: int) -> tuple[float, float, int]:
-    """(TTFT s, decode tokens/s, content chunks) of one streamed chat completion."""
-    body = {
-        "model": QWEN,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+def _chat_text(event: dict[str, Any]) -> bool:
+    choices = event.get("choices") or []
+    return bool(choices and choices[0].get("delta", {}).get("content"))
+
+
+PROTOCOLS: dict[str, tuple[str, Callable[[str, int], dict[str, Any]],
+                           Callable[[dict[str, Any]], bool]]] = {
+    # route, request body for (prompt, tokens), "this event carries answer text"
+    "chat": ("/v1/chat/completions",
+             lambda prompt, tokens: {"messages": [{"role": "user", "content": prompt}],
+                                     "max_tokens": tokens}, _chat_text),
+    "messages": ("/v1/messages",
+                 lambda prompt, tokens: {"messages": [{"role": "user", "content": prompt}],
+                                         "max_tokens": tokens},
+                 lambda e: e.get("type") == "content_block_delta"
+                 and e["delta"].get("type") == "text_delta"),
+    "responses": ("/v1/responses",
+                  lambda prompt, tokens: {"input": prompt, "max_output_tokens": tokens},
+                  lambda e: e.get("type") == "response.output_text.delta"),
+}
+"""The front's protocols, each asked the same streamed question."""
+
+
+def stream_once(url: str, key: str, prompt: str, tokens: int,
+                protocol: str = "chat") -> tuple[float, float, int]:
+    """(TTFT s, decode tokens/s, content chunks) of one streamed answer in ``protocol``
+    (a key of PROTOCOLS; ``ignore_eos`` on chat, which only llama.cpp's own fields take)."""
+    route, make, is_text = PROTOCOLS[protocol]
+    body = {"model": QWEN, **make(prompt, tokens), "temperature": 0, "stream": True}
+    if protocol == "chat":
+        body["ignore_eos"] = True
     headers = {"authorization": f"Bearer {key}"} if key else {}
     stamps: list[float] = []
     start = time.perf_counter()
     with httpx.Client(limits=NO_KEEPALIVE) as client, client.stream(
-            "POST", f"{url}/v1/chat/completions", json=body, headers=headers,
-            timeout=300) as resp:
+            "POST", f"{url}{route}", json=body, headers=headers, timeout=300) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[6:]).get("choices") or []
-            if choices and choices[0].get("delta", {}).get("content"):
+            if is_text(json.loads(line[6:])):
                 stamps.append(time.perf_counter())
     if len(stamps) < 2:
         raise RuntimeError(f"{url}: only {len(stamps)} content chunks")
@@ -82,5 +106,23 @@ def measure(profile: Profile) -> dict[str, Any]:
                         front_tokens += sum(n for _, _, n in done)
             print(f"overhead: round {r + 1}/{profile.overhead_rounds}", file=sys.stderr)
         front_cpu_s = sum(front_cpu.cpu_times()[:2]) - cpu_before
+        protocols = _protocols(front_url, profile)
     return {"model": QWEN, "tokens": tokens, "concurrency": list(CONCURRENCY),
-            "rounds": rounds, "front_cpu_s": front_cpu_s, "front_tokens": front_tokens}
+            "rounds": rounds, "front_cpu_s": front_cpu_s, "front_tokens": front_tokens,
+            "protocols": protocols}
+
+
+def _protocols(url: str, profile: Profile) -> dict[str, list[list[float]]]:
+    """Per protocol, per round: [ttft_s, decode_tps] of one streamed answer through the
+    front, the protocols taking turns in an order rotating between rounds. The answers are
+    not fixed in length (``ignore_eos`` is llama.cpp's, not the other protocols'): the prompt
+    asks for a long list, so that each runs to the token limit."""
+    names = list(PROTOCOLS)
+    out: dict[str, list[list[float]]] = {name: [] for name in names}
+    for r in range(profile.overhead_rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            prompt = f"[{name} {r}] Write a long list of fruits, one per line."
+            ttft, tps, _ = stream_once(url, "", prompt, profile.overhead_tokens, name)
+            out[name].append([ttft, tps])
+        print(f"overhead: protocols round {r + 1}/{profile.overhead_rounds}", file=sys.stderr)
+    return out

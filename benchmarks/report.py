@@ -41,6 +41,31 @@ def overhead_stats(o: dict[str, Any]) -> dict[str, tuple[Spread, Spread]]:
     return out
 
 
+def _protocols(o: dict[str, Any]) -> list[str]:
+    """The translated protocols against chat completions through the same front."""
+    p = o.get("protocols")
+    if not p:
+        return []
+    stats = {name: (Spread.of([r[0] for r in rounds]), Spread.of([r[1] for r in rounds]))
+             for name, rounds in p.items()}
+    chat_ttft, chat_tps = stats["chat"]
+    rows = []
+    for name, route in (("chat", "/v1/chat/completions"), ("messages", "/v1/messages"),
+                        ("responses", "/v1/responses")):
+        ttft, tps = stats[name]
+        rows.append([f"`{route}`", _f(ttft, 1, 1000),
+                     f"{(ttft.median - chat_ttft.median) * 1000:+.1f} ms", _f(tps, 2),
+                     f"**{tps.median / chat_tps.median:.3f}**"])
+    lines = [f"The same streamed question in each protocol the front speaks, through the same "
+             f"server, one request at a time, the protocols taking turns "
+             f"({len(p['chat'])} rounds; up to {o['tokens']} tokens: only chat completions "
+             f"take `ignore_eos`, so the answers may differ in length). Anthropic's and the "
+             f"Responses API are translated to chat completions in the front and back.", ""]
+    lines += _table(["route", "TTFT ms", "TTFT vs chat", "decode tok/s",
+                     "decode ratio vs chat"], rows)
+    return lines
+
+
 def _overhead(o: dict[str, Any], goals: list[list[str]]) -> list[str]:
     st = overhead_stats(o)
     n = len(next(iter(o["rounds"].values())))
@@ -54,6 +79,11 @@ def _overhead(o: dict[str, Any], goals: list[list[str]]) -> list[str]:
         f"round's figure is the median of its requests; median (min-max) of {n} rounds.",
         "",
     ]
+    measured = o.get("measured")
+    if measured:
+        lines += [f"Measured on its own on {measured['started'][:10]} at commit "
+                  f"{measured['commit']} (`python -m benchmarks run --only overhead`, merged "
+                  f"into this page's results).", ""]
     rows = []
     for c in o["concurrency"]:
         (et, ed), (bt, bd) = st[f"engine c={c}"], st[f"bunkhouse c={c}"]
@@ -74,6 +104,7 @@ def _overhead(o: dict[str, Any], goals: list[list[str]]) -> list[str]:
     noise = (bt.high - bt.low) * 1000 / 2
     goals.append(["front adds at most 2 ms to time to first token, 1 request",
                   f"{diff:+.1f} ms (rounds spread ±{noise:.0f} ms)", _yes(diff <= 2.0)])
+    lines += _protocols(o)
     if 4 in o["concurrency"]:
         r4 = st["bunkhouse c=4"][1].median / st["engine c=4"][1].median
         goals.append(["front costs at most 1% of decode tokens/s, 4 requests at once",

@@ -19,7 +19,7 @@ import json
 import uuid
 from typing import Any
 
-from bunkhouse.api.fields import need, stream_and_sampling, tools
+from bunkhouse.api.fields import need, shown, stream_and_sampling, tools
 from bunkhouse.errors import BunkhouseError, InvalidRequest
 
 MAX_MESSAGES = 10_000  # turns in one request
@@ -105,7 +105,7 @@ def _message(i: int, message: Any) -> list[dict[str, Any]]:
         elif kind in ("thinking", "redacted_thinking"):
             continue  # earlier reasoning: not sent back to the model
         else:
-            raise InvalidRequest(f"{at}.type {kind!r} is not supported here (text, tool_use "
+            raise InvalidRequest(f"{at}.type {shown(kind)} is not supported here (text, tool_use "
                                  "in assistant turns, tool_result in user turns)",
                                  param=f"{at}.type")
     out: list[dict[str, Any]] = list(results)

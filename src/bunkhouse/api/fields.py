@@ -12,6 +12,13 @@ MAX_TOOLS = 512
 """Tools in one request (docs/security.md: each tool's schema may become a grammar)."""
 
 
+def shown(value: Any, limit: int = 100) -> str:
+    """``value`` as an error message quotes it: its repr, cut to ``limit`` characters (a
+    client's value may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def need(cond: bool, message: str, param: str) -> None:
     """InvalidRequest(``message``) naming ``param`` unless ``cond``."""
     if not cond:

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from bunkhouse.api.fields import need, stream_and_sampling, tools
+from bunkhouse.api.fields import need, shown, stream_and_sampling, tools
 from bunkhouse.errors import InvalidRequest
 
 MAX_INPUT_ITEMS = 10_000  # items in one request's input
@@ -53,7 +53,7 @@ def _content_text(content: Any, where: str) -> str:
         need(isinstance(part, dict), f"{at} must be an object", at)
         kind = part.get("type")
         need(kind in ("input_text", "output_text", "text", "refusal"),
-             f"{at}.type {kind!r} is not supported here (input_text, output_text)",
+             f"{at}.type {shown(kind)} is not supported here (input_text, output_text)",
              f"{at}.type")
         text = part.get("refusal" if kind == "refusal" else "text")
         need(isinstance(text, str), f"{at}.text must be a string", f"{at}.text")
@@ -103,7 +103,7 @@ def input_items(value: Any) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue  # earlier reasoning is not sent back to the model
         else:
-            raise InvalidRequest(f"{at}.type {kind!r} is not supported here (message, "
+            raise InvalidRequest(f"{at}.type {shown(kind)} is not supported here (message, "
                                  "function_call, function_call_output)", param=f"{at}.type")
     return items
 
@@ -490,7 +490,7 @@ def input_items_page(items: list[dict[str, Any]], *, limit: int, order: str,
     ordered = list(reversed(items)) if order == "desc" else list(items)
     if after is not None:
         ids = [item.get("id") for item in ordered]
-        need(after in ids, f"after: no input item {after!r} in this response", "after")
+        need(after in ids, f"after: no input item {shown(after)} in this response", "after")
         ordered = ordered[ids.index(after) + 1:]
     page = ordered[:limit]
     return {"object": "list", "data": page,

@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from bunkhouse import __version__, defaults
 from bunkhouse.api import anthropic
+from bunkhouse.api.fields import shown
 from bunkhouse.api.schemas import (
     BodyBudget,
     ChatCompletionRequest,
@@ -309,7 +310,7 @@ def _tool_reader(data: dict[str, Any]) -> tuple[dict[str, Any], ToolCallReader |
     (api/tool_calls.py). Raises InvalidRequest for a required tool that is not declared."""
     missing = unknown_forced_tool(data)
     if missing is not None:
-        raise InvalidRequest(f"tool_choice names the function {missing!r}, which is not in "
+        raise InvalidRequest(f"tool_choice names the function {shown(missing)}, which is not in "
                              "tools", param="tool_choice")
     return ToolCallReader.for_request(data)
 

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api import responses
+from bunkhouse.api.fields import shown
 from bunkhouse.api.schemas import ChatCompletionRequest, parse_json_object, validate
 from bunkhouse.errors import InvalidRequest, NotFound
 from bunkhouse.front.protocols import ResponsesShape
@@ -52,7 +53,7 @@ class ResponsesRoutes:
                      if self.store else None)
             if found is None:
                 raise PreviousResponseNotFound(
-                    f"previous response {previous!r} not found (never stored, deleted, or "
+                    f"previous response {shown(previous)} not found (never stored, deleted, or "
                     "past the server's retention)", param="previous_response_id")
             history = found
         data = await front.cpu(len(body), responses.to_chat, given, items, history)
@@ -104,7 +105,7 @@ class ResponsesRoutes:
 
 
 def _not_found(response_id: str) -> NotFound:
-    return ResponseNotFound(f"response {response_id[:200]!r} not found (never stored, deleted, "
+    return ResponseNotFound(f"response {shown(response_id)} not found (never stored, deleted, "
                             "or past the server's retention)")
 
 
