@@ -130,6 +130,11 @@ def test_a_function_call_round_trip_and_structured_output(server: Server) -> Non
     ({"model": QWEN, "input": "hi", "store": "yes"}, "store"),
     ({"model": QWEN, "input": "hi", "background": True}, "background"),
     ({"model": QWEN, "input": "hi", "metadata": {"k": 1}}, "metadata"),
+    # hostile: more items than the bound, a megabyte type name, a tool flood
+    ({"model": QWEN, "input": [{"role": "user", "content": "x"}] * 10_001}, "input"),
+    ({"model": QWEN, "input": [{"type": "x" * 1_000_000}]}, "input.0.type"),
+    ({"model": QWEN, "input": "hi", "tools": [{"type": "function", "name": "f"}] * 513},
+     "tools"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server: Server, body: dict[str, Any],
                                              param: str) -> None:
@@ -137,6 +142,7 @@ def test_bad_input_is_a_400_naming_the_field(server: Server, body: dict[str, Any
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert len(error["message"]) < 1000  # a client's value is quoted cut short
 
 
 def test_unknown_ids_are_404s(server: Server) -> None:

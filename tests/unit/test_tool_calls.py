@@ -193,3 +193,27 @@ def test_the_reader_for_a_request(extra: Any, forced: bool) -> None:
     request(response_format={"type": "json_object"})])
 def test_no_reader_where_there_is_nothing_to_read(data: dict[str, Any]) -> None:
     assert ToolCallReader.for_request(data) == (data, None)
+
+
+@pytest.mark.parametrize("text", [
+    "", "  ", "<", "<tool_", "<tool_call>\n{", "`", "```", "```js", "```json", "```json\n",
+    "```json\n{", "```\n{\"na", "{", "{\"", "{\"na", "{\"name\"", "[", "[{\"name",
+    "{\"arguments\": {", " {\"parameters"])
+def test_text_that_may_still_be_a_call_is_held(text: str) -> None:
+    from bunkhouse.api.tool_calls import _may_become_call
+    assert _may_become_call(text)
+
+
+@pytest.mark.parametrize("text", [
+    "Sure", "```python\n", "```py", "{\"city\"", "{1", "[1", "```json\n[2", "<b>",
+    "{\"nam\"", "The answer"])
+def test_text_that_cannot_be_a_call_goes_out_at_once(text: str) -> None:
+    from bunkhouse.api.tool_calls import _may_become_call
+    assert not _may_become_call(text)
+
+
+def test_a_fenced_code_answer_streams_without_waiting_for_its_end() -> None:
+    reader = ToolCallReader(["get_weather"], forced=False)
+    sent = [reader.feed(e) for e in chunks(["```", "python\n", "print(1)\n", "```"])]
+    assert sent[2][0]["choices"][0]["delta"]["content"] == "```python\n"
+    assert sent[3][0]["choices"][0]["delta"]["content"] == "print(1)\n"

@@ -33,7 +33,6 @@ from typing import Any
 
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*(.*?)\s*```$", re.DOTALL)
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_OPENERS = ("{", "[", "```", "<tool_call>")
 
 
 def _names(tools: Any) -> list[str]:
@@ -149,10 +148,39 @@ def calls_from_text(text: str, names: list[str]) -> list[dict[str, Any]] | None:
     return calls or None
 
 
+_KEYS = ("name", "arguments", "parameters")  # a call object's keys, as calls_from_text reads
+
+
 def _may_become_call(text: str) -> bool:
-    """Whether text an answer began with may still turn out to be a tool call."""
+    """Whether text an answer began with may still turn out to be a tool call: empty, or the
+    start of ``<tool_call>``, of a ```json (or bare) fence, of a list or object whose first
+    key is a call's. Anything else (```python, prose, ``{"city": ...``) is text at once, so
+    that a streamed answer is held back only while it really may be a call."""
     head = text.lstrip()
-    return not head or any(head.startswith(o) or o.startswith(head) for o in _OPENERS)
+    if not head or "<tool_call>".startswith(head) or head.startswith("<tool_call>") \
+            or "```".startswith(head):
+        return True
+    if head.startswith("```"):
+        line, newline, rest = head[3:].partition("\n")
+        lang = line.strip().lower()
+        if not newline:
+            return "json".startswith(lang)
+        if lang not in ("", "json"):
+            return False
+        head = rest.lstrip()
+    if head.startswith("["):
+        head = head[1:].lstrip()
+    if not head:
+        return True
+    if not head.startswith("{"):
+        return False
+    body = head[1:].lstrip()
+    if not body:
+        return True
+    if not body.startswith('"'):
+        return False
+    key, closed, _ = body[1:].partition('"')
+    return key in _KEYS if closed else any(k.startswith(key) for k in _KEYS)
 
 
 class ToolCallReader:
