@@ -241,8 +241,8 @@ def _file_path(text: str) -> Path:
 
 
 def _count(text: str) -> int:
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (0 or more)")
+    if not text.strip().isdigit() or int(text) > 10**9:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to 10^9")
     return int(text)
 
 

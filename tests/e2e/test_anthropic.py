@@ -46,10 +46,16 @@ def test_create_stream_and_count_tokens(client: anthropic.Anthropic) -> None:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == text and final.stop_reason == made.stop_reason
+    assert final.usage.input_tokens == made.usage.input_tokens  # sent with message_delta
 
     counted = client.messages.count_tokens(model=QWEN, system="You are terse.",
                                            messages=messages)
     assert counted.input_tokens == made.usage.input_tokens
+
+    # max_tokens is a ceiling, as agents send it (32,000), far above the 2,048-token slot
+    capped = client.messages.create(model=QWEN, max_tokens=32_000, extra_body=GREEDY,
+                                    system="You are terse.", messages=messages)
+    assert "".join(b.text for b in capped.content if b.type == "text") == text
 
     stopped = client.messages.create(model=QWEN, max_tokens=32, extra_body=GREEDY,
                                      messages=[{"role": "user",
@@ -160,3 +166,12 @@ def test_errors_come_in_anthropics_envelope(client: anthropic.Anthropic,
     bad = httpx.post(f"{server.url}/v1/messages", content=b"{not json",
                      headers={"content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["type"] == "error"
+    # a prompt no slot can take is refused, not tokenized (megabytes took gigabytes)
+    words = " ".join(f"w{i}x" for i in range(1_000_000))
+    with pytest.raises(anthropic.BadRequestError) as too_long:
+        client.messages.count_tokens(model=QWEN, messages=[{"role": "user", "content": words}])
+    assert "do not fit" in str(too_long.value)
+    cross = httpx.post(f"{server.url}/v1/messages", content=b"{}",
+                       headers={"content-type": "text/plain", "origin": "http://evil.example",
+                                "sec-fetch-site": "cross-site"})
+    assert cross.status_code == 403 and cross.json()["type"] == "error"  # Anthropic's too

@@ -36,9 +36,9 @@ def sdk(server: Server) -> openai.OpenAI:
 
 def ask(client: openai.OpenAI, text: str, previous: str | None = None,
         **extra: Any) -> openai.types.responses.Response:
+    given: dict[str, Any] = {"max_output_tokens": 24, **extra}
     return client.responses.create(model=QWEN, input=text, instructions=TERSE, temperature=0,
-                                   max_output_tokens=24, previous_response_id=previous or
-                                   openai.NOT_GIVEN, **extra)
+                                   previous_response_id=previous or openai.NOT_GIVEN, **given)
 
 
 def test_create_stream_a_chain_retrieve_and_delete(server: Server) -> None:
@@ -62,6 +62,11 @@ def test_create_stream_a_chain_retrieve_and_delete(server: Server) -> None:
         assert "Ada" in third.output_text
         streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         assert streamed == third.output_text
+        (message,) = third.output
+        assert message.type == "message" and len(message.content) == 1
+        # max_output_tokens is a ceiling: far above the slot, the answer is the same
+        capped = ask(client, "What is my name?", second.id, max_output_tokens=100_000)
+        assert capped.output_text == third.output_text
 
         kept = client.responses.retrieve(third.id)
         assert kept.output_text == third.output_text and kept.status == "completed"
@@ -204,3 +209,20 @@ def test_one_clients_stored_responses_are_not_anothers(tmp_path: Path) -> None:
             alice.responses.delete(made.id)
             with pytest.raises(openai.NotFoundError):
                 admin.responses.retrieve(made.id)
+
+
+def test_a_store_that_cannot_be_used_is_a_503_and_no_file_of_yours_is_touched(
+        tmp_path: Path) -> None:
+    notes = tmp_path / "notes.db"
+    notes.write_text("my notes")
+    notes.chmod(0o644)
+    with serve(tmp_path / "srv", "--preload", QWEN, "--responses-db", str(notes)) as server, \
+            sdk(server) as client:
+        with pytest.raises(openai.InternalServerError) as info:
+            ask(client, "Say hi.")
+        assert info.value.status_code == 503 and str(tmp_path) not in str(info.value)
+        assert ask(client, "Say hi.", store=False).store is False  # served, not stored
+    assert notes.read_text() == "my notes" and stat.S_IMODE(notes.stat().st_mode) == 0o644
+    with serve(tmp_path / "off", "--preload", QWEN, "--responses-keep", "0") as server, \
+            sdk(server) as client:
+        assert ask(client, "Say hi.").store is False

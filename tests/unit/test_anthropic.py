@@ -19,7 +19,8 @@ def test_a_request_becomes_a_chat_request() -> None:
             {"role": "assistant", "content": [
                 {"type": "text", "text": "Let me compute."},
                 {"type": "tool_use", "id": "toolu_1", "name": "add",
-                 "input": {"a": 2, "b": 2}}]},
+                 "input": {"a": 2, "b": 2}},
+                {"type": "tool_use", "id": "toolu_2", "name": "mul", "input": {}}]},
             {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "4"},
                 {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
@@ -35,7 +36,9 @@ def test_a_request_becomes_a_chat_request() -> None:
         {"role": "user", "content": "What is 2+2?"},
         {"role": "assistant", "content": "Let me compute.", "tool_calls": [
             {"id": "toolu_1", "type": "function",
-             "function": {"name": "add", "arguments": json.dumps({"a": 2, "b": 2})}}]},
+             "function": {"name": "add", "arguments": json.dumps({"a": 2, "b": 2})}},
+            {"id": "toolu_2", "type": "function",
+             "function": {"name": "mul", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "4"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such tool"},
     ]
@@ -66,11 +69,26 @@ def test_a_request_becomes_a_chat_request() -> None:
       "stop_sequences": "END"}, "stop_sequences"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "system": 7},
      "system"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": ""}]}, "messages.0.content"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "4"}]}]},
+     "messages.0.content.0.tool_use_id"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"name": "f"}]}, "tools.0.input_schema"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type"),
 ])
 def test_bad_input_names_its_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         to_chat(body)
     assert info.value.param == param
+
+
+def test_a_final_assistant_turn_may_be_empty() -> None:
+    chat = to_chat({"max_tokens": 5, "messages": [{"role": "user", "content": "x"},
+                                                  {"role": "assistant", "content": ""}]})
+    assert chat["messages"][-1] == {"role": "assistant", "content": ""}
 
 
 def test_an_answer_becomes_a_message() -> None:
@@ -118,7 +136,7 @@ def test_a_stream_becomes_anthropic_events_block_by_block() -> None:
                                         "input": {}}
     assert "".join(d["delta"].get("partial_json", "") for d in data[6:8]) == "{\"a\": 1}"
     assert data[9]["delta"]["stop_reason"] == "tool_use"
-    assert data[9]["usage"] == {"output_tokens": 4}
+    assert data[9]["usage"] == {"input_tokens": 9, "output_tokens": 4}
 
 
 def test_errors_use_anthropics_envelope_and_types() -> None:

@@ -149,3 +149,30 @@ def test_repeating_what_cannot_match_nothing_passes(grammar: str) -> None:
 def test_grammars_read_as_the_engine_reads_them(grammar: str) -> None:
     with pytest.raises(TooCostly):
         check_grammar(grammar)
+
+
+def _object(optional: int, required: int = 0) -> dict[str, object]:
+    props = {f"k{i}": {"type": "string"} for i in range(optional + required)}
+    return {"type": "object", "properties": props,
+            "required": [f"k{i}" for i in range(optional, optional + required)]}
+
+
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_an_object_with_too_many_optional_properties_is_refused(where: str) -> None:
+    from bunkhouse.engines.grammar_cost import MAX_OPTIONAL_PROPERTIES, check_request
+    from bunkhouse.errors import InvalidRequest
+    big = _object(MAX_OPTIONAL_PROPERTIES + 1)
+    body: dict[str, object] = (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": big}}}
+        if where == "response_format"
+        else {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"inner": big}}}}]})
+    with pytest.raises(InvalidRequest) as info:
+        check_request(body)
+    assert info.value.param == ("response_format" if where == "response_format"
+                                else "tools.0.function.parameters")
+    assert "required" in info.value.message
+    # as many optional ones as allowed, in many objects, and any number of required ones pass
+    check_request({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {f"o{j}": _object(MAX_OPTIONAL_PROPERTIES, 2000)
+                                         for j in range(8)}}}}})

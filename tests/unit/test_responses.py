@@ -90,11 +90,24 @@ def test_tools_tool_choice_and_text_format_are_translated() -> None:
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
     ({"input": ["x"] * (responses.MAX_INPUT_ITEMS + 1)}, "input"),
+    ({"input": "x", "previous_response_id": ""}, "previous_response_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
+     "input.0.arguments"),
+    ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+     "input.0.call_id"),
 ])
 def test_bad_fields_are_named(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         chat_request(body)
     assert info.value.param == param
+
+
+def test_an_output_may_answer_a_call_of_the_previous_response() -> None:
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    out = chat_request({"input": [{"type": "function_call_output", "call_id": "c1",
+                                   "output": "ok"}]}, history)
+    assert out["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "ok"}
 
 
 def chat_answer(content: str | None, finish: str = "stop",
@@ -265,8 +278,52 @@ def test_an_unusable_path_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
 
     async def run() -> None:
-        with pytest.raises(ResponseStoreError, match="file"):
+        with pytest.raises(ResponseStoreError) as info:
             await ResponseStore(tmp_path / "file" / "r.db").open()
+        assert str(tmp_path) not in info.value.message  # a client sees no server path
+        assert info.value.detail is not None and "file" in info.value.detail
+        assert info.value.status == 503
+
+    asyncio.run(run())
+
+
+def test_a_file_that_is_not_ours_is_left_untouched(tmp_path: Path) -> None:
+    import os
+    import sqlite3
+
+    text = tmp_path / "notes.db"
+    text.write_text("my notes")
+    other = tmp_path / "other.db"
+    con = sqlite3.connect(other)
+    con.execute("CREATE TABLE responses (x)")
+    con.commit()
+    con.close()
+    for path in (text, other):
+        os.chmod(path, 0o644)
+        before = (path.read_bytes(), path.stat().st_mode)
+
+        async def run(path: Path = path) -> None:
+            store = ResponseStore(path)
+            with pytest.raises(ResponseStoreError) as info:
+                await store.open()
+            assert "not a bunkhouse response store" in (info.value.detail or "")
+            with pytest.raises(ResponseStoreError):
+                store.check()
+
+        asyncio.run(run())
+        assert (path.read_bytes(), path.stat().st_mode) == before
+        assert not Path(f"{path}-wal").exists()
+
+
+def test_age_applies_to_lookups_without_a_write(tmp_path: Path) -> None:
+    async def run() -> None:
+        store = ResponseStore(tmp_path / "r.db", max_age_s=0.2)
+        await store.open()
+        store.put("", _response(1), [], [])
+        assert await store.response("resp_1", "") is not None
+        await asyncio.sleep(0.3)
+        assert await store.response("resp_1", "") is None
+        await store.close()
 
     asyncio.run(run())
 

@@ -11,8 +11,8 @@ import pytest
 from bunkhouse.api.tool_calls import (
     ToolCallReader,
     calls_from_text,
+    check_tool_choice,
     forced_request,
-    unknown_forced_tool,
 )
 from bunkhouse.front.assemble import assemble_chat
 
@@ -56,10 +56,33 @@ def test_nothing_is_forced_unless_a_declared_call_is_required_alone(extra: Any) 
     assert forced_request(request(**extra)) is None
 
 
-def test_an_undeclared_required_function_is_named() -> None:
-    assert unknown_forced_tool(request(
-        tool_choice={"type": "function", "function": {"name": "nope"}})) == "nope"
-    assert unknown_forced_tool(request(tool_choice="required")) is None
+@pytest.mark.parametrize("data,words", [
+    (request(tool_choice={"type": "function", "function": {"name": "nope"}}), "'nope'"),
+    (request(tool_choice={"type": "function"}), "must be"),
+    (request(tool_choice={"type": "function", "function": {"name": 5}}), "must be"),
+    ({"messages": [], "tool_choice": "required"}, "no tools"),
+    ({"messages": [], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "no tools"),
+])
+def test_a_tool_choice_that_cannot_be_met_is_a_400(data: dict[str, Any], words: str) -> None:
+    from bunkhouse.errors import InvalidRequest
+    with pytest.raises(InvalidRequest) as info:
+        check_tool_choice(data)
+    assert info.value.param == "tool_choice" and words in info.value.message
+
+
+def test_two_tools_of_one_name_are_a_400() -> None:
+    from bunkhouse.errors import InvalidRequest
+    with pytest.raises(InvalidRequest) as info:
+        check_tool_choice(request(tools=[WEATHER, TIME, WEATHER]))
+    assert info.value.param == "tools" and "get_weather" in info.value.message
+    for choice in ("auto", "none", "required", None):
+        check_tool_choice(request(tool_choice=choice))
+
+
+def test_a_forced_call_is_not_cut_by_a_stop_word() -> None:
+    sent = forced_request(request(tool_choice="required", stop=["city"]))
+    assert sent is not None and "stop" not in sent
 
 
 @pytest.mark.parametrize("text", [
@@ -217,3 +240,13 @@ def test_a_fenced_code_answer_streams_without_waiting_for_its_end() -> None:
     sent = [reader.feed(e) for e in chunks(["```", "python\n", "print(1)\n", "```"])]
     assert sent[2][0]["choices"][0]["delta"]["content"] == "```python\n"
     assert sent[3][0]["choices"][0]["delta"]["content"] == "print(1)\n"
+
+
+def test_json_that_names_a_tool_but_misses_its_required_arguments_is_text() -> None:
+    schemas = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"], "additionalProperties": False}}
+    assert calls_from_text('{"name": "get_weather", "arguments": {"town": 5}}', schemas) is None
+    assert calls_from_text('{"name": "get_weather", "arguments": {"city": "P", "x": 1}}',
+                           schemas) is None
+    assert calls_from_text(CALL, schemas) is not None
+    assert calls_from_text(CALL, {"get_weather": None}) is not None

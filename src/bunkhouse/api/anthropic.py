@@ -63,14 +63,18 @@ def _text_of(content: Any, param: str) -> str:
     return "\n".join(parts)
 
 
-def _message(i: int, message: Any) -> list[dict[str, Any]]:
-    """One Anthropic message as OpenAI chat messages (tool results become tool messages)."""
+def _message(i: int, message: Any, last: bool, calls_seen: set[str]) -> list[dict[str, Any]]:
+    """One Anthropic message as OpenAI chat messages (tool results become tool messages).
+    ``calls_seen``: the ids of the tool_use blocks before it (this one's are added)."""
     where = f"messages.{i}"
     need(isinstance(message, dict), f"{where} must be an object", where)
     role = message.get("role")
     need(role in ("user", "assistant"), f"{where}.role must be \"user\" or \"assistant\"",
          f"{where}.role")
     content = message.get("content")
+    need(bool(content) or (last and role == "assistant"),
+         f"{where}.content must not be empty (only a final assistant turn may be)",
+         f"{where}.content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     need(isinstance(content, list), f"{where}.content must be a string or an array of "
@@ -94,9 +98,14 @@ def _message(i: int, message: Any) -> list[dict[str, Any]]:
                  f"{at} needs a string id, a string name and an object input", at)
             calls.append({"id": block["id"], "type": "function", "function": {
                 "name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+            calls_seen.add(block["id"])
         elif kind == "tool_result" and role == "user":
             need(isinstance(block.get("tool_use_id"), str),
                  f"{at}.tool_use_id must be a string", f"{at}.tool_use_id")
+            need(block["tool_use_id"] in calls_seen,
+                 f"{at}.tool_use_id: no tool_use block with the id "
+                 f"{shown(block['tool_use_id'])} in an earlier assistant turn",
+                 f"{at}.tool_use_id")
             text = _text_of(block.get("content", ""), f"{at}.content")
             if block.get("is_error") is True:
                 text = f"Error: {text}"
@@ -120,8 +129,11 @@ def _tool(i: int, tool: Any) -> dict[str, Any]:
     at = f"tools.{i}"
     need(isinstance(tool, dict) and isinstance(tool.get("name"), str),
          f"{at} must be an object with a string name", at)
-    schema = tool.get("input_schema", {"type": "object"})
-    need(isinstance(schema, dict), f"{at}.input_schema must be an object",
+    need(tool.get("type") in (None, "custom"),
+         f"{at}.type {shown(tool.get('type'))}: Anthropic's server tools are not served "
+         "here; declare your own tool with a name and an input_schema", f"{at}.type")
+    schema = tool.get("input_schema")
+    need(isinstance(schema, dict), f"{at}.input_schema is required: a JSON schema object",
          f"{at}.input_schema")
     function: dict[str, Any] = {"name": tool["name"], "parameters": schema}
     if isinstance(tool.get("description"), str):
@@ -155,8 +167,9 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     chat: list[dict[str, Any]] = []
     if body.get("system") is not None:
         chat.append({"role": "system", "content": _text_of(body["system"], "system")})
+    calls_seen: set[str] = set()
     for i, message in enumerate(messages):
-        chat += _message(i, message)
+        chat += _message(i, message, i == len(messages) - 1, calls_seen)
     out: dict[str, Any] = {"messages": chat, "max_tokens": max_tokens}
     model = body.get("model")
     if model is not None:
@@ -325,7 +338,9 @@ class MessageStream:
         events.append(("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": {"output_tokens": self._usage["output_tokens"]}}))
+            # the prompt's tokens are known only now (the engine's last chunk): the SDKs
+            # take input_tokens from here over message_start's 0
+            "usage": dict(self._usage)}))
         events.append(("message_stop", {"type": "message_stop"}))
         return events
 

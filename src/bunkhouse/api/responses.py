@@ -89,6 +89,8 @@ def input_items(value: Any) -> list[dict[str, Any]]:
             for name in ("call_id", "name", "arguments"):
                 need(isinstance(item.get(name), str), f"{at}.{name} must be a string",
                      f"{at}.{name}")
+            need(_json_object(item["arguments"]),
+                 f"{at}.arguments must be a JSON object, as a string", f"{at}.arguments")
             items.append({"type": "function_call", "id": item.get("id") or new_id("fc"),
                           "call_id": item["call_id"], "name": item["name"],
                           "arguments": item["arguments"], "status": "completed"})
@@ -106,6 +108,26 @@ def input_items(value: Any) -> list[dict[str, Any]]:
             raise InvalidRequest(f"{at}.type {shown(kind)} is not supported here (message, "
                                  "function_call, function_call_output)", param=f"{at}.type")
     return items
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def check_outputs(items: list[dict[str, Any]], history: list[dict[str, Any]]) -> None:
+    """InvalidRequest for a ``function_call_output`` whose ``call_id`` no function call
+    before it made (in this input or the conversation it continues), as OpenAI refuses it."""
+    made = {call.get("id") for m in history for call in m.get("tool_calls") or []}
+    for i, item in enumerate(items):
+        if item["type"] == "function_call":
+            made.add(item["call_id"])
+        elif item["type"] == "function_call_output":
+            need(item["call_id"] in made,
+                 f"input.{i}.call_id: no function call {shown(item['call_id'])} before this "
+                 "output, here or in the previous response", f"input.{i}.call_id")
 
 
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -200,6 +222,8 @@ def check_request(body: dict[str, Any]) -> list[dict[str, Any]]:
     for name, kind in (("model", str), ("instructions", str), ("previous_response_id", str)):
         need(body.get(name) is None or isinstance(body[name], kind),
              f"{name} must be a string", name)
+    need(body.get("previous_response_id") != "",
+         "previous_response_id must be a response id, not empty", "previous_response_id")
     for name in ("stream", "store", "parallel_tool_calls", "background"):
         need(body.get(name) is None or isinstance(body[name], bool),
              f"{name} must be a boolean", name)
@@ -217,6 +241,7 @@ def to_chat(body: dict[str, Any], items: list[dict[str, Any]],
     """A Responses request (checked by :func:`check_request`, ``items`` its input) as a chat
     completion request, after the chat messages of the conversation it continues
     (``history``). Raises InvalidRequest naming the field."""
+    check_outputs(items, history)
     messages: list[dict[str, Any]] = []
     if body.get("instructions"):  # not carried over from a previous response (as OpenAI)
         messages.append({"role": "system", "content": body["instructions"]})
@@ -375,8 +400,11 @@ class ResponseStream:
         self._open = (kind, tool)
         self._parts = []
         index = len(self._output) - 1
+        added = {**item, "status": "in_progress"}
+        if kind in ("message", "reasoning"):
+            added["content"] = []  # its part comes with content_part.added (as OpenAI)
         events.append(self._event("response.output_item.added", output_index=index,
-                                  item={**item, "status": "in_progress"}))
+                                  item=added))
         if kind in ("message", "reasoning"):
             part = ({"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                     if kind == "message" else {"type": "reasoning_text", "text": ""})

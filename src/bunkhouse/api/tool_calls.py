@@ -29,7 +29,11 @@ import copy
 import json
 import re
 import uuid
+from collections.abc import Collection, Mapping
 from typing import Any
+
+from bunkhouse.api.fields import shown
+from bunkhouse.errors import InvalidRequest
 
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*(.*?)\s*```$", re.DOTALL)
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -79,7 +83,7 @@ def forced_request(data: dict[str, Any]) -> dict[str, Any] | None:
     ``data`` requires one and sets no output format of its own; else None.
 
     Raises nothing: a named function that is not among ``tools`` is left to the engine's own
-    checks (see :func:`unknown_forced_tool`)."""
+    checks (see :func:`check_tool_choice`)."""
     tools = data.get("tools")
     only = _required_name(data.get("tool_choice"))
     if not tools or only is None or data.get("response_format") or data.get("json_schema") \
@@ -87,24 +91,65 @@ def forced_request(data: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if only and only not in _names(tools):
         return None
-    return {**data, "tool_choice": "none", "response_format": {
+    forced = {k: v for k, v in data.items() if k != "stop"}  # a stop word must not cut a call
+    return {**forced, "tool_choice": "none", "response_format": {
         "type": "json_schema",
         "json_schema": {"name": "tool_call", "schema": call_schema(tools, only)}}}
 
 
-def unknown_forced_tool(data: dict[str, Any]) -> str | None:
-    """The name a ``tool_choice`` requires that is not among ``tools``, if so."""
-    only = _required_name(data.get("tool_choice"))
-    if only and only not in _names(data.get("tools")):
-        return only
-    return None
+def check_tool_choice(data: dict[str, Any]) -> None:
+    """InvalidRequest (as OpenAI answers them) for a ``tool_choice`` that names no declared
+    function, requires a call without ``tools``, or is an object without a function name;
+    and for two tools of one name."""
+    choice = data.get("tool_choice")
+    names = _names(data.get("tools"))
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise InvalidRequest(f"tools: more than one tool is named {shown(twice[0])}",
+                             param="tools")
+    if choice is None or choice in ("auto", "none"):
+        return
+    only = _required_name(choice)
+    if only is None:
+        raise InvalidRequest("tool_choice must be \"auto\", \"none\", \"required\" or "
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                             param="tool_choice")
+    if not names:
+        raise InvalidRequest("tool_choice requires a tool call, but no tools are given",
+                             param="tool_choice")
+    if only and only not in names:
+        raise InvalidRequest(f"tool_choice names the function {shown(only)}, which is not "
+                             "in tools", param="tool_choice")
 
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(value: Any, names: list[str]) -> dict[str, Any] | None:
+def _schemas(tools: Any) -> dict[str, Any]:
+    """Each declared tool's name and parameters schema (None where it gives none)."""
+    out: dict[str, Any] = {}
+    for tool in tools if isinstance(tools, list) else []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            out[fn["name"]] = fn.get("parameters")
+    return out
+
+
+def _fits(args: dict[str, Any], schema: Any) -> bool:
+    """Whether arguments have what the tool's schema requires, and no key it forbids (a
+    shallow check: enough to tell a call from JSON that merely names a tool)."""
+    if not isinstance(schema, dict):
+        return True
+    required = schema.get("required")
+    if isinstance(required, list) and any(k not in args for k in required):
+        return False
+    props = schema.get("properties")
+    return not (isinstance(props, dict) and schema.get("additionalProperties") is False
+                and any(k not in props for k in args))
+
+
+def _call(value: Any, names: Collection[str]) -> dict[str, Any] | None:
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     args = value.get("arguments", value.get("parameters", {}))
@@ -115,14 +160,18 @@ def _call(value: Any, names: list[str]) -> dict[str, Any] | None:
             return None
     if not isinstance(args, dict):
         return None
+    if isinstance(names, Mapping) and not _fits(args, names[value["name"]]):
+        return None
     return {"id": new_call_id(), "type": "function",
             "function": {"name": value["name"], "arguments": json.dumps(args)}}
 
 
-def calls_from_text(text: str, names: list[str]) -> list[dict[str, Any]] | None:
+def calls_from_text(text: str, names: Collection[str]) -> list[dict[str, Any]] | None:
     """The tool calls ``text`` is made of, in OpenAI's ``tool_calls`` shape, when the whole
     text (stripped) is one call object or a list of them naming tools in ``names``: bare, in
-    a Markdown fence, or each in ``<tool_call>`` tags. None if it is anything else."""
+    a Markdown fence, or each in ``<tool_call>`` tags. None if it is anything else. Given a
+    mapping of names to parameter schemas, a call's arguments must also fit its schema
+    (:func:`_fits`)."""
     text = text.strip()
     if not text or not names:
         return None
@@ -189,7 +238,7 @@ class ToolCallReader:
     ``names``: the declared tools; ``forced``: the request was rewritten by
     :func:`forced_request`, so the whole text is the call."""
 
-    def __init__(self, names: list[str], forced: bool) -> None:
+    def __init__(self, names: Collection[str], forced: bool) -> None:
         self.names = names
         self.forced = forced
         self._held: list[str] = []
@@ -199,7 +248,7 @@ class ToolCallReader:
     @classmethod
     def for_request(cls, data: dict[str, Any]) -> tuple[dict[str, Any], ToolCallReader | None]:
         """The request to send and the reader of its answer (None: nothing to read)."""
-        names = _names(data.get("tools"))
+        names = _schemas(data.get("tools"))
         if not names or data.get("tool_choice") == "none" or data.get("n", 1) != 1:
             return data, None
         forced = forced_request(data)

@@ -182,9 +182,17 @@ class LlamaCppClient:
                                        timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
 
     def _unreachable(self, e: Exception) -> EngineUnavailable:
-        return EngineUnavailable(f"model {self._model_id!r}: worker unreachable: {e!r}")
+        return EngineUnavailable(f"model {self._model_id!r}: worker unreachable",
+                                 detail=repr(e))
+
+    def _check_open(self) -> None:
+        """EngineUnavailable once the client is closed (its worker is gone), rather than
+        httpx's RuntimeError for a task that still held it."""
+        if self._http.is_closed:
+            raise EngineUnavailable(f"model {self._model_id!r}: its worker is gone")
 
     async def _get(self, path: str, timeout_s: float | None) -> httpx.Response:
+        self._check_open()
         try:
             return await self._http.get(path, timeout=timeout_s)
         except httpx.TransportError as e:
@@ -193,6 +201,7 @@ class LlamaCppClient:
     async def _post(self, path: str, payload: dict[str, Any],
                     timeout_s: float | None = None) -> Any:
         """POST JSON and return the parsed answer; a refusal is EngineRefused."""
+        self._check_open()
         try:
             resp = await self._http.post(path, json=payload, timeout=timeout_s)
         except httpx.TransportError as e:
@@ -247,6 +256,7 @@ class LlamaCppClient:
     async def generate(self, route: str, body: bytes) -> httpx.Response:
         request = self._http.build_request("POST", route, content=body,
                                            headers={"content-type": "application/json"})
+        self._check_open()
         try:
             return await self._http.send(request, stream=True)
         except httpx.TransportError as e:

@@ -128,24 +128,27 @@ class _Chat:
 
 
 async def check_fits(model: CatalogModel, path: str, body: dict[str, Any],
-                     count_tokens: CountTokens) -> None:
+                     count_tokens: CountTokens, *, cap: bool = False) -> int | None:
     """Raise ContextLengthExceeded if the request's prompt plus max_tokens cannot fit a slot.
 
     ``count_tokens`` is the worker's (engines/contract.py): a raw prompt's tokens, or chat
     messages' once templated; it is only asked when a cheap byte bound cannot prove that the
-    request fits.
+    request fits. ``cap``: ``max_tokens`` is a ceiling, not a need (Anthropic's Messages and
+    OpenAI's Responses): only the prompt must fit, and the ``max_tokens`` to send instead is
+    returned when the slot holds fewer; else None (send it as it is).
     """
     if path == "/v1/embeddings":
         await _check_inputs(model, body, count_tokens)
-        return
+        return None
     limit = slot_context(model)
-    max_tokens = body.get("max_tokens") or 0  # missing: the rest of the slot's context
+    asked = body.get("max_tokens") or 0  # missing: the rest of the slot's context
+    max_tokens = 0 if cap else asked
     if path == "/v1/chat/completions":
         messages = body.get("messages", [])
         bound = (text_bytes(messages) + _PER_MESSAGE_BYTES * len(messages) + _TEMPLATE_BYTES
                  + text_bytes(body.get("tools")) * 2)
-        if bound + max_tokens < limit:
-            return
+        if bound + asked < limit:
+            return None
         prompts: list[Any] = [_Chat(messages)]
     else:
         prompts = _prompts(body.get("prompt", ""))
@@ -166,6 +169,9 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any],
         need = tokens + max(max_tokens, 1)
         if need > limit:
             raise _too_long(model, path, tokens, max_tokens, need, limit)
+        if cap and asked and tokens + asked > limit:
+            return limit - tokens
+    return None
 
 
 Count = Callable[[str], Awaitable[int]]
@@ -219,10 +225,12 @@ def _prompts(raw: Any) -> list[Any]:
 
 
 async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any],
-                             table: Callable[[], Awaitable[PairTable | None]]) -> None:
+                             table: Callable[[], Awaitable[PairTable | None]], *,
+                             cap: bool = False) -> None:
     """Raise ContextLengthExceeded, before the model is loaded, if a prompt's lower bound on
     tokens (catalog/vocab.py) plus max_tokens cannot fit one slot. ``table()`` gives the
-    model's pair table (None: no bound); it is only asked for prompts long enough."""
+    model's pair table (None: no bound); it is only asked for prompts long enough.
+    ``cap``: max_tokens is a ceiling (see :func:`check_fits`): only the prompt must fit."""
     if path == "/v1/embeddings":
         async def bound(text: str) -> int:
             pairs = await table()
@@ -232,7 +240,7 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
         return
     limit = slot_context(model)
     given = body.get("max_tokens")
-    max_tokens = given if isinstance(given, int) else 0
+    max_tokens = given if isinstance(given, int) and not cap else 0
     for prompt in _prompt_texts(path, body):
         if isinstance(prompt, int):
             tokens = prompt
@@ -263,9 +271,10 @@ def _too_long(model: CatalogModel, path: str, tokens: int, max_tokens: int, need
     kv_need = engine.kv_cache_bytes(model, need)
     kv_slot = engine.kv_cache_bytes(model, limit)
     prompt = "messages" if path == "/v1/chat/completions" else "prompt"
+    asked = f"and max_tokens is {max_tokens}" if max_tokens else "with room for one more"
     return ContextLengthExceeded(
         f"model {model.id!r}: the prompt is {'at least ' if at_least else ''}{tokens} tokens "
-        f"and max_tokens is {max_tokens}: {need} tokens ({kv_need // 1024} KiB of KV cache) "
+        f"{asked}: {need} tokens ({kv_need // 1024} KiB of KV cache) "
         f"do not fit one slot of {limit} tokens ({kv_slot // 1024} KiB; context {o.context} "
         f"shared by {o.parallel} slots). Shorten the prompt, lower max_tokens, or serve the "
         "model with a larger context or fewer slots.",

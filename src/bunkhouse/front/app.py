@@ -18,7 +18,6 @@ from starlette.routing import Route
 
 from bunkhouse import __version__, defaults
 from bunkhouse.api import anthropic
-from bunkhouse.api.fields import shown
 from bunkhouse.api.schemas import (
     BodyBudget,
     ChatCompletionRequest,
@@ -28,7 +27,7 @@ from bunkhouse.api.schemas import (
     read_body,
     validate,
 )
-from bunkhouse.api.tool_calls import ToolCallReader, unknown_forced_tool
+from bunkhouse.api.tool_calls import ToolCallReader, check_tool_choice
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.catalog.vocab import PairTable, pair_table
 from bunkhouse.engines.contract import EngineClient, Messages
@@ -36,18 +35,16 @@ from bunkhouse.errors import (
     BunkhouseError,
     EngineUnavailable,
     GGUFError,
-    InvalidRequest,
     MethodNotAllowed,
     NotFound,
     ShuttingDown,
-    error_body,
 )
 from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
 from bunkhouse.front.auth import Keys, Level, access
 from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
-from bunkhouse.front.protocols import AnthropicShape, ChatShape, ToolCallShape
+from bunkhouse.front.protocols import AnthropicShape, ChatShape, ToolCallShape, error_envelope
 from bunkhouse.front.proxy import Shape, forward, stream_broke
 from bunkhouse.front.response_store import ResponseStore, ResponseStoreError
 from bunkhouse.front.site import SiteGuard, SitePolicy
@@ -106,13 +103,15 @@ class Front:
             stops = list(data.get("stop") or [])
             return await self.generate(request, "/v1/chat/completions", ChatCompletionRequest,
                                        parsed, data, len(body),
-                                       lambda model_id: AnthropicShape(model_id, stops))
+                                       lambda model_id: AnthropicShape(model_id, stops),
+                                       cap=True)
 
         return handler
 
     async def count_message_tokens(self, request: Request) -> Response:
         """Anthropic's ``POST /v1/messages/count_tokens``: the prompt's tokens, as the
-        model's worker templates and tokenizes it (the model is loaded if it is not)."""
+        model's worker templates and tokenizes it (the model is loaded if it is not); a
+        prompt that cannot fit one of its slots is a 400, as for generation."""
         body = await self.read(request)
 
         def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
@@ -121,9 +120,14 @@ class Front:
             return validate(ChatCompletionRequest, data), data
 
         parsed, data = await self.cpu(len(body), parse, body)
+        check_tool_choice(data)
         model = self.catalog.get(parsed.model)
         data = await self.cpu(len(body), prepare, "/v1/chat/completions",
-                               ChatCompletionRequest, model, data)
+                              ChatCompletionRequest, model, data)
+        # a prompt that cannot fit a slot is not tokenized (megabytes of it take the worker
+        # gigabytes): 400 context_length_exceeded, as generating from it would be
+        await refuse_before_load(model, "/v1/chat/completions", data,
+                                 functools.partial(_pair_table, model), cap=True)
         lease = await self.residency.acquire(model)
         try:
             tokens = await lease.worker.engine.tokenize(data)
@@ -133,16 +137,21 @@ class Front:
 
     async def generate(self, request: Request, path: str, schema: Schema, parsed: Any,
                        data: dict[str, Any], size: int,
-                       shape: Callable[[str], Shape] | None = None) -> Response:
+                       shape: Callable[[str], Shape] | None = None,
+                       cap: bool = False) -> Response:
         """The one generation path every protocol takes: routing by ``model``, the checks
         before a load, the lease, the context check, KV snapshots, the slot and compute
-        turns, the proxy; ``shape(model_id)`` answers in another protocol."""
+        turns, the proxy; ``shape(model_id)`` answers in another protocol. ``cap``: the
+        request's ``max_tokens`` is a ceiling, lowered to what the slot holds after the
+        prompt (Anthropic's and the Responses API's meaning), not a need refused when it
+        does not fit (OpenAI chat completions')."""
         model = self.catalog.get(parsed.model)
-        reader = None
-        if path == "/v1/chat/completions":
-            data, reader = _tool_reader(data)
         data = await self.cpu(size, prepare, path, schema, model, data)
-        await refuse_before_load(model, path, data, functools.partial(_pair_table, model))
+        reader = None
+        if path == "/v1/chat/completions":  # after prepare: it checks the tools as given
+            data, reader = _tool_reader(data)
+        await refuse_before_load(model, path, data, functools.partial(_pair_table, model),
+                                 cap=cap)
         lease = await self.residency.acquire(model)
         held = _Held(lease.release)
         try:
@@ -151,7 +160,9 @@ class Front:
             pinned = keeper is not None and _pinnable(path, data)
             tokens = (await keeper.prompt_tokens(model, engine, path, data)
                       if keeper is not None and pinned else None)
-            await check_fits(model, path, data, _counter(engine, tokens))
+            room = await check_fits(model, path, data, _counter(engine, tokens), cap=cap)
+            if room is not None:
+                data = {**data, "max_tokens": room}
             slots = lease.slots
             slot = await slots.enter(tokens)
             held.push(functools.partial(self._leave, model, engine, slots, slot))
@@ -307,11 +318,8 @@ async def _pair_table(model: CatalogModel) -> PairTable | None:
 
 def _tool_reader(data: dict[str, Any]) -> tuple[dict[str, Any], ToolCallReader | None]:
     """The chat request to send and the reader of the tool calls in its answer's text
-    (api/tool_calls.py). Raises InvalidRequest for a required tool that is not declared."""
-    missing = unknown_forced_tool(data)
-    if missing is not None:
-        raise InvalidRequest(f"tool_choice names the function {shown(missing)}, which is not in "
-                             "tools", param="tool_choice")
+    (api/tool_calls.py). Raises InvalidRequest for a tool_choice that cannot be met."""
+    check_tool_choice(data)
     return ToolCallReader.for_request(data)
 
 
@@ -380,11 +388,8 @@ def _error_handlers(keys: Keys) -> dict[Any, Handler]:
         elif exc.detail:
             log.info("%s %s: %s", request.method, request.url.path[:200], exc.full_message())
         detail = keys.level_of(request) is Level.ADMIN
-        if request.url.path.startswith("/v1/messages"):  # Anthropic's clients read theirs
-            body = anthropic.error_envelope(exc, detail)
-        else:
-            body = error_body(exc, detail=detail)
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers())
+        return JSONResponse(error_envelope(request.url.path, exc, detail),
+                            status_code=exc.status, headers=exc.headers())
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -435,8 +440,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
                 count = await responses.open()
                 log.info("stored responses in %s (%d kept)", responses.path, count)
             except ResponseStoreError as e:
-                log.warning("responses not stored: %s; pass another --responses-db FILE",
-                            e.message)
+                log.warning("responses not stored: %s", e.detail or e.message)
         try:
             for model_id in preload:
                 try:

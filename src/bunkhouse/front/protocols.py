@@ -11,7 +11,17 @@ from typing import Any
 
 from bunkhouse.api import anthropic, responses
 from bunkhouse.api.tool_calls import ToolCallReader
+from bunkhouse.errors import BunkhouseError, error_body
 from bunkhouse.front.proxy import Shape, StreamShaper
+
+
+def error_envelope(path: str, err: BunkhouseError, detail: bool = False) -> dict[str, Any]:
+    """``err`` in the envelope of the protocol ``path`` belongs to: Anthropic's on its
+    routes (its clients read no other), OpenAI's everywhere else; ``detail``: with the
+    error's private detail (admins)."""
+    if path.startswith("/v1/messages"):
+        return anthropic.error_envelope(err, detail)
+    return error_body(err, detail=detail)
 
 
 def _message(body: dict[str, Any]) -> str:
@@ -125,6 +135,11 @@ class ToolCallShape:
         return self.inner.answer(self.reader.answer(chat))
 
     def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        err = body.get("error")
+        if self.reader.forced and isinstance(err, dict) and err.get("param") == "response_format":
+            # the schema the engine refused is the one made of the tools' parameters
+            body = {**body, "error": {**err, "param": "tools", "message": str(
+                err.get("message", "")).replace("response_format", "a tool's parameters")}}
         return self.inner.error(status, body)
 
     def stream(self) -> StreamShaper:

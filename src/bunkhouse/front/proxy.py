@@ -85,7 +85,8 @@ def _nothing() -> None:
 
 def stream_broke(model_id: str, error: Exception) -> BunkhouseError:
     """What a client is told when the worker's stream breaks (the default ``on_broken``)."""
-    return EngineUnavailable(f"model {model_id!r}: worker stream broke: {error!r}")
+    return EngineUnavailable(f"model {model_id!r}: its worker's answer broke off; retry",
+                             detail=repr(error))
 
 
 _ASSEMBLERS: dict[str, Callable[[], Assembly]] = {

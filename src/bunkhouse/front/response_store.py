@@ -15,8 +15,10 @@ writer (WAL mode lets other readers of the file in), a write never blocks the ev
 a read made after a write (a client's ``GET`` after ``response.completed``) sees it.
 
 Retention: at most ``max_count`` responses and none older than ``max_age_s`` seconds, applied
-at start and after each write, oldest first. The file and its WAL are private (0600) in a
-private directory (0700): it holds conversations.
+at start, after each write and before a lookup a minute after the last pass, oldest first; a
+lookup never returns one past its age. Only a new or empty file, or one this class made (its
+``bunkhouse`` table says so), is opened for writing: another file is left untouched. The file
+and its WAL are private (0600) in a private directory (0700): it holds conversations.
 """
 
 from __future__ import annotations
@@ -39,8 +41,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+RETAIN_EVERY_S = 60.0
+"""A lookup applies retention first if none ran for this long (a write always does)."""
+
+
+_MARK = "bunkhouse-responses-1"
+"""The format, kept in the file's own table ``bunkhouse``: a file without it is not ours."""
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS bunkhouse (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
     owner TEXT NOT NULL,
@@ -73,21 +82,48 @@ class ResponseStore:
         self.max_age_s = max_age_s
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None
+        self._retained = 0.0  # time.monotonic() of the last retention pass
 
     # -- on the store's thread ---------------------------------------------------------
+    def _unavailable(self, why: str) -> ResponseStoreError:
+        return ResponseStoreError("stored responses are unavailable on this server; send "
+                                  "store: false, or ask its operator",
+                                  detail=f"the response store {self.path}: {why}")
+
+    def _ours(self) -> bool:
+        """Whether the existing file is a store this class made (read only: a file of
+        someone else's is never changed, not even its mode or journal)."""
+        try:
+            ro = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+            try:
+                row = ro.execute("SELECT value FROM bunkhouse WHERE key = 'format'").fetchone()
+            finally:
+                ro.close()
+        except sqlite3.Error:
+            return False
+        return row is not None and row[0] == _MARK
+
     def _open(self) -> int:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            os.close(fd)
+            try:
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            if size and not self._ours():
+                raise self._unavailable("not a bunkhouse response store, left as it is; "
+                                        "pass another --responses-db FILE")
             os.chmod(self.path, 0o600)
             db = sqlite3.connect(self.path, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=10000")
             db.executescript(_SCHEMA)
+            db.execute("INSERT OR IGNORE INTO bunkhouse (key, value) VALUES ('format', ?)",
+                        (_MARK,))
         except (OSError, sqlite3.Error) as e:
-            raise ResponseStoreError(f"cannot use the response store {self.path}: {e}") from e
+            raise self._unavailable(str(e)) from e
         self._db = db
         for suffix in ("-wal", "-shm"):
             extra = Path(f"{self.path}{suffix}")
@@ -98,11 +134,12 @@ class ResponseStore:
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
-            raise ResponseStoreError("the response store is closed")
+            raise self._unavailable("closed")
         return self._db
 
     def _retain(self) -> None:
         db = self._conn()
+        self._retained = time.monotonic()
         db.execute("DELETE FROM responses WHERE created < ?", (time.time() - self.max_age_s,))
         db.execute("DELETE FROM responses WHERE created < (SELECT created FROM responses "
                    "ORDER BY created DESC LIMIT 1 OFFSET ?)", (self.max_count - 1,))
@@ -119,9 +156,12 @@ class ResponseStore:
     def _get(self, column: str, response_id: str, owner: str | None) -> Any:
         if column not in ("response", "items", "conversation"):
             raise ValueError(f"no column {column!r}")
+        if time.monotonic() - self._retained > RETAIN_EVERY_S:
+            self._retain()  # so that age applies without a write too
         row = self._conn().execute(
-            f"SELECT {column} FROM responses WHERE id = ? AND (owner = ? OR ?)",
-            (response_id, owner or "", owner is None)).fetchone()
+            f"SELECT {column} FROM responses WHERE id = ? AND (owner = ? OR ?) "
+            "AND created >= ?",
+            (response_id, owner or "", owner is None, time.time() - self.max_age_s)).fetchone()
         return None if row is None else json.loads(row[0])
 
     def _delete(self, response_id: str, owner: str | None) -> bool:
@@ -135,9 +175,14 @@ class ResponseStore:
             self._db = None
 
     # -- from the event loop -----------------------------------------------------------
+    def check(self) -> None:
+        """Raise ResponseStoreError (503) unless the store is open."""
+        if self._thread is None:
+            raise self._unavailable("not open (see the log at start)")
+
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._thread is None:
-            raise ResponseStoreError(f"the response store {self.path} is not open")
+            raise self._unavailable("not open")
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def open(self) -> int:

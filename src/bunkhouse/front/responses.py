@@ -59,6 +59,9 @@ class ResponsesRoutes:
         data = await front.cpu(len(body), responses.to_chat, given, items, history)
         parsed = await front.cpu(len(body), validate, ChatCompletionRequest, data)
         store = self.store if given.get("store", True) is not False else None
+        if store is not None:
+            store.check()  # an answer asked to be stored, that cannot be, is a 503
+        given = {**given, "store": store is not None}  # as the response will say
 
         def shape(model_id: str) -> ResponsesShape:
             on_done = (functools.partial(_keep, store, owner or "", items, history)
@@ -66,7 +69,7 @@ class ResponsesRoutes:
             return ResponsesShape(responses.Echo(given, model_id), on_done)
 
         return await front.generate(request, "/v1/chat/completions", ChatCompletionRequest,
-                                    parsed, data, len(body), shape)
+                                    parsed, data, len(body), shape, cap=True)
 
     async def retrieve(self, request: Request) -> Response:
         found = await self._stored(request, "response")

@@ -30,7 +30,8 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from bunkhouse.errors import BunkhouseError, Forbidden, InvalidRequest, error_body
+from bunkhouse.errors import BunkhouseError, Forbidden, InvalidRequest
+from bunkhouse.front.protocols import error_envelope
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ class SiteGuard:
                 log.warning("refused %s %s: %s", scope["method"], scope["path"][:200], reason)
                 err = Forbidden(reason)
             if err is not None:
-                await JSONResponse(error_body(err), status_code=err.status)(scope, receive, send)
+                body = error_envelope(scope["path"], err)
+                await JSONResponse(body, status_code=err.status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
