@@ -171,6 +171,11 @@ def test_errors_come_in_anthropics_envelope(client: anthropic.Anthropic,
     with pytest.raises(anthropic.BadRequestError) as too_long:
         client.messages.count_tokens(model=QWEN, messages=[{"role": "user", "content": words}])
     assert "do not fit" in str(too_long.value)
+    bomb = {"name": "f", "input_schema": {"type": "object", "properties": {
+        f"k{i}": {"type": "string"} for i in range(2000)}}}
+    with pytest.raises(anthropic.BadRequestError):  # would stall the engine for everyone
+        client.messages.create(model=QWEN, max_tokens=4, tools=[bomb],  # type: ignore[list-item]
+                               messages=[{"role": "user", "content": "hi"}])
     cross = httpx.post(f"{server.url}/v1/messages", content=b"{}",
                        headers={"content-type": "text/plain", "origin": "http://evil.example",
                                 "sec-fetch-site": "cross-site"})

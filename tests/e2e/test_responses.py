@@ -140,6 +140,13 @@ def test_a_function_call_round_trip_and_structured_output(server: Server) -> Non
     ({"model": QWEN, "input": [{"type": "x" * 1_000_000}]}, "input.0.type"),
     ({"model": QWEN, "input": "hi", "tools": [{"type": "function", "name": "f"}] * 513},
      "tools"),
+    # a schema the engine would stall on: 2,000 optional properties
+    ({"model": QWEN, "input": "go", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {
+            f"k{i}": {"type": "string"} for i in range(2000)}}}}}, "text.format"),
+    ({"model": QWEN, "input": "go", "tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(2000)}}}]},
+     "tools.0.parameters"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server: Server, body: dict[str, Any],
                                              param: str) -> None:

@@ -340,3 +340,15 @@ def test_a_failed_write_is_logged_not_raised(tmp_path: Path,
     asyncio.run(run())
     assert "not stored" in caplog.text
 
+
+
+@pytest.mark.parametrize("chat,ours", [
+    ("tools.3.function.parameters", "tools.3.parameters"),
+    ("tools.3.function.parameters.properties.x", "tools.3.parameters.properties.x"),
+    ("response_format", "text.format"), ("max_tokens", "max_output_tokens"),
+    ("messages", "input"), ("messages.4.content", "input"), ("temperature", "temperature"),
+    (None, None)])
+def test_a_chat_field_a_refusal_names_is_named_as_the_responses_api_names_it(
+        chat: str | None, ours: str | None) -> None:
+    from bunkhouse.api.fields import renamed
+    assert renamed(chat, responses.CHAT_FIELDS) == ours

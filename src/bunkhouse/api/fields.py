@@ -3,6 +3,7 @@ api/responses.py): each raises :class:`bunkhouse.errors.InvalidRequest` naming t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -62,3 +63,19 @@ def tools(body: dict[str, Any], out: dict[str, Any],
             out["tools"] = [tool(i, t) for i, t in enumerate(given)]
     if body.get("tool_choice") is not None:
         out["tool_choice"] = choice(body["tool_choice"])
+
+
+Renames = tuple[tuple[str, str], ...]
+"""(regex over a chat completion field's name, its replacement in another protocol)."""
+
+
+def renamed(param: str | None, rules: Renames) -> str | None:
+    """A chat completion field's name (``tools.2.function.parameters``) as another protocol
+    calls it (``tools.2.input_schema``), by the first of ``rules`` that matches; else as
+    it is."""
+    if param is None:
+        return None
+    for pattern, replacement in rules:
+        if re.match(pattern, param):
+            return re.sub(pattern, replacement, param, count=1)
+    return param

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from bunkhouse.api.fields import need, shown, stream_and_sampling, tools
+from bunkhouse.api.fields import Renames, need, shown, stream_and_sampling, tools
 from bunkhouse.errors import InvalidRequest
 
 MAX_INPUT_ITEMS = 10_000  # items in one request's input
@@ -33,6 +33,15 @@ MAX_CONTENT_PARTS = 10_000  # parts in one message item
 MAX_METADATA_KEYS = 16  # OpenAI's limit: 16 pairs, keys 64 and values 512 characters
 
 _ROLES = ("user", "assistant", "system", "developer")
+
+
+CHAT_FIELDS: Renames = (
+    (r"^tools\.(\d+)\.function\.parameters", r"tools.\1.parameters"),
+    (r"^response_format.*", "text.format"),
+    (r"^max_tokens$", "max_output_tokens"),
+    (r"^messages(\..*)?$", "input"),  # chat's message indices are not the input's
+)
+"""The chat completion fields a refusal may name, as this API names them (api/fields.py)."""
 
 
 def new_id(prefix: str) -> str:

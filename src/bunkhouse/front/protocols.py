@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bunkhouse.api import anthropic, responses
+from bunkhouse.api.fields import renamed
 from bunkhouse.api.tool_calls import ToolCallReader
 from bunkhouse.errors import BunkhouseError, error_body
 from bunkhouse.front.proxy import Shape, StreamShaper
@@ -187,7 +188,11 @@ class ResponsesShape:
         return response
 
     def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
-        return body  # OpenAI's envelope, as on every OpenAI route
+        err = body.get("error")  # OpenAI's envelope, its field named as this API names it
+        if isinstance(err, dict) and isinstance(err.get("param"), str):
+            return {**body, "error": {**err, "param": renamed(err["param"],
+                                                              responses.CHAT_FIELDS)}}
+        return body
 
     def stream(self) -> StreamShaper:
         return _ResponseStream(responses.ResponseStream(self.echo, self.on_done))

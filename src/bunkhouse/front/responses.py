@@ -12,9 +12,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api import responses
-from bunkhouse.api.fields import shown
+from bunkhouse.api.fields import renamed, shown
 from bunkhouse.api.schemas import ChatCompletionRequest, parse_json_object, validate
-from bunkhouse.errors import InvalidRequest, NotFound
+from bunkhouse.errors import BunkhouseError, InvalidRequest, NotFound
 from bunkhouse.front.protocols import ResponsesShape
 from bunkhouse.front.response_store import ResponseStore
 
@@ -68,8 +68,13 @@ class ResponsesRoutes:
                        if store is not None else None)
             return ResponsesShape(responses.Echo(given, model_id), on_done)
 
-        return await front.generate(request, "/v1/chat/completions", ChatCompletionRequest,
-                                    parsed, data, len(body), shape, cap=True)
+        try:
+            return await front.generate(request, "/v1/chat/completions",
+                                        ChatCompletionRequest, parsed, data, len(body), shape,
+                                        cap=True)
+        except BunkhouseError as e:  # refused as a chat request: named as this API names it
+            e.param = renamed(e.param, responses.CHAT_FIELDS)
+            raise
 
     async def retrieve(self, request: Request) -> Response:
         found = await self._stored(request, "response")
