@@ -4,6 +4,7 @@ OpenAI's chat completions), and errors in Anthropic's envelope."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,6 +140,18 @@ def test_tool_calls_on_openai_chat_completions(server: Server) -> None:
             *ask, message.model_dump(exclude_none=True),  # type: ignore[list-item]
             {"role": "tool", "tool_call_id": call.id, "content": RESULT}])
         assert "18" in (answer.choices[0].message.content or "")
+        # a schema with references keeps them when the call is forced
+        order = {"type": "object", "$defs": {"Item": {
+            "type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]}},
+            "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+            "required": ["items"]}
+        forced = sdk.chat.completions.create(
+            model=QWEN, temperature=0, max_tokens=64, tool_choice="required",
+            messages=[{"role": "user", "content": "Order two apples, sku A1."}],
+            tools=[{"type": "function", "function": {"name": "order", "parameters": order}}])
+        (placed,) = forced.choices[0].message.tool_calls or []
+        assert placed.function.name == "order"  # type: ignore[union-attr]
+        assert "items" in json.loads(placed.function.arguments)  # type: ignore[union-attr]
         with pytest.raises(openai.BadRequestError) as info:
             sdk.chat.completions.create(model=QWEN, messages=ask, tools=tools, max_tokens=8,
                                         tool_choice={"type": "function",
@@ -166,7 +179,13 @@ def test_errors_come_in_anthropics_envelope(client: anthropic.Anthropic,
     bad = httpx.post(f"{server.url}/v1/messages", content=b"{not json",
                      headers={"content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["type"] == "error"
-    # a prompt no slot can take is refused, not tokenized (megabytes took gigabytes)
+    # counted past one slot (2,048 tokens here), as agents count to decide when to compact
+    notes = "".join(f"Note {i}: the shelf {i} holds {i * 3} jars.\n" for i in range(250))
+    counted = client.messages.count_tokens(model=QWEN, messages=[
+        {"role": "user", "content": notes}])
+    assert counted.input_tokens > 2048
+    # a prompt past the model's trained context is refused, not tokenized (megabytes of it
+    # took the worker gigabytes)
     words = " ".join(f"w{i}x" for i in range(1_000_000))
     with pytest.raises(anthropic.BadRequestError) as too_long:
         client.messages.count_tokens(model=QWEN, messages=[{"role": "user", "content": words}])

@@ -78,6 +78,13 @@ def test_a_request_becomes_a_chat_request() -> None:
       "tools": [{"name": "f"}]}, "tools.0.input_schema"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]}, "tools.0.name"),
+    ({"max_tokens": 5, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                           "input": {}}]},
+        {"role": "user", "content": "never mind"}]}, "messages.2.content"),
 ])
 def test_bad_input_names_its_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
@@ -100,7 +107,7 @@ def test_an_answer_becomes_a_message() -> None:
     message = message_from_chat(answer, "qwen")
     assert message["type"] == "message" and message["role"] == "assistant"
     assert message["content"] == [{"type": "text", "text": "Calling."},
-                                  {"type": "tool_use", "id": "c1", "name": "add",
+                                  {"type": "tool_use", "id": "toolu_c1", "name": "add",
                                    "input": {"a": 1}}]
     assert message["stop_reason"] == "tool_use" and message["stop_sequence"] is None
     assert message["usage"] == {"input_tokens": 12, "output_tokens": 7}
@@ -132,7 +139,7 @@ def test_a_stream_becomes_anthropic_events_block_by_block() -> None:
                      "message_delta", "message_stop"]
     data = [d for _, d in events]
     assert data[1]["index"] == 0 and data[5]["index"] == 1
-    assert data[5]["content_block"] == {"type": "tool_use", "id": "c1", "name": "add",
+    assert data[5]["content_block"] == {"type": "tool_use", "id": "toolu_c1", "name": "add",
                                         "input": {}}
     assert "".join(d["delta"].get("partial_json", "") for d in data[6:8]) == "{\"a\": 1}"
     assert data[9]["delta"]["stop_reason"] == "tool_use"

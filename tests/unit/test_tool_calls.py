@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from bunkhouse.api import responses
 from bunkhouse.api.tool_calls import (
     ToolCallReader,
     calls_from_text,
@@ -107,7 +108,7 @@ def test_several_tagged_calls_are_several_calls() -> None:
 
 @pytest.mark.parametrize("text", [
     "", "Paris is sunny.", '{"name": "other", "arguments": {}}', '{"city": "Paris"}',
-    f"Sure! {CALL}", f"{CALL}\n{CALL}", f"<tool_call>{CALL}</tool_call> and more",
+    f"Sure! {CALL}", f"{CALL}\nDone.", f"<tool_call>{CALL}</tool_call> and more",
     '{"name": "get_weather", "arguments": [1]}', '{"name": "get_weather", "arguments": "x"}',
     "```python\nprint(1)\n```", "[]"])
 def test_anything_else_is_text(text: str) -> None:
@@ -250,3 +251,64 @@ def test_json_that_names_a_tool_but_misses_its_required_arguments_is_text() -> N
                            schemas) is None
     assert calls_from_text(CALL, schemas) is not None
     assert calls_from_text(CALL, {"get_weather": None}) is not None
+
+
+def test_calls_one_per_line_are_parallel_calls() -> None:
+    other = '{"name": "get_time", "arguments": {}}'
+    calls = calls_from_text(f"{CALL}\n{other}\n", ["get_weather", "get_time"])
+    assert calls is not None
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+
+
+def test_a_stream_of_calls_is_held_and_text_after_them_released() -> None:
+    from bunkhouse.api.tool_calls import _may_become_call
+    names = ["get_weather", "get_time"]
+    assert _may_become_call(f"{CALL}\n", names)
+    assert _may_become_call(f"{CALL}\n{{\"name\": \"get_t", names)
+    assert not _may_become_call(f"{CALL}\nSo the weather", names)
+    assert not _may_become_call('{"name": "other", "arguments": {}}\n', names)
+
+
+def test_a_required_call_keeps_its_tools_references() -> None:
+    from bunkhouse.api.tool_calls import call_schema
+    params = {"type": "object",
+              "$defs": {"Item": {"type": "object", "properties": {"sku": {"type": "string"}}}},
+              "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}},
+                             "again": {"$ref": "#"}, "first": {"$ref": "#/properties/items"}}}
+    tool = {"type": "function", "function": {"name": "order", "parameters": params}}
+    schema = call_schema([WEATHER, tool])
+    assert schema["anyOf"][1]["properties"]["arguments"] == {"$ref": "#/$defs/tool1"}
+    hoisted = schema["$defs"]["tool1"]
+    assert "$defs" not in hoisted
+    assert hoisted["properties"]["items"]["items"] == {"$ref": "#/$defs/tool1__Item"}
+    assert hoisted["properties"]["again"] == {"$ref": "#/$defs/tool1"}
+    assert hoisted["properties"]["first"] == {"$ref": "#/$defs/tool1/properties/items"}
+    assert schema["$defs"]["tool1__Item"] == params["$defs"]["Item"]
+    assert "$defs" not in call_schema([WEATHER])  # no references: as it was
+
+
+def test_a_client_gets_keepalives_while_text_is_held_back(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    from bunkhouse.front import protocols
+    monkeypatch.setattr(protocols, "KEEPALIVE_S", 0.0)
+    pieces = ['{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}']
+    for inner, ping in ((protocols.AnthropicShape("m"), b"event: ping"),
+                        (protocols.ChatShape(), b": waiting"),
+                        (protocols.ResponsesShape(responses.Echo({"input": "x"}, "m")),
+                         b": waiting")):
+        shaper = protocols.ToolCallShape(ToolCallReader(["get_weather"], forced=False),
+                                         inner).stream()
+        sent = [shaper.feed(e) for e in chunks(pieces)]
+        assert all(ping in out for out in sent[2:4]), sent  # held: a keepalive each
+        assert ping not in sent[-2] and sent[-2]  # the call itself
+
+
+def test_a_failed_responses_stream_keeps_what_it_streamed() -> None:
+    stream = responses.ResponseStream(responses.Echo({"input": "x"}, "m"))
+    for chunk in ({"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+                  {"choices": [{"index": 0, "delta": {"content": "lo"}}]}):
+        stream.feed(chunk)
+    final = stream.failed("worker broke")[-1]["response"]
+    assert final["status"] == "failed"
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+    assert final["output"][0]["status"] == "incomplete"

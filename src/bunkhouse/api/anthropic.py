@@ -16,6 +16,7 @@ Errors: :func:`to_chat` raises :class:`bunkhouse.errors.InvalidRequest` naming t
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -23,6 +24,7 @@ from bunkhouse.api.fields import need, shown, stream_and_sampling, tools
 from bunkhouse.errors import BunkhouseError, InvalidRequest
 
 MAX_MESSAGES = 10_000  # turns in one request
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # Anthropic's "Tool use" page
 MAX_BLOCKS = 10_000  # content blocks in one message
 MAX_STOP_SEQUENCES = 16
 
@@ -125,10 +127,23 @@ def _message(i: int, message: Any, last: bool, calls_seen: set[str]) -> list[dic
     return out
 
 
+def _check_answered(i: int, message: Any, ids: set[str]) -> None:
+    """The turn after an assistant's tool_use blocks answers every one with a tool_result
+    (Anthropic refuses a conversation that leaves one unanswered)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    given = {b.get("tool_use_id") for b in content if isinstance(b, dict)
+             and b.get("type") == "tool_result"} if isinstance(content, list) else set()
+    missing = sorted(ids - given)
+    need(not missing, f"messages.{i}: tool_use {shown(missing[0]) if missing else ''} has no "
+         "tool_result block in the turn after it", f"messages.{i}.content")
+
+
 def _tool(i: int, tool: Any) -> dict[str, Any]:
     at = f"tools.{i}"
     need(isinstance(tool, dict) and isinstance(tool.get("name"), str),
          f"{at} must be an object with a string name", at)
+    need(bool(_TOOL_NAME.fullmatch(tool["name"])),
+         f"{at}.name must be 1-64 letters, digits, _ or - (Anthropic's rule)", f"{at}.name")
     need(tool.get("type") in (None, "custom"),
          f"{at}.type {shown(tool.get('type'))}: Anthropic's server tools are not served "
          "here; declare your own tool with a name and an input_schema", f"{at}.type")
@@ -169,7 +184,10 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         chat.append({"role": "system", "content": _text_of(body["system"], "system")})
     calls_seen: set[str] = set()
     for i, message in enumerate(messages):
+        asked = set(calls_seen)
         chat += _message(i, message, i == len(messages) - 1, calls_seen)
+        if i > 0 and calls_seen - asked and i + 1 < len(messages):
+            _check_answered(i + 1, messages[i + 1], calls_seen - asked)
     out: dict[str, Any] = {"messages": chat, "max_tokens": max_tokens}
     model = body.get("model")
     if model is not None:
@@ -208,6 +226,14 @@ def _stop(finish: str | None, text: str, stops: list[str]) -> tuple[str, str | N
     return _STOP_REASONS.get(finish or "stop", "end_turn"), None
 
 
+def _tool_id(chat_id: Any) -> str:
+    """A tool call's id as Anthropic spells them (``toolu_``)."""
+    if isinstance(chat_id, str) and chat_id:
+        return chat_id if chat_id.startswith("toolu_") else "toolu_" + chat_id.removeprefix(
+            "call_")
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
 def message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
@@ -242,7 +268,7 @@ def message_from_chat(chat: dict[str, Any], model: str,
         blocks.append({"type": "text", "text": text})
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
-        blocks.append({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+        blocks.append({"type": "tool_use", "id": _tool_id(call.get("id")),
                        "name": fn.get("name", ""), "input": _tool_input(fn.get("arguments"))})
     reason, sequence = _stop(choice.get("finish_reason"), text, stops or [])
     if message.get("tool_calls"):
@@ -320,7 +346,7 @@ class MessageStream:
         i = int(call.get("index", 0))
         fn = call.get("function") or {}
         if self._block != ("tool", i):
-            tool_id = call.get("id") or self._tool_ids.get(i) or f"toolu_{uuid.uuid4().hex}"
+            tool_id = self._tool_ids.get(i) or _tool_id(call.get("id"))
             self._tool_ids[i] = tool_id
             events += self._open("tool", i, {"type": "tool_use", "id": tool_id,
                                              "name": fn.get("name", ""), "input": {}})

@@ -507,8 +507,19 @@ class ResponseStream:
         return events
 
     def failed(self, message: str, code: str | None = None) -> list[Event]:
-        """The stream ending in an error: ``response.failed`` (after opening it, if not)."""
+        """The stream ending in an error: ``response.failed`` (after opening it, if not),
+        holding what was streamed before it."""
         events = self._start()
+        if self._open is not None:  # the item cut short keeps its text, marked incomplete
+            kind, _ = self._open
+            item = self._output[-1]
+            text = "".join(self._parts)
+            if kind == "call":
+                item["arguments"] = text
+            else:
+                item["content"][0]["text"] = text
+            item["status"] = "incomplete"
+            self._open = None
         final = self.echo.response("failed", self._output, self._usage,
                                    error={"code": code or "server_error", "message": message})
         events.append(self._event("response.failed", response=final))

@@ -61,21 +61,64 @@ def _required_name(choice: Any) -> str | None:
     return None
 
 
+_DEFS = ("$defs", "definitions")
+
+
+def _has_refs(node: Any) -> bool:
+    if isinstance(node, dict):
+        return "$ref" in node or any(k in node for k in _DEFS) \
+            or any(_has_refs(v) for v in node.values())
+    return isinstance(node, list) and any(_has_refs(v) for v in node)
+
+
+def _hoisted(params: dict[str, Any], tag: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """``params`` moved into ``defs`` as ``tag`` (its own definitions as ``tag__NAME``), its
+    local ``$ref``s rewritten to match; returns the reference to it. A tool's references
+    point at the top of its own schema, which is no longer the top once the schema sits under
+    a call's ``arguments``."""
+    def ref(target: str) -> str:
+        for key in _DEFS:
+            head = f"#/{key}/"
+            if target.startswith(head):
+                return f"#/$defs/{tag}__{target[len(head):]}"
+        if target == "#" or target.startswith("#/"):
+            return f"#/$defs/{tag}{target[1:]}"
+        return target  # not local: left to the engine
+
+    def rewrite(node: Any, top: bool = False) -> Any:
+        if isinstance(node, dict):
+            return {k: (ref(v) if k == "$ref" and isinstance(v, str) else rewrite(v))
+                    for k, v in node.items() if not (top and k in _DEFS)}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for key in _DEFS:
+        for name, schema in (params.get(key) or {}).items():
+            defs[f"{tag}__{name}"] = rewrite(schema)
+    defs[tag] = rewrite(params, top=True)
+    return {"$ref": f"#/$defs/{tag}"}
+
+
 def call_schema(tools: list[dict[str, Any]], only: str = "") -> dict[str, Any]:
     """The JSON schema of one call of ``tools`` (of the tool named ``only``, if given)."""
     options = []
-    for tool in tools:
+    defs: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
         fn = tool.get("function") or {}
         if only and fn.get("name") != only:
             continue
         params = fn.get("parameters")
+        if not isinstance(params, dict) or not params:
+            params = {"type": "object"}
+        elif _has_refs(params):
+            params = _hoisted(params, f"tool{i}", defs)
         options.append({
             "type": "object",
-            "properties": {"name": {"const": fn.get("name")},
-                           "arguments": params if isinstance(params, dict) and params
-                           else {"type": "object"}},
+            "properties": {"name": {"const": fn.get("name")}, "arguments": params},
             "required": ["name", "arguments"]})
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def forced_request(data: dict[str, Any]) -> dict[str, Any] | None:
@@ -166,12 +209,31 @@ def _call(value: Any, names: Collection[str]) -> dict[str, Any] | None:
             "function": {"name": value["name"], "arguments": json.dumps(args)}}
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values ``text`` is made of, one after another (JSON lines), or None."""
+    values: list[Any] = []
+    i = 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return values or None
+        try:
+            value, i = _DECODER.raw_decode(text, i)
+        except ValueError:
+            return None
+        values.append(value)
+
+
 def calls_from_text(text: str, names: Collection[str]) -> list[dict[str, Any]] | None:
     """The tool calls ``text`` is made of, in OpenAI's ``tool_calls`` shape, when the whole
-    text (stripped) is one call object or a list of them naming tools in ``names``: bare, in
-    a Markdown fence, or each in ``<tool_call>`` tags. None if it is anything else. Given a
-    mapping of names to parameter schemas, a call's arguments must also fit its schema
-    (:func:`_fits`)."""
+    text (stripped) is call objects (one, a list, or one per line: parallel calls) naming
+    tools in ``names``: bare, in a Markdown fence, or each in ``<tool_call>`` tags. None if it
+    is anything else. Given a mapping of names to parameter schemas, a call's arguments must
+    also fit its schema (:func:`_fits`)."""
     text = text.strip()
     if not text or not names:
         return None
@@ -185,11 +247,11 @@ def calls_from_text(text: str, names: Collection[str]) -> list[dict[str, Any]] |
         bodies = [fenced.group(1) if fenced else text]
     calls: list[dict[str, Any]] = []
     for body in bodies:
-        try:
-            value = json.loads(body)
-        except ValueError:
+        values = _json_values(body)
+        if values is None:
             return None
-        for item in value if isinstance(value, list) else [value]:
+        for item in (v for value in values for v in (value if isinstance(value, list)
+                                                      else [value])):
             call = _call(item, names)
             if call is None:
                 return None
@@ -200,11 +262,12 @@ def calls_from_text(text: str, names: Collection[str]) -> list[dict[str, Any]] |
 _KEYS = ("name", "arguments", "parameters")  # a call object's keys, as calls_from_text reads
 
 
-def _may_become_call(text: str) -> bool:
-    """Whether text an answer began with may still turn out to be a tool call: empty, or the
+def _may_become_call(text: str, names: Collection[str] = ()) -> bool:
+    """Whether text an answer began with may still turn out to be tool calls: empty, or the
     start of ``<tool_call>``, of a ```json (or bare) fence, of a list or object whose first
-    key is a call's. Anything else (```python, prose, ``{"city": ...``) is text at once, so
-    that a streamed answer is held back only while it really may be a call."""
+    key is a call's; a complete object must be a call of one of ``names`` (if given), and
+    what follows it may be another. Anything else (```python, prose, ``{"city": ...``) is
+    text at once, so that a streamed answer is held back only while it really may be calls."""
     head = text.lstrip()
     if not head or "<tool_call>".startswith(head) or head.startswith("<tool_call>") \
             or "```".startswith(head):
@@ -223,6 +286,17 @@ def _may_become_call(text: str) -> bool:
         return True
     if not head.startswith("{"):
         return False
+    if names:
+        try:
+            value, end = _DECODER.raw_decode(head)
+        except ValueError:
+            pass  # not complete yet: judged by its first key below
+        else:
+            if _call(value, names) is None:
+                return False
+            rest = head[end:].lstrip().lstrip(",]").lstrip()
+            return not rest or rest.startswith(("```", "</tool_call>")) \
+                or _may_become_call(rest, names)
     body = head[1:].lstrip()
     if not body:
         return True
@@ -289,7 +363,7 @@ class ToolCallReader:
         text = delta.get("content")
         if isinstance(text, str) and text and not self._engine_calls:
             self._held.append(text)
-            if self.forced or _may_become_call("".join(self._held)):
+            if self.forced or _may_become_call("".join(self._held), self.names):
                 delta = {k: v for k, v in delta.items() if k != "content"}
             else:
                 delta = {**delta, "content": "".join(self._held)}

@@ -226,11 +226,12 @@ def _prompts(raw: Any) -> list[Any]:
 
 async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any],
                              table: Callable[[], Awaitable[PairTable | None]], *,
-                             cap: bool = False) -> None:
+                             cap: bool = False, limit: int | None = None) -> None:
     """Raise ContextLengthExceeded, before the model is loaded, if a prompt's lower bound on
     tokens (catalog/vocab.py) plus max_tokens cannot fit one slot. ``table()`` gives the
     model's pair table (None: no bound); it is only asked for prompts long enough.
-    ``cap``: max_tokens is a ceiling (see :func:`check_fits`): only the prompt must fit."""
+    ``cap``: max_tokens is a ceiling (see :func:`check_fits`): only the prompt must fit.
+    ``limit``: tokens to fit in instead of one slot's."""
     if path == "/v1/embeddings":
         async def bound(text: str) -> int:
             pairs = await table()
@@ -238,7 +239,7 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
 
         await _check_inputs(model, body, bound, at_least=True)
         return
-    limit = slot_context(model)
+    limit = limit or slot_context(model)
     given = body.get("max_tokens")
     max_tokens = given if isinstance(given, int) and not cap else 0
     for prompt in _prompt_texts(path, body):

@@ -111,7 +111,7 @@ class Front:
     async def count_message_tokens(self, request: Request) -> Response:
         """Anthropic's ``POST /v1/messages/count_tokens``: the prompt's tokens, as the
         model's worker templates and tokenizes it (the model is loaded if it is not); a
-        prompt that cannot fit one of its slots is a 400, as for generation."""
+        prompt longer than the model's trained context is a 400 without being tokenized."""
         body = await self.read(request)
 
         def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
@@ -124,10 +124,12 @@ class Front:
         model = self.catalog.get(parsed.model)
         data = await self.cpu(len(body), prepare, "/v1/chat/completions",
                               ChatCompletionRequest, model, data)
-        # a prompt that cannot fit a slot is not tokenized (megabytes of it take the worker
-        # gigabytes): 400 context_length_exceeded, as generating from it would be
+        # counted even past one slot (agents count to decide when to compact), but not past
+        # what the model was trained for: megabytes of text took the worker gigabytes
         await refuse_before_load(model, "/v1/chat/completions", data,
-                                 functools.partial(_pair_table, model), cap=True)
+                                 functools.partial(_pair_table, model), cap=True,
+                                 limit=max(model.info.context_length or 0,
+                                           model.options.context))
         lease = await self.residency.acquire(model)
         try:
             tokens = await lease.worker.engine.tokenize(data)

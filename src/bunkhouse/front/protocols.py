@@ -6,6 +6,7 @@ api/responses.py and api/tool_calls.py."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,9 @@ class _AnthropicStream:
         status = 503 if code in ("shutting_down", "insufficient_memory") else 500
         return anthropic.sse(("error", anthropic.error_object(status, _message(body))))
 
+    def keepalive(self) -> bytes:
+        return self.feed({}) + anthropic.sse(("ping", {"type": "ping"}))  # opens it first
+
 
 class AnthropicShape:
     """A chat completion answer as an Anthropic Messages answer, for ``model``."""
@@ -89,6 +93,9 @@ class _ChatStream:
         self._ended = True
         return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
 
+    def keepalive(self) -> bytes:
+        return _COMMENT
+
 
 class ChatShape:
     """OpenAI's chat completion protocol itself: for a chat answer another shape rewrites
@@ -104,14 +111,29 @@ class ChatShape:
         return _ChatStream()
 
 
+_COMMENT = b": waiting\n\n"
+"""An event-stream comment: every SSE client skips it (the WHATWG event-stream format)."""
+
+KEEPALIVE_S = 1.0
+"""Most seconds between keepalives while answer text is held back."""
+
+
 class _ToolCallStream:
     def __init__(self, reader: ToolCallReader, inner: StreamShaper) -> None:
         self._reader = reader
         self._inner = inner
         self._ended = False
+        self._quiet_since = time.monotonic()
 
     def feed(self, event: dict[str, Any]) -> bytes:
-        return b"".join(self._inner.feed(e) for e in self._reader.feed(event))
+        out = b"".join(self._inner.feed(e) for e in self._reader.feed(event))
+        now = time.monotonic()
+        if out:
+            self._quiet_since = now
+        elif now - self._quiet_since >= KEEPALIVE_S:  # text held back: tell the client
+            self._quiet_since = now
+            out = self._inner.keepalive()
+        return out
 
     def end(self) -> bytes:
         if self._ended:
@@ -122,6 +144,9 @@ class _ToolCallStream:
     def error(self, body: dict[str, Any]) -> bytes:
         self._ended = True
         return self._inner.error(body)
+
+    def keepalive(self) -> bytes:
+        return self._inner.keepalive()
 
 
 class ToolCallShape:
@@ -171,6 +196,9 @@ class _ResponseStream:
         code = err.get("code") if isinstance(err, dict) else None
         return b"".join(responses.sse(e) for e in self._events.failed(
             _message(body), code if isinstance(code, str) else None))
+
+    def keepalive(self) -> bytes:
+        return self.feed({}) + _COMMENT  # response.created first, if not sent yet
 
 
 class ResponsesShape:

@@ -54,6 +54,9 @@ class StreamShaper(Protocol):
     def error(self, body: dict[str, Any]) -> bytes:
         """An error (an OpenAI error object) as the protocol's error event."""
 
+    def keepalive(self) -> bytes:
+        """Bytes a client ignores, sent while nothing else can be (answer text held back)."""
+
 
 class Shape(Protocol):
     """Another protocol's view of a chat completion answer (front/protocols.py)."""
