@@ -421,11 +421,13 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
     Responses API answers are stored (opened at startup; None: none are)."""
+    from bunkhouse.front.ollama import OllamaRoutes
     from bunkhouse.front.responses import ResponsesRoutes
 
     keys = keys or Keys()
     front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys, keeper)
     stored = ResponsesRoutes(front, responses)
+    olla = OllamaRoutes(front)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
                   functools.partial(front.model_object, detail=True), keeper)
 
@@ -482,6 +484,15 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("POST", "/admin/cache/flush", admin.cache_flush),
         route("DELETE", "/admin/cache", admin.cache_purge),
         route("DELETE", "/admin/cache/{model_id:path}", admin.cache_purge),
+        route("POST", "/api/chat", olla.chat),
+        route("POST", "/api/generate", olla.generate),
+        route("GET", "/api/version", olla.version),
+        route("GET", "/api/tags", olla.tags),
+        route("GET", "/api/ps", olla.ps),
+        route("POST", "/api/show", olla.show),
+        *(route("POST", f"/api/{name}", olla.not_served)
+          for name in ("pull", "push", "create", "copy")),
+        route("DELETE", "/api/delete", olla.not_served),
         route("GET", "/health", front.health),
         route("GET", "/stats", front.stats),
         route("GET", "/openapi.json", _openapi),

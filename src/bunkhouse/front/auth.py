@@ -43,6 +43,17 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("GET", "/v1/responses/{response_id}"): Level.CLIENT,
     ("DELETE", "/v1/responses/{response_id}"): Level.CLIENT,
     ("GET", "/v1/responses/{response_id}/input_items"): Level.CLIENT,
+    ("POST", "/api/chat"): Level.CLIENT,  # Ollama's API
+    ("POST", "/api/generate"): Level.CLIENT,
+    ("GET", "/api/version"): Level.CLIENT,
+    ("GET", "/api/tags"): Level.CLIENT,
+    ("GET", "/api/ps"): Level.CLIENT,
+    ("POST", "/api/show"): Level.CLIENT,
+    ("POST", "/api/pull"): Level.CLIENT,  # 501s: nothing changes
+    ("POST", "/api/push"): Level.CLIENT,
+    ("POST", "/api/create"): Level.CLIENT,
+    ("POST", "/api/copy"): Level.CLIENT,
+    ("DELETE", "/api/delete"): Level.CLIENT,
     ("GET", "/v1/models"): Level.CLIENT,
     ("GET", "/v1/models/{model_id:path}"): Level.CLIENT,
     ("GET", "/stats"): Level.CLIENT,

@@ -90,6 +90,31 @@ def _responses_body() -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
+def _ollama_body(chat: bool) -> dict[str, Any]:
+    """Ollama's chat or generate request, as its docs/api.md describes the fields served."""
+    props: dict[str, Any] = {
+        "model": {"type": "string"}, "stream": {"type": "boolean"},
+        "format": {"anyOf": [{"const": "json"}, {"type": "object"}]},
+        "options": {"type": "object", "properties": {
+            "num_predict": {"type": "integer"}, "temperature": {"type": "number"},
+            "top_p": {"type": "number"}, "top_k": {"type": "integer"},
+            "seed": {"type": "integer"}, "num_ctx": {"type": "integer"},
+            "stop": {"type": "array", "items": {"type": "string"}}}},
+        "keep_alive": {"anyOf": [{"type": "string"}, {"type": "number"}]},
+    }
+    if chat:
+        props["messages"] = {"type": "array", "items": {
+            "type": "object", "required": ["role"],
+            "properties": {"role": {"enum": ["system", "user", "assistant", "tool"]},
+                           "content": {"type": "string"}}}}
+        props["tools"] = {"type": "array", "items": {"type": "object"}}
+    else:
+        props.update(prompt={"type": "string"}, system={"type": "string"},
+                     raw={"type": "boolean"})
+    schema = {"type": "object", "required": ["model"], "properties": props}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
 def openapi(version: str) -> dict[str, Any]:
     schemas: dict[str, Any] = {"Error": {
         "type": "object", "required": ["error"],
@@ -121,6 +146,14 @@ def openapi(version: str) -> dict[str, Any]:
         "/v1/responses/{response_id}/input_items": {"get": _op(
             "a stored response's input items (limit, order, after)", "200",
             params=_RESPONSE_ID)},
+        "/api/chat": {"post": _op("Ollama chat (newline-delimited JSON unless stream is "
+                                  "false); errors as {\"error\": ...}", "200",
+                                  _ollama_body(True))},
+        "/api/generate": {"post": _op("Ollama generate: through the chat template, or raw",
+                                      "200", _ollama_body(False))},
+        "/api/tags": {"get": _op("Ollama: every model", "200")},
+        "/api/ps": {"get": _op("Ollama: the loaded models", "200")},
+        "/api/version": {"get": _op("Ollama: the server's version", "200")},
         "/admin/cache/flush": {"post": _op("save every ready model's idle KV slots (admin)",
                                            "200")},
         "/admin/cache": {"delete": _op("remove every KV snapshot (admin)", "200")},

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bunkhouse.api import anthropic, responses
+from bunkhouse.api import anthropic, ollama, responses
 from bunkhouse.api.fields import renamed
 from bunkhouse.api.tool_calls import ToolCallReader
 from bunkhouse.errors import BunkhouseError, error_body
@@ -23,6 +23,8 @@ def error_envelope(path: str, err: BunkhouseError, detail: bool = False) -> dict
     error's private detail (admins)."""
     if path.startswith("/v1/messages"):
         return anthropic.error_envelope(err, detail)
+    if path.startswith("/api/"):  # Ollama's
+        return ollama.error(err.full_message() if detail else err.message)
     return error_body(err, detail=detail)
 
 
@@ -59,6 +61,8 @@ class _AnthropicStream:
 
 class AnthropicShape:
     """A chat completion answer as an Anthropic Messages answer, for ``model``."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, model: str, stops: list[str] | None = None) -> None:
         self.model = model
@@ -100,6 +104,8 @@ class _ChatStream:
 class ChatShape:
     """OpenAI's chat completion protocol itself: for a chat answer another shape rewrites
     (:class:`ToolCallShape`) when the client speaks OpenAI."""
+
+    media_type = "text/event-stream"
 
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
         return chat
@@ -156,6 +162,7 @@ class ToolCallShape:
     def __init__(self, reader: ToolCallReader, inner: Shape) -> None:
         self.reader = reader
         self.inner = inner
+        self.media_type = inner.media_type
 
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
         return self.inner.answer(self.reader.answer(chat))
@@ -205,6 +212,8 @@ class ResponsesShape:
     """A chat completion answer as an OpenAI Responses ``response``; ``on_done`` gets each
     finished response (whole or at the end of its stream)."""
 
+    media_type = "text/event-stream"
+
     def __init__(self, echo: responses.Echo, on_done: Stored | None = None) -> None:
         self.echo = echo
         self.on_done = on_done
@@ -224,3 +233,45 @@ class ResponsesShape:
 
     def stream(self) -> StreamShaper:
         return _ResponseStream(responses.ResponseStream(self.echo, self.on_done))
+
+
+class _OllamaStream:
+    def __init__(self, objects: ollama.OllamaStream) -> None:
+        self._objects = objects
+        self._ended = False
+
+    def feed(self, event: dict[str, Any]) -> bytes:
+        return b"".join(ollama.line(o) for o in self._objects.feed(event))
+
+    def end(self) -> bytes:
+        if self._ended:
+            return b""
+        self._ended = True
+        return b"".join(ollama.line(o) for o in self._objects.end())
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        self._ended = True
+        return ollama.line(ollama.error(_message(body)))
+
+    def keepalive(self) -> bytes:
+        return b""  # newline-delimited JSON has no comment: nothing to send
+
+
+class OllamaShape:
+    """A chat completion (``chat``) or completion answer as Ollama's ``/api/chat`` or
+    ``/api/generate`` objects, for the model the client named."""
+
+    media_type = "application/x-ndjson"
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.model = model
+        self.chat = chat
+
+    def answer(self, result: dict[str, Any]) -> dict[str, Any]:
+        return ollama.answer(result, self.model, self.chat)
+
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        return ollama.error(_message(body))
+
+    def stream(self) -> StreamShaper:
+        return _OllamaStream(ollama.OllamaStream(self.model, self.chat))

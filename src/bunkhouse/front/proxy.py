@@ -61,6 +61,9 @@ class StreamShaper(Protocol):
 class Shape(Protocol):
     """Another protocol's view of a chat completion answer (front/protocols.py)."""
 
+    media_type: str
+    """Its stream's content type."""
+
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]: ...
 
     def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +148,7 @@ async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id
             await resp.aclose()
             on_done()
     return _Relay(resp, model_id, on_done, on_broken, on_timings,
-                  shape.stream() if shape else None)
+                  shape.stream() if shape else None, shape.media_type if shape else None)
 
 
 async def _raw(resp: httpx.Response) -> AsyncIterator[bytes]:
@@ -185,7 +188,7 @@ class _Relay(StreamingResponse):
     def __init__(self, upstream: httpx.Response, model_id: str, on_done: Callable[[], None],
                  on_broken: Callable[[Exception], BunkhouseError] | None,
                  on_timings: Timings | None = None,
-                 shaper: StreamShaper | None = None) -> None:
+                 shaper: StreamShaper | None = None, media_type: str | None = None) -> None:
         """``on_broken`` None: a plain answer, relayed with its length, so that a client
         sees a break as a short body rather than as an event. ``shaper``: the events are
         sent in another protocol."""
@@ -198,7 +201,7 @@ class _Relay(StreamingResponse):
         super().__init__(
             body,
             status_code=upstream.status_code,
-            media_type=upstream.headers.get("content-type", "text/event-stream"),
+            media_type=media_type or upstream.headers.get("content-type", "text/event-stream"),
             headers=headers,
         )
         self._upstream = upstream

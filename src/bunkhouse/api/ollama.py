@@ -1,0 +1,304 @@
+"""Ollama's API in terms of OpenAI chat completions and completions: pure functions, no I/O.
+
+The front serves ``POST /api/chat`` and ``POST /api/generate`` by translating the request
+(:func:`chat_request`, :func:`generate_request`), sending it down the one generation path
+every protocol shares, and translating the answer back into Ollama's objects: whole
+(:func:`answer`) or, by default, streamed as newline-delimited JSON (:class:`OllamaStream`).
+
+Source: Ollama's docs/api.md ("Generate a chat completion", "Generate a completion": a
+stream of JSON objects, one a line, each with ``done: false``, then a last one with
+``done: true``, ``done_reason`` and the counts and durations in nanoseconds; ``options``
+``num_predict``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``num_ctx``;
+``format`` "json" or a JSON schema; errors as ``{"error": "message"}``).
+
+Errors: the request translators raise :class:`bunkhouse.errors.InvalidRequest` naming the
+field.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from typing import Any
+
+from bunkhouse.api.fields import need, shown
+
+_OPTIONS = {"temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int, 0, 1 << 20),
+            "seed": (int, -(1 << 63), (1 << 63) - 1), "repeat_penalty": (float, 0, 10),
+            "presence_penalty": (float, -2, 2), "frequency_penalty": (float, -2, 2),
+            "min_p": (float, 0, 1)}
+"""Ollama options passed on under the same name: (type, lowest, highest)."""
+
+
+def now() -> str:
+    """A timestamp as Ollama writes ``created_at`` (RFC 3339, UTC)."""
+    return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _options(body: dict[str, Any], out: dict[str, Any]) -> None:
+    given = body.get("options")
+    if given is None:
+        return
+    need(isinstance(given, dict), "options must be an object", "options")
+    for name, (kind, lo, hi) in _OPTIONS.items():
+        value = given.get(name)
+        if value is None:
+            continue
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and lo <= value <= hi
+        need(ok and (kind is float or isinstance(value, int)),
+             f"options.{name} must be a{'n integer' if kind is int else ' number'} from "
+             f"{lo:g} to {hi:g}", f"options.{name}")
+        out[name] = value
+    predict = given.get("num_predict")
+    if predict is not None:
+        need(isinstance(predict, int) and not isinstance(predict, bool) and predict >= -2,
+             "options.num_predict must be an integer (-1: until the context is full)",
+             "options.num_predict")
+        if predict > 0:
+            out["max_tokens"] = predict
+    stop = given.get("stop")
+    if stop is not None:
+        need(isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop),
+             "options.stop must be at most 4 strings", "options.stop")
+        if stop:
+            out["stop"] = stop
+    ctx = given.get("num_ctx")  # the model's slot size is the server's to set
+    need(ctx is None or (isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0),
+         "options.num_ctx must be a positive integer", "options.num_ctx")
+
+
+def _format(body: dict[str, Any], out: dict[str, Any]) -> None:
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        return
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+        return
+    need(isinstance(fmt, dict), "format must be \"json\" or a JSON schema object", "format")
+    out["response_format"] = {"type": "json_schema",
+                              "json_schema": {"name": "format", "schema": fmt}}
+
+
+def _common(body: dict[str, Any], out: dict[str, Any]) -> None:
+    model = body.get("model")
+    need(isinstance(model, str) and bool(model), "model is required: a model name", "model")
+    out["model"] = model
+    stream = body.get("stream", True)  # Ollama streams unless told not to
+    need(isinstance(stream, bool), "stream must be a boolean", "stream")
+    if stream:
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+    _options(body, out)
+    _format(body, out)
+
+
+def _message(i: int, message: Any) -> dict[str, Any]:
+    at = f"messages.{i}"
+    need(isinstance(message, dict), f"{at} must be an object", at)
+    role = message.get("role")
+    need(role in ("system", "user", "assistant", "tool"),
+         f"{at}.role must be system, user, assistant or tool", f"{at}.role")
+    content = message.get("content", "")
+    need(isinstance(content, str), f"{at}.content must be a string", f"{at}.content")
+    need(not message.get("images"), f"{at}.images: images are not served here (the "
+         "packaged models read text only)", f"{at}.images")
+    out: dict[str, Any] = {"role": role, "content": content}
+    calls = message.get("tool_calls")
+    if calls is not None and role == "assistant":
+        need(isinstance(calls, list), f"{at}.tool_calls must be an array", f"{at}.tool_calls")
+        out["tool_calls"] = []
+        for j, call in enumerate(calls):
+            fn: Any = call.get("function") if isinstance(call, dict) else None
+            need(isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                 and isinstance(fn.get("arguments", {}), dict),
+                 f"{at}.tool_calls.{j} needs a function with a name and object arguments",
+                 f"{at}.tool_calls.{j}")
+            out["tool_calls"].append({"id": f"call_{i}_{j}", "type": "function", "function": {
+                "name": fn["name"], "arguments": json.dumps(fn.get("arguments", {}))}})
+        out["content"] = content or None
+    if role == "tool":
+        out["tool_call_id"] = _answered(message)
+    return out
+
+
+def _answered(message: dict[str, Any]) -> str:
+    """A tool message's call id: Ollama's messages name the tool, not the call."""
+    name = message.get("tool_name") or message.get("name")
+    return f"tool:{name}" if isinstance(name, str) else "tool"
+
+
+def chat_request(body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /api/chat`` as a chat completion request. Raises InvalidRequest naming the
+    field."""
+    messages: Any = body.get("messages")
+    need(isinstance(messages, list), "messages must be an array", "messages")
+    chat = [_message(i, m) for i, m in enumerate(messages)]
+    # Ollama's tool messages name a tool, not a call: give each call the id its answer uses
+    for m in chat:
+        for call in m.get("tool_calls") or []:
+            call["id"] = f"tool:{call['function']['name']}"
+    out: dict[str, Any] = {"messages": chat}
+    _common(body, out)
+    tools = body.get("tools")
+    if tools is not None:
+        need(isinstance(tools, list), "tools must be an array", "tools")
+        if tools:
+            out["tools"] = tools
+    return out
+
+
+def generate_request(body: dict[str, Any], templated: bool) -> tuple[str, dict[str, Any]]:
+    """``POST /api/generate`` as (route, request): a chat completion (``system`` and
+    ``prompt``) for a model with a chat template, else a completion of the prompt as it is
+    (also when ``raw`` is true). Raises InvalidRequest naming the field."""
+    prompt = body.get("prompt", "")
+    need(isinstance(prompt, str), "prompt must be a string", "prompt")
+    system = body.get("system")
+    need(system is None or isinstance(system, str), "system must be a string", "system")
+    raw = body.get("raw", False)
+    need(isinstance(raw, bool), "raw must be a boolean", "raw")
+    need(not body.get("images"), "images are not served here", "images")
+    need(not body.get("suffix"), "suffix (fill-in-the-middle) is not served on "
+         "/api/generate yet", "suffix")
+    out: dict[str, Any] = {}
+    if templated and not raw:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}]
+        out["messages"] = messages
+        _common(body, out)
+        return "/v1/chat/completions", out
+    out["prompt"] = prompt
+    _common(body, out)
+    return "/v1/completions", out
+
+
+def _text(event: dict[str, Any]) -> tuple[str, str, list[dict[str, Any]], str | None]:
+    """(text, thinking, tool call deltas, finish reason) of a chat or completion chunk."""
+    choices = event.get("choices") or []
+    if not choices:
+        return "", "", [], None
+    choice = choices[0]
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return (delta.get("content") or "", delta.get("reasoning_content") or "",
+                delta.get("tool_calls") or [], choice.get("finish_reason"))
+    message = choice.get("message")
+    if isinstance(message, dict):
+        return (message.get("content") or "", message.get("reasoning_content") or "",
+                message.get("tool_calls") or [], choice.get("finish_reason"))
+    return choice.get("text") or "", "", [], choice.get("finish_reason")
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class OllamaStream:
+    """Chat or completion chunks in, Ollama's objects out: one per chunk with text
+    (``message`` for chat, ``response`` for generate), then the last one with ``done``."""
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.model = model
+        self.chat = chat
+        self.started = time.monotonic_ns()
+        self._finish: str | None = None
+        self._usage: dict[str, Any] = {}
+        self._calls: dict[int, dict[str, Any]] = {}
+        self._timings: dict[str, Any] = {}
+
+    def _object(self, text: str, thinking: str = "") -> dict[str, Any]:
+        base: dict[str, Any] = {"model": self.model, "created_at": now()}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
+            base["message"] = message
+        else:
+            base["response"] = text
+            if thinking:
+                base["thinking"] = thinking
+        return base
+
+    def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        if isinstance(event.get("usage"), dict):
+            self._usage = event["usage"]
+        if isinstance(event.get("timings"), dict):
+            self._timings = event["timings"]
+        text, thinking, calls, finish = _text(event)
+        for call in calls:
+            slot = self._calls.setdefault(int(call.get("index", len(self._calls))),
+                                          {"name": "", "arguments": ""})
+            fn = call.get("function") or {}
+            slot["name"] += fn.get("name") or ""
+            slot["arguments"] += fn.get("arguments") or ""
+        if finish:
+            self._finish = finish
+        if not text and not thinking:
+            return []
+        return [{**self._object(text, thinking), "done": False}]
+
+    def end(self) -> list[dict[str, Any]]:
+        last = self._object("")
+        if self._calls and self.chat:
+            last["message"]["tool_calls"] = [
+                {"function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
+                for _, c in sorted(self._calls.items())]
+        prompt_ms = float(self._timings.get("prompt_ms") or 0)
+        predicted_ms = float(self._timings.get("predicted_ms") or 0)
+        last.update({
+            "done": True,
+            "done_reason": "length" if self._finish == "length" else "stop",
+            "total_duration": time.monotonic_ns() - self.started,
+            "load_duration": 0,
+            "prompt_eval_count": int(self._usage.get("prompt_tokens") or 0),
+            "prompt_eval_duration": int(prompt_ms * 1e6),
+            "eval_count": int(self._usage.get("completion_tokens") or 0),
+            "eval_duration": int(predicted_ms * 1e6),
+        })
+        return [last]
+
+
+def answer(result: dict[str, Any], model: str, chat: bool) -> dict[str, Any]:
+    """A whole chat completion or completion as Ollama's one object (``stream: false``)."""
+    stream = OllamaStream(model, chat)
+    text, thinking, calls, finish = _text(result)
+    stream.feed({"usage": result.get("usage"), "timings": result.get("timings"),
+                 "choices": [{"delta": {"tool_calls": [{**c, "index": i}
+                                                       for i, c in enumerate(calls)]},
+                              "finish_reason": finish}]})
+    last = stream.end()[0]
+    if chat:
+        last["message"]["content"] = text
+        if thinking:
+            last["message"]["thinking"] = thinking
+    else:
+        last["response"] = text
+    return last
+
+
+def line(obj: dict[str, Any]) -> bytes:
+    """One object of a newline-delimited JSON stream."""
+    return json.dumps(obj).encode() + b"\n"
+
+
+def error(message: str) -> dict[str, Any]:
+    """Ollama's error object."""
+    return {"error": message}
+
+
+def not_served(route: str) -> str:
+    """Why ``route`` (pull, push, create, copy, delete) is not served, and what to do."""
+    what = {"pull": "bunkhouse downloads nothing: put GGUF files under --models-dir and "
+                    "they are served",
+            "push": "bunkhouse uploads nothing",
+            "create": "bunkhouse has no Modelfiles: describe a model in the TOML config file "
+                      "(docs/configuration.md)",
+            "copy": "name a model twice with aliases in the TOML config file",
+            "delete": "bunkhouse never deletes model files: remove the file, or unload the "
+                      "model with POST /v1/models/{id}/unload"}
+    return f"/api/{shown(route)[1:-1]} is not served: {what.get(route, 'not supported')}"

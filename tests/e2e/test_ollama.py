@@ -1,0 +1,88 @@
+"""Ollama's API through `bunkhouse serve`, driven by the real `ollama` Python client: list,
+ps, show, chat (streamed and not, with a tool call), generate (through the chat template,
+and raw on the base model), the 501s for what bunkhouse does not do, errors as Ollama's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import ollama
+import pytest
+
+from tests.e2e.server import Server, serve
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+GEMMA = "gemma-3-270m"
+GREEDY = {"temperature": 0, "num_predict": 8}
+ASK = [{"role": "user", "content": "What is the capital of France? One word."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serve(tmp_path_factory.mktemp("ollama"), "--preload", QWEN) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[ollama.Client]:
+    sdk = ollama.Client(host=server.url, timeout=300)
+    yield sdk
+    sdk._client.close()  # the client keeps its connections open until told
+
+
+def test_list_ps_and_show(client: ollama.Client) -> None:
+    assert {m.model for m in client.list().models} == {QWEN, GEMMA}
+    running = {m.model: m for m in client.ps().models}
+    assert QWEN in running and (running[QWEN].size or 0) > 0
+    shown = client.show(QWEN)
+    assert shown.capabilities is not None and "completion" in shown.capabilities
+
+
+def test_chat_streamed_and_not(client: ollama.Client) -> None:
+    whole = client.chat(model=QWEN, messages=ASK, options=GREEDY, stream=False)
+    assert "Paris" in whole.message.content and whole.done and whole.done_reason == "stop"
+    assert (whole.prompt_eval_count or 0) > 0 and (whole.eval_count or 0) > 0
+    parts = list(client.chat(model=QWEN, messages=ASK, options=GREEDY, stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert "".join(p.message.content or "" for p in parts) == whole.message.content
+    # a name with Ollama's default tag is the model
+    tagged = client.chat(model=f"{QWEN}:latest", messages=ASK, options=GREEDY)
+    assert tagged.message.content == whole.message.content
+
+
+def test_a_tool_call(client: ollama.Client) -> None:
+    answer = client.chat(model=QWEN, options={"temperature": 0}, messages=[
+        {"role": "user", "content": "What is the weather in Paris?"}], tools=[
+        {"type": "function", "function": {
+            "name": "get_weather", "description": "Get the current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}])
+    (call,) = answer.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+
+
+def test_generate_through_the_template_and_raw(client: ollama.Client) -> None:
+    templated = client.generate(model=QWEN, prompt="What is the capital of France? One word.",
+                                options=GREEDY)
+    assert "Paris" in templated.response and templated.done
+    raw = client.generate(model=GEMMA, prompt="The capital of France is", options=GREEDY,
+                          raw=True)
+    assert raw.response and raw.done_reason in ("stop", "length")
+    streamed = "".join(p.response for p in client.generate(
+        model=GEMMA, prompt="The capital of France is", options=GREEDY, raw=True, stream=True))
+    assert streamed == raw.response
+
+
+def test_what_bunkhouse_does_not_do_and_bad_input(client: ollama.Client,
+                                                  server: Server) -> None:
+    with pytest.raises(ollama.ResponseError) as info:
+        client.pull("llama3")
+    assert info.value.status_code == 501 and "--models-dir" in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="no-such-model", messages=ASK)
+    assert info.value.status_code == 404
+    bad = httpx.post(f"{server.url}/api/chat", timeout=60, json={
+        "model": QWEN, "messages": ASK, "options": {"temperature": "hot"}})
+    assert bad.status_code == 400 and "options.temperature" in bad.json()["error"]
+    assert httpx.get(f"{server.url}/api/version").json()["version"]
