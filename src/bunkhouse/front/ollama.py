@@ -136,7 +136,8 @@ class OllamaRoutes:
 
     async def show(self, request: Request) -> Response:
         front = self.front
-        given = parse_json_object(await front.read(request))
+        body = await front.read(request)
+        given = await front.cpu(len(body), parse_json_object, body)
         model = self._model(given.get("model") or given.get("name"))
         arch = model.info.architecture
         capabilities = ["completion"] + (["tools"] if model.has_chat_template else []) + (
