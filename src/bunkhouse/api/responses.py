@@ -414,12 +414,10 @@ class ResponseStream:
             added["content"] = []  # its part comes with content_part.added (as OpenAI)
         events.append(self._event("response.output_item.added", output_index=index,
                                   item=added))
-        if kind in ("message", "reasoning"):
-            part = ({"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                    if kind == "message" else {"type": "reasoning_text", "text": ""})
-            if kind == "message":
-                events.append(self._event("response.content_part.added", item_id=item["id"],
-                                          output_index=index, content_index=0, part=part))
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(self._event("response.content_part.added", item_id=item["id"],
+                                      output_index=index, content_index=0, part=part))
         return events
 
     def _close(self) -> list[Event]:

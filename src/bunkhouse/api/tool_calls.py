@@ -192,7 +192,8 @@ def _fits(args: dict[str, Any], schema: Any) -> bool:
                 and any(k not in props for k in args))
 
 
-def _call(value: Any, names: Collection[str]) -> dict[str, Any] | None:
+def _arguments(value: Any, names: Collection[str]) -> dict[str, Any] | None:
+    """The arguments of ``value`` if it is a call of one of ``names``; else None."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     args = value.get("arguments", value.get("parameters", {}))
@@ -204,6 +205,13 @@ def _call(value: Any, names: Collection[str]) -> dict[str, Any] | None:
     if not isinstance(args, dict):
         return None
     if isinstance(names, Mapping) and not _fits(args, names[value["name"]]):
+        return None
+    return args
+
+
+def _call(value: Any, names: Collection[str]) -> dict[str, Any] | None:
+    args = _arguments(value, names)
+    if args is None:
         return None
     return {"id": new_call_id(), "type": "function",
             "function": {"name": value["name"], "arguments": json.dumps(args)}}
@@ -292,7 +300,7 @@ def _may_become_call(text: str, names: Collection[str] = ()) -> bool:
         except ValueError:
             pass  # not complete yet: judged by its first key below
         else:
-            if _call(value, names) is None:
+            if _arguments(value, names) is None:
                 return False
             rest = head[end:].lstrip().lstrip(",]").lstrip()
             return not rest or rest.startswith(("```", "</tool_call>")) \

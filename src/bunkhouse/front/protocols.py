@@ -34,18 +34,32 @@ def _message(body: dict[str, Any]) -> str:
     return message if isinstance(message, str) else "the engine failed"
 
 
-class _AnthropicStream:
-    def __init__(self, model: str, stops: list[str]) -> None:
-        self._events = anthropic.MessageStream(model, stops)
-        self._ended = False
+class _Once:
+    """A stream shaper whose closing bytes go out once, whatever calls ``end`` again; an
+    error ends it too."""
 
-    def feed(self, event: dict[str, Any]) -> bytes:
-        return b"".join(anthropic.sse(e) for e in self._events.feed(event))
+    def __init__(self) -> None:
+        self._ended = False
 
     def end(self) -> bytes:
         if self._ended:
             return b""
         self._ended = True
+        return self._closing()
+
+    def _closing(self) -> bytes:
+        raise NotImplementedError
+
+
+class _AnthropicStream(_Once):
+    def __init__(self, model: str, stops: list[str]) -> None:
+        super().__init__()
+        self._events = anthropic.MessageStream(model, stops)
+
+    def feed(self, event: dict[str, Any]) -> bytes:
+        return b"".join(anthropic.sse(e) for e in self._events.feed(event))
+
+    def _closing(self) -> bytes:
         return b"".join(anthropic.sse(e) for e in self._events.end())
 
     def error(self, body: dict[str, Any]) -> bytes:
@@ -78,19 +92,13 @@ class AnthropicShape:
         return _AnthropicStream(self.model, self.stops)
 
 
-class _ChatStream:
+class _ChatStream(_Once):
     """Chat completion events sent as they are (OpenAI's own protocol)."""
-
-    def __init__(self) -> None:
-        self._ended = False
 
     def feed(self, event: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(event).encode() + b"\n\n"
 
-    def end(self) -> bytes:
-        if self._ended:
-            return b""
-        self._ended = True
+    def _closing(self) -> bytes:
         return b"data: [DONE]\n\n"
 
     def error(self, body: dict[str, Any]) -> bytes:
@@ -124,11 +132,11 @@ KEEPALIVE_S = 1.0
 """Most seconds between keepalives while answer text is held back."""
 
 
-class _ToolCallStream:
+class _ToolCallStream(_Once):
     def __init__(self, reader: ToolCallReader, inner: StreamShaper) -> None:
+        super().__init__()
         self._reader = reader
         self._inner = inner
-        self._ended = False
         self._quiet_since = time.monotonic()
 
     def feed(self, event: dict[str, Any]) -> bytes:
@@ -141,10 +149,7 @@ class _ToolCallStream:
             out = self._inner.keepalive()
         return out
 
-    def end(self) -> bytes:
-        if self._ended:
-            return b""
-        self._ended = True
+    def _closing(self) -> bytes:
         return b"".join(self._inner.feed(e) for e in self._reader.end()) + self._inner.end()
 
     def error(self, body: dict[str, Any]) -> bytes:
@@ -183,18 +188,15 @@ Stored = Callable[[dict[str, Any]], None]
 """Called with a finished response object (where the front stores it)."""
 
 
-class _ResponseStream:
+class _ResponseStream(_Once):
     def __init__(self, events: responses.ResponseStream) -> None:
+        super().__init__()
         self._events = events
-        self._ended = False
 
     def feed(self, event: dict[str, Any]) -> bytes:
         return b"".join(responses.sse(e) for e in self._events.feed(event))
 
-    def end(self) -> bytes:
-        if self._ended:
-            return b""
-        self._ended = True
+    def _closing(self) -> bytes:
         return b"".join(responses.sse(e) for e in self._events.end())
 
     def error(self, body: dict[str, Any]) -> bytes:
@@ -235,18 +237,15 @@ class ResponsesShape:
         return _ResponseStream(responses.ResponseStream(self.echo, self.on_done))
 
 
-class _OllamaStream:
+class _OllamaStream(_Once):
     def __init__(self, objects: ollama.OllamaStream) -> None:
+        super().__init__()
         self._objects = objects
-        self._ended = False
 
     def feed(self, event: dict[str, Any]) -> bytes:
         return b"".join(ollama.line(o) for o in self._objects.feed(event))
 
-    def end(self) -> bytes:
-        if self._ended:
-            return b""
-        self._ended = True
+    def _closing(self) -> bytes:
         return b"".join(ollama.line(o) for o in self._objects.end())
 
     def error(self, body: dict[str, Any]) -> bytes:
