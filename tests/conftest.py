@@ -8,18 +8,23 @@ import pytest
 from bunkhouse.catalog import Catalog, build_catalog
 from bunkhouse.config import Settings
 
+_PRIVATE = ("BUNKHOUSE_DATA_DIR", "HF_HUB_CACHE", "OLLAMA_MODELS", "LMSTUDIO_MODELS")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Stored responses of every server a test starts go to a temporary directory, never to
-    the user's own."""
-    before = os.environ.get("BUNKHOUSE_DATA_DIR")
-    os.environ["BUNKHOUSE_DATA_DIR"] = str(tmp_path_factory.mktemp("data"))
+    the user's own; the other tools' model folders (Hugging Face's cache, Ollama's store,
+    LM Studio's folder) are empty ones, so that no test serves the user's models."""
+    before = {name: os.environ.get(name) for name in _PRIVATE}
+    for name in _PRIVATE:
+        os.environ[name] = str(tmp_path_factory.mktemp(name.lower()))
     yield
-    if before is None:
-        os.environ.pop("BUNKHOUSE_DATA_DIR", None)
-    else:
-        os.environ["BUNKHOUSE_DATA_DIR"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import uvicorn
 
 from bunkhouse import __version__, defaults
 from bunkhouse.catalog import Catalog, build_catalog
-from bunkhouse.config import Settings, load_config_file, parse_size
+from bunkhouse.config import SOURCES, Settings, engine_options, load_config_file, parse_size
 from bunkhouse.errors import BunkhouseError, ConfigError
 from bunkhouse.residency.events import EventLog
 
@@ -64,6 +64,16 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not serve the models shipped in Python packages",
     )
+    p.add_argument("--no-source", action="append", default=[], choices=SOURCES,
+                   metavar="NAME",
+                   help="do not serve the models of this other tool's folder (repeatable): "
+                        "hf_cache (the Hugging Face hub cache), ollama (Ollama's store), "
+                        "lmstudio (LM Studio's models folder)")
+    p.add_argument("--context", type=_tokens, metavar="TOKENS",
+                   help="every model's context, shared by its slots (default: 8192 tokens "
+                        "a slot, within the model's trained context)")
+    p.add_argument("--parallel", type=_slots, metavar="N",
+                   help="every model's slots: requests decoded at once (default 4)")
     p.add_argument("--default-model", metavar="ID", help="model for requests that name none")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -160,6 +170,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--responses-days", type=_positive, metavar="DAYS",
                        default=defaults.RESPONSES_MAX_AGE_S / 86400,
                        help="stored responses older than this are dropped (%(default)g)")
+    serve.add_argument("--strict-context", action="store_true",
+                       help="refuse (400) a request whose prompt plus max_tokens does not fit "
+                            "a slot, as OpenAI does; by default it generates until the slot "
+                            "is full (finish_reason length), as local servers do")
     serve.add_argument("--compute-gate", choices=["on", "off"], default="on",
                        help="on: one model computes at a time, so that workers never "
                             "oversubscribe the CPU; off: for GPU hosts (%(default)s)")
@@ -256,6 +270,19 @@ def _positive(text: str) -> float:
     return value
 
 
+def _tokens(text: str) -> int:
+    if not text.strip().isdigit() or not 64 <= int(text) <= 1 << 24:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a context size from 64 to 16777216 "
+                                         "tokens")
+    return int(text)
+
+
+def _slots(text: str) -> int:
+    if not text.strip().isdigit() or not 1 <= int(text) <= 256:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of slots from 1 to 256")
+    return int(text)
+
+
 def _size_or_zero(text: str) -> int:
     return 0 if text.strip() == "0" else _size(text)
 
@@ -300,7 +327,25 @@ def settings_from(args: argparse.Namespace) -> Settings:
             settings = dataclasses.replace(settings, include_packaged=False)
     if getattr(args, "ttl", None) is not None:
         settings = dataclasses.replace(settings, ttl_s=args.ttl)
-    return settings
+    return _flags_win(settings, args)
+
+
+def _flags_win(settings: Settings, args: argparse.Namespace) -> Settings:
+    """What flags say over what the config file says."""
+    given: dict[str, Any] = {}
+    if args.context is not None:
+        given.update(context=args.context, context_auto=False)
+    if args.parallel is not None:
+        given["parallel"] = args.parallel
+    if given:
+        settings = dataclasses.replace(
+            settings, defaults=engine_options(settings.defaults, given, "--context/--parallel"))
+    off = set(args.no_source)
+    return dataclasses.replace(
+        settings,
+        strict_context=settings.strict_context or getattr(args, "strict_context", False),
+        sources=tuple((name, False if name in off else where)
+                      for name, where in settings.sources))
 
 
 def print_catalog(catalog: Catalog) -> None:
@@ -313,7 +358,8 @@ def print_catalog(catalog: Catalog) -> None:
                 m.id + marker,
                 f"{m.size_bytes / 2**20:.0f} MiB",
                 m.info.architecture,
-                f"{m.options.context}/{m.info.context_length or '?'}",
+                f"{m.options.parallel}x{m.options.context // m.options.parallel}"
+                f"/{m.info.context_length or '?'}",
                 "yes" if m.has_chat_template else "no",
                 m.source,
                 str(m.path),
@@ -329,7 +375,7 @@ def print_catalog(catalog: Catalog) -> None:
             file=sys.stderr,
         )
     else:
-        print("\n* default model; CONTEXT is served/trained tokens")
+        print("\n* default model; CONTEXT is slots x tokens a slot / trained tokens")
 
 
 def serve(settings: Settings, catalog: Catalog) -> int:
@@ -373,7 +419,8 @@ def serve(settings: Settings, catalog: Catalog) -> int:
                         roots=settings.allowed_roots or settings.models_dirs,
                         defaults=settings.defaults,
                         drain_grace_s=settings.stop_grace_s),
-                    site=SitePolicy.for_bind(settings.host, settings.allowed_hosts))
+                    site=SitePolicy.for_bind(settings.host, settings.allowed_hosts),
+                    strict_context=settings.strict_context)
     if not is_loopback_bind(settings.host) and not settings.api_keys:
         log.warning("listening on %s without --api-key: anyone who can reach this address "
                     "can use every model; set keys (docs/security.md)", settings.host)

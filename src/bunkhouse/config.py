@@ -7,8 +7,19 @@ The TOML file (``--config FILE``) looks like::
     include_packaged = true         # optional; serve the models shipped in Python packages
     budget = "8GiB"                 # optional; memory all workers together may use
 
+    strict_context = false          # optional; true: a prompt + max_tokens past one slot is
+                                    # OpenAI's 400, not generated until the slot is full
+    hf_cache = true                 # optional; serve GGUFs in the Hugging Face hub cache
+    ollama = true                   # optional; serve the models of Ollama's store
+    lmstudio = true                 # optional; serve LM Studio's models folder
+                                    # (each: true, false, or the folder to read instead)
+
+    [aliases]                       # optional; more names for any model of the catalog
+    "gpt-4o-mini" = "qwen2.5-coder-0.5b-instruct"
+
     [defaults]                      # optional; per-model defaults for every model
-    context = 8192                  # total context shared by the slots (tokens)
+    context = 32768                 # total context shared by the slots (tokens); default:
+                                    # 8192 a slot, within the model's trained context
     parallel = 4                    # slots: requests decoded at once
     cache_ram_mib = 0               # engine's RAM prompt cache (counted in the estimate)
     threads = 2                     # CPU threads of each worker
@@ -27,6 +38,7 @@ The TOML file (``--config FILE``) looks like::
     path = "~/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     context = 4096                  # any key of [defaults] may be set per model
     pinned = true                   # never evicted
+    aliases = ["coder", "qwen:7b"]  # other names it answers to
     chat_template = "chatml"        # for a GGUF without one: a name llama.cpp knows, or a
                                     # .jinja file (relative paths: to this file)
 
@@ -56,13 +68,16 @@ class EngineOptions:
     """How one model is served: its engine's settings (each set explicitly on the engine) and
     its admission queue in the front."""
 
-    context: int = 8192
+    context: int = d.DEFAULT_SLOT_TOKENS * 4
     parallel: int = 4
     cache_ram_mib: int = 0  # off: it would grow a worker beyond its estimate
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     queue: int = 8  # requests waiting for a slot beyond the ones running; more: 429
     embeddings: bool | None = None  # serve embeddings; None: if the GGUF is an embedding model
     swa_full: bool = False  # sliding-window layers keep the whole slot (KV snapshots reuse all)
+    # context set by no one: the catalog makes it parallel x DEFAULT_SLOT_TOKENS, within the
+    # model's trained context (catalog.effective_options)
+    context_auto: bool = True
 
     def validate(self, where: str) -> EngineOptions:
         for name in ("context", "parallel", "threads"):
@@ -90,6 +105,46 @@ class ModelEntry:
     ttl_s: float | None = None  # None: the global ttl
     chat_template: str | None = None  # a template name llama.cpp knows, or a .jinja file
     engine: str = DEFAULT_ENGINE
+    aliases: tuple[str, ...] = ()
+    params: RequestParams = field(default_factory=lambda: RequestParams())
+    # no path: it configures a model of another source (packaged, a model folder) by its id
+    overlay: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RequestParams:
+    """A model's request defaults and filters (llama-swap's setParams/stripParams, Ollama's
+    Modelfile PARAMETER): ``defaults`` fill fields a request leaves out, ``fixed`` replace
+    what a request says, ``strip`` fields are dropped from every request."""
+
+    defaults: tuple[tuple[str, Any], ...] = ()
+    fixed: tuple[tuple[str, Any], ...] = ()
+    strip: tuple[str, ...] = ()
+
+    def apply(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with the defaults, fixed values and stripped fields applied."""
+        if not (self.defaults or self.fixed or self.strip):
+            return body
+        out = {k: v for k, v in body.items() if k not in self.strip}
+        for name, value in self.defaults:
+            if out.get(name) is None and name not in self.strip:
+                out[name] = value
+        out.update(self.fixed)
+        return out
+
+
+REQUEST_PARAMS: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float), "top_p": (int, float), "top_k": (int,), "min_p": (int, float),
+    "typical_p": (int, float), "seed": (int,), "repeat_penalty": (int, float),
+    "repeat_last_n": (int,), "presence_penalty": (int, float),
+    "frequency_penalty": (int, float), "max_tokens": (int,), "stop": (list,),
+}
+"""Fields a model's params may set, with their types (sampling and limits; anything else is
+a request's own business)."""
+
+_STRIPPABLE = frozenset(REQUEST_PARAMS) | {"logit_bias", "logprobs", "top_logprobs", "n",
+                                           "response_format", "tools", "tool_choice",
+                                           "parallel_tool_calls", "reasoning_effort"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +179,12 @@ class Settings:
     ready_timeout_s: float = d.READY_TIMEOUT_S
     stop_grace_s: float = d.STOP_GRACE_S
     log_level: str = "info"
+    strict_context: bool = False  # prompt + max_tokens past a slot: 400, not generate to full
+    aliases: tuple[tuple[str, str], ...] = ()  # (alias, model id) of the [aliases] table
+    # the other tools' model folders: name -> True (the tool's default place), a folder, or
+    # False (off); see catalog/sources.py
+    sources: tuple[tuple[str, bool | Path], ...] = (("hf_cache", True), ("ollama", True),
+                                                    ("lmstudio", True))
 
 
 def default_cache_dir() -> Path:
@@ -168,8 +229,9 @@ def check_model_id(model_id: str, where: str) -> str:
 
 _OPTION_KEYS = frozenset({"context", "parallel", "cache_ram_mib", "threads", "queue"})
 _BOOL_OPTION_KEYS = frozenset({"embeddings", "swa_full"})
+SOURCES = ("hf_cache", "ollama", "lmstudio")
 _TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models",
-                       "budget"})
+                       "budget", "strict_context", "aliases", *SOURCES})
 # Binary and decimal units as written; a bare K/M/G/T (Docker's and Ollama's "8G") is binary.
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4,
@@ -215,6 +277,8 @@ def _options(table: dict[str, Any], where: str, extra: frozenset[str]) -> dict[s
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"{where}: {key} must be an integer, not {value!r}")
         out[key] = value
+    if "context" in out:
+        out["context_auto"] = False
     return out
 
 
@@ -223,14 +287,16 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: must be a table")
     options = _options(table, where,
-                       frozenset({"id", "path", "pinned", "chat_template", "engine"}))
-    model_id, path = table.get("id"), table.get("path")
+                       frozenset({"id", "path", "pinned", "chat_template", "engine", "aliases",
+                                  "params", "fixed_params", "strip_params"}))
+    model_id, path = table.get("id"), table.get("path", "")
     if not isinstance(model_id, str) or not isinstance(path, str):
-        raise ConfigError(f"{where}: needs string keys 'id' and 'path'")
+        raise ConfigError(f"{where}: needs a string key 'id' (and 'path', a GGUF file, unless "
+                          "it configures a model found elsewhere)")
     check_model_id(model_id, where)
     engine_options(defaults, options, f"model {model_id!r}")
     resolved = Path(path).expanduser()
-    if not resolved.is_absolute():
+    if path and not resolved.is_absolute():
         resolved = base_dir / resolved
     pinned = table.get("pinned", False)
     if not isinstance(pinned, bool):
@@ -240,7 +306,35 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
     engine = table.get("engine", DEFAULT_ENGINE)
     if engine not in ENGINES:
         raise ConfigError(f"{where}: engine must be one of {sorted(ENGINES)}, not {engine!r}")
-    return ModelEntry(model_id, resolved, options, pinned, ttl, template, engine)
+    aliases = table.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise ConfigError(f"{where}: aliases must be an array of strings")
+    for alias in aliases:
+        check_model_id(alias, f"{where} aliases")
+    return ModelEntry(model_id, resolved, options, pinned, ttl, template, engine,
+                      tuple(dict.fromkeys(aliases)), _params(table, where), overlay=not path)
+
+
+def _params(table: dict[str, Any], where: str) -> RequestParams:
+    tables = []
+    for key in ("params", "fixed_params"):
+        given = table.get(key, {})
+        if not isinstance(given, dict):
+            raise ConfigError(f"{where}: {key} must be a table, e.g. {{ temperature = 0.2 }}")
+        for name, value in given.items():
+            kinds = REQUEST_PARAMS.get(name)
+            if kinds is None:
+                raise ConfigError(f"{where}: {key}.{name}: a model's params may set "
+                                  f"{', '.join(sorted(REQUEST_PARAMS))}")
+            if isinstance(value, bool) or not isinstance(value, kinds) or (
+                    isinstance(value, list) and not all(isinstance(v, str) for v in value)):
+                raise ConfigError(f"{where}: {key}.{name} has the wrong type ({value!r})")
+        tables.append(tuple(given.items()))
+    strip = table.get("strip_params", [])
+    if not isinstance(strip, list) or not all(n in _STRIPPABLE for n in strip):
+        raise ConfigError(f"{where}: strip_params must be an array of request fields among "
+                          f"{', '.join(sorted(_STRIPPABLE))}")
+    return RequestParams(tables[0], tables[1], tuple(strip))
 
 
 def _chat_template(value: object, base_dir: Path, where: str) -> str | None:
@@ -294,17 +388,45 @@ def load_config_file(path: Path, settings: Settings) -> Settings:
     include_packaged = data.get("include_packaged", settings.include_packaged)
     if not isinstance(include_packaged, bool):
         raise ConfigError(f"{path}: 'include_packaged' must be true or false")
+    strict = data.get("strict_context", False)
+    if not isinstance(strict, bool):
+        raise ConfigError(f"{path}: 'strict_context' must be true or false")
     return replace(
         settings,
         config_file=path,
         defaults=defaults,
         entries=entries,
-        models_dirs=settings.models_dirs + tuple(Path(d).expanduser() for d in dirs),
+        models_dirs=settings.models_dirs + tuple(path.parent / Path(d).expanduser()
+                                                 for d in dirs),  # relative: to the file
         default_model=settings.default_model or default_model,
         include_packaged=include_packaged,
         ttl_s=ttl_s,
         budget_bytes=budget_bytes,
+        strict_context=settings.strict_context or strict,
+        aliases=_aliases(data.get("aliases", {}), path),
+        sources=tuple((name, _source(data.get(name), dict(settings.sources)[name], path, name))
+                      for name in SOURCES),
     )
+
+
+def _aliases(table: object, path: Path) -> tuple[tuple[str, str], ...]:
+    if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+        raise ConfigError(f'{path}: [aliases] must be a table of names, alias = "model id"')
+    for alias in table:
+        check_model_id(alias, f"{path} [aliases]")
+    return tuple(table.items())
+
+
+def _source(value: object, given: bool | Path, path: Path, name: str) -> bool | Path:
+    """A model source's setting: a flag that turned it off wins; else the file's."""
+    if value is None or given is False:
+        return given
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip():
+        folder = Path(value).expanduser()
+        return folder if folder.is_absolute() else path.parent / folder
+    raise ConfigError(f"{path}: '{name}' must be true, false or a folder")
 
 
 def _check_unique(entries: tuple[ModelEntry, ...]) -> None:

@@ -94,3 +94,8 @@ RESPONSES_KEEP = 10_000
 RESPONSES_MAX_AGE_S = 30 * 86400.0
 """Age at which a stored response is dropped: 30 days, as OpenAI keeps stored responses
 (``--responses-days``)."""
+
+DEFAULT_SLOT_TOKENS = 8192
+"""Tokens each slot holds when no context is configured: a prompt of a few thousand tokens
+with the ``max_tokens: 4096`` many clients send by default fits (the packaged models were
+trained for 32,768, so 4 slots of 8,192 stay inside it)."""

@@ -115,11 +115,10 @@ def test_embedding_dimensions_other_than_the_models_are_400(server: Server) -> N
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
 def test_both_token_limit_names_behave_the_same(server: Server, name: str) -> None:
+    # more than the slot holds: a ceiling (--strict-context makes it a 400)
     too_many = _post(server, "/v1/chat/completions", {
-        "model": QWEN, name: 5000, "messages": [{"role": "user", "content": "hi"}]})
-    assert too_many.status_code == 400, too_many.text
-    assert too_many.json()["error"]["code"] == "context_length_exceeded"
-    assert too_many.json()["error"]["param"] == "max_tokens"
+        "model": QWEN, name: 50000, "messages": [{"role": "user", "content": "Say hi."}]})
+    assert too_many.status_code == 200, too_many.text
     few = _post(server, "/v1/chat/completions", {
         "model": QWEN, name: 3, "messages": [{"role": "user", "content": "Count to ten."}]})
     assert few.status_code == 200 and few.json()["usage"]["completion_tokens"] == 3

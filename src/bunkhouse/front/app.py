@@ -66,8 +66,10 @@ class Front:
 
     def __init__(self, catalog: Catalog, residency: ResidencyManager,
                  compute: ComputeGate, max_body_bytes: int = DEFAULT_MAX_BODY,
-                 keys: Keys | None = None, keeper: SnapshotKeeper | None = None) -> None:
+                 keys: Keys | None = None, keeper: SnapshotKeeper | None = None,
+                 strict_context: bool = False) -> None:
         self.catalog = catalog
+        self.strict_context = strict_context
         self.keeper = keeper
         self.residency = residency
         self.compute = compute
@@ -146,7 +148,9 @@ class Front:
         turns, the proxy; ``shape(model_id)`` answers in another protocol. ``cap``: the
         request's ``max_tokens`` is a ceiling, lowered to what the slot holds after the
         prompt (Anthropic's and the Responses API's meaning), not a need refused when it
-        does not fit (OpenAI chat completions')."""
+        does not fit (OpenAI chat completions' with ``--strict-context``; without it every
+        request's ``max_tokens`` is a ceiling, as local servers treat it)."""
+        cap = cap or not self.strict_context
         model = self.catalog.get(parsed.model)
         data = await self.cpu(size, prepare, path, schema, model, data)
         reader = None
@@ -249,8 +253,11 @@ class Front:
             "source": model.source,
             "architecture": model.info.architecture,
             "size_bytes": model.size_bytes,
+            "aliases": list(model.aliases),
             "context": model.options.context,
             "parallel": model.options.parallel,
+            "slot_context": model.options.context // model.options.parallel,
+            "trained_context": model.info.context_length,
             "chat_template": model.has_chat_template,
             "engine": model.engine,
             "embeddings": model.embeddings,
@@ -266,6 +273,8 @@ class Front:
             "pid": status.pid,
             "last_error": status.last_error,
         }
+        if model.projector is not None:  # noted; images are not served yet
+            described["projector"] = model.projector.name
         if self.keeper is not None:
             described["kv_cache"] = self.keeper.model_report(model.id, detail)
         if detail:
@@ -417,7 +426,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               admin_options: AdminOptions | None = None,
               site: SitePolicy | None = None,
               keeper: SnapshotKeeper | None = None,
-              responses: ResponseStore | None = None) -> Starlette:
+              responses: ResponseStore | None = None,
+              strict_context: bool = False) -> Starlette:
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
     Responses API answers are stored (opened at startup; None: none are)."""
@@ -425,7 +435,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     from bunkhouse.front.responses import ResponsesRoutes
 
     keys = keys or Keys()
-    front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys, keeper)
+    front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys, keeper,
+                  strict_context)
     stored = ResponsesRoutes(front, responses)
     olla = OllamaRoutes(front)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
@@ -486,6 +497,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("DELETE", "/admin/cache/{model_id:path}", admin.cache_purge),
         route("POST", "/api/chat", olla.chat),
         route("POST", "/api/generate", olla.generate),
+        route("POST", "/api/embed", olla.embed),
+        route("POST", "/api/embeddings", olla.embed),
         route("GET", "/api/version", olla.version),
         route("GET", "/api/tags", olla.tags),
         route("GET", "/api/ps", olla.ps),

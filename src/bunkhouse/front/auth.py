@@ -45,6 +45,8 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("GET", "/v1/responses/{response_id}/input_items"): Level.CLIENT,
     ("POST", "/api/chat"): Level.CLIENT,  # Ollama's API
     ("POST", "/api/generate"): Level.CLIENT,
+    ("POST", "/api/embed"): Level.CLIENT,
+    ("POST", "/api/embeddings"): Level.CLIENT,
     ("GET", "/api/version"): Level.CLIENT,
     ("GET", "/api/tags"): Level.CLIENT,
     ("GET", "/api/ps"): Level.CLIENT,

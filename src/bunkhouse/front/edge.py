@@ -8,6 +8,8 @@ what depends on the model and on field aliases, and builds the body the worker g
 - Content parts the model cannot take (every model served today takes text only) are a 400
   naming the part, instead of an engine error.
 - Chat on a model without a chat template is a 400 that says how to give it one.
+- The model's request defaults and filters (its ``params``, ``fixed_params`` and
+  ``strip_params``, config.RequestParams) are applied first, so every check sees the result.
 - Only OpenAI's fields and the engine adapter's extension fields are forwarded; anything else
   unknown is dropped, so a typo never reaches the engine as a raw parse error.
 """
@@ -31,7 +33,7 @@ _TEXT_PARTS = frozenset({"text"})
 def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
             data: dict[str, Any]) -> dict[str, Any]:
     """The body to send to ``model``'s worker, or InvalidRequest (400) naming the field."""
-    body = _merge_token_limits(data)
+    body = model.request.apply(_merge_token_limits(data))
     _check_choices(model, body)
     if path == "/v1/chat/completions":
         _check_template(model)

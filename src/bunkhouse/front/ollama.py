@@ -18,12 +18,13 @@ from bunkhouse.api import ollama
 from bunkhouse.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     parse_json_object,
     validate,
 )
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.errors import BunkhouseError, InvalidRequest, ModelNotFound
-from bunkhouse.front.protocols import OllamaShape
+from bunkhouse.errors import BunkhouseError, InvalidRequest
+from bunkhouse.front.protocols import OllamaEmbedShape, OllamaShape
 
 if TYPE_CHECKING:
     from bunkhouse.front.app import Front
@@ -60,53 +61,72 @@ class OllamaRoutes:
         """The catalog model an Ollama name means (``name:latest`` is ``name``)."""
         if not isinstance(name, str) or not name:
             raise InvalidRequest("model is required: a model name", param="model")
-        try:
-            return self.front.catalog.get(name)
-        except ModelNotFound:
-            if name.endswith(":latest"):
-                return self.front.catalog.get(name.removesuffix(":latest"))
-            raise
+        return self.front.catalog.get(name)
 
-    async def _load_only(self, model: CatalogModel, name: str, chat: bool) -> Response:
-        """An empty request loads the model (Ollama's way to preload)."""
-        (await self.front.residency.acquire(model)).release()
+    async def _load_only(self, model: CatalogModel, name: str, chat: bool,
+                         keep: float | None) -> Response:
+        """An empty request loads the model (Ollama's way to preload), or with
+        ``keep_alive: 0`` unloads it (Ollama's way to unload)."""
+        residency = self.front.residency
+        if keep == 0:
+            await residency.unload(model.id, "unloaded by a client (keep_alive 0)")
+            reason = "unload"
+        else:
+            residency.keep_alive(model.id, keep)
+            (await residency.acquire(model)).release()
+            reason = "load"
         done: dict[str, Any] = {"model": name, "created_at": ollama.now(), "done": True,
-                                "done_reason": "load"}
+                                "done_reason": reason}
         done.update({"message": {"role": "assistant", "content": ""}} if chat
                     else {"response": ""})
         return JSONResponse(done)
 
     async def _begin(self, request: Request) -> tuple[bytes, dict[str, Any], CatalogModel,
-                                                      str]:
-        """The body, parsed, the model it names and the name as given."""
+                                                      str, float | None]:
+        """The body, parsed, the model it names, the name as given, and its keep_alive."""
         body = await self.front.read(request)
         given = await self.front.cpu(len(body), parse_json_object, body)
-        return body, given, self._model(given.get("model")), str(given.get("model"))
+        keep = ollama.keep_alive(given)
+        return body, given, self._model(given.get("model")), str(given.get("model")), keep
 
     async def chat(self, request: Request) -> Response:
         front = self.front
-        body, given, model, name = await self._begin(request)
+        body, given, model, name, keep = await self._begin(request)
         if not given.get("messages"):
-            return await self._load_only(model, name, chat=True)
+            return await self._load_only(model, name, True, keep)
         data = await front.cpu(len(body), ollama.chat_request, given)
         data["model"] = model.id
         parsed = await front.cpu(len(body), validate, ChatCompletionRequest, data)
+        front.residency.keep_alive(model.id, keep)
         return await front.generate(request, "/v1/chat/completions", ChatCompletionRequest,
                                     parsed, data, len(body),
-                                    lambda _: OllamaShape(name, chat=True))
+                                    lambda _: OllamaShape(name, chat=True), cap=True)
 
     async def generate(self, request: Request) -> Response:
         front = self.front
-        body, given, model, name = await self._begin(request)
+        body, given, model, name, keep = await self._begin(request)
         if not given.get("prompt") and not given.get("suffix"):
-            return await self._load_only(model, name, chat=False)
+            return await self._load_only(model, name, False, keep)
         path, data = await front.cpu(len(body), ollama.generate_request, given,
                                      model.has_chat_template)
         data["model"] = model.id
         schema = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
         parsed = await front.cpu(len(body), validate, schema, data)
+        front.residency.keep_alive(model.id, keep)
         return await front.generate(request, path, schema, parsed, data, len(body),
-                                    lambda _: OllamaShape(name, chat=False))
+                                    lambda _: OllamaShape(name, chat=False), cap=True)
+
+    async def embed(self, request: Request) -> Response:
+        """``POST /api/embed`` and the older ``/api/embeddings``: the embeddings path."""
+        front = self.front
+        legacy = request.url.path == "/api/embeddings"
+        body, given, model, name, keep = await self._begin(request)
+        data = await front.cpu(len(body), ollama.embed_request, given, legacy)
+        data["model"] = model.id
+        parsed = await front.cpu(len(body), validate, EmbeddingRequest, data)
+        front.residency.keep_alive(model.id, keep)
+        return await front.generate(request, "/v1/embeddings", EmbeddingRequest, parsed, data,
+                                    len(body), lambda _: OllamaEmbedShape(name, legacy))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
@@ -124,9 +144,7 @@ class OllamaRoutes:
             status = residency.status(m.id)
             if status.state not in ("ready", "loading"):
                 continue
-            ttl = m.ttl_s  # the global ttl is not the catalog's to know: shown as none
-            expires = (status.last_used + ttl if ttl and status.last_used
-                       else 4102444800.0)  # no idle unload: far away (2100)
+            expires = residency.expires_at(m.id) or 4102444800.0  # never: far away (2100)
             running.append({"name": m.id, "model": m.id, "size":
                             status.measured_bytes or status.estimated_bytes,
                             "digest": _digest(m), "details": _details(m),

@@ -151,6 +151,8 @@ def openapi(version: str) -> dict[str, Any]:
                                   _ollama_body(True))},
         "/api/generate": {"post": _op("Ollama generate: through the chat template, or raw",
                                       "200", _ollama_body(False))},
+        "/api/embed": {"post": _op("Ollama embeddings of input (a text or texts)", "200")},
+        "/api/embeddings": {"post": _op("Ollama's older embeddings of one prompt", "200")},
         "/api/tags": {"get": _op("Ollama: every model", "200")},
         "/api/ps": {"get": _op("Ollama: the loaded models", "200")},
         "/api/version": {"get": _op("Ollama: the server's version", "200")},

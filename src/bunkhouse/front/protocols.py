@@ -274,3 +274,23 @@ class OllamaShape:
 
     def stream(self) -> StreamShaper:
         return _OllamaStream(ollama.OllamaStream(self.model, self.chat))
+
+
+class OllamaEmbedShape:
+    """An embeddings answer as ``/api/embed``'s, or the older ``/api/embeddings``'
+    (``legacy``), for the model the client named."""
+
+    media_type = "application/json"
+
+    def __init__(self, model: str, legacy: bool) -> None:
+        self.model = model
+        self.legacy = legacy
+
+    def answer(self, result: dict[str, Any]) -> dict[str, Any]:
+        return ollama.embed_answer(result, self.model, self.legacy)
+
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        return ollama.error(_message(body))
+
+    def stream(self) -> StreamShaper:
+        raise AssertionError("embeddings are never streamed")

@@ -324,6 +324,15 @@ async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
             if resp.status_code >= 400:
                 return _engine_error(engine, resp.status_code, await _read_error(resp), path,
                                      shape)
+            if assembler is None and shape is not None:  # a whole answer, reshaped
+                try:
+                    return JSONResponse(shape.answer(json.loads(await resp.aread())))
+                except httpx.TransportError as e:
+                    raise EngineUnavailable(f"model {model_id!r}: worker answer broke: "
+                                            f"{e!r}") from e
+                except ValueError as e:
+                    raise EngineUnavailable(f"model {model_id!r}: unreadable answer from "
+                                            f"worker: {e}") from e
             if assembler is None:
                 relayed = True
                 return _Relay(resp, model_id, on_done, None)

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class _Entry:
         self.probing = False
         self.last_probe = 0.0
         self.failed_requests = 0
+        self.keep_alive_s: float | None = None  # a client's keep_alive until it is unloaded
 
     @property
     def bytes(self) -> int:
@@ -416,13 +418,38 @@ class ResidencyManager:
         now = self._clock()
         drains = []
         for entry in list(self._entries.values()):
-            ttl = entry.model.ttl_s if entry.model.ttl_s is not None else self.options.ttl_s
+            ttl = self._ttl(entry)
             idle = now - entry.last_used
-            if ttl > 0 and idle >= ttl:
+            if ttl is not None and idle >= ttl:
                 drain = self._begin_drain(entry, f"idle for {idle:.0f} s (ttl {ttl:.0f} s)")
                 if drain is not None:
                     drains.append(drain)
         return drains
+
+    def _ttl(self, entry: _Entry) -> float | None:
+        """Idle seconds before the model is unloaded; None: never."""
+        if entry.keep_alive_s is not None:
+            return None if math.isinf(entry.keep_alive_s) else entry.keep_alive_s
+        ttl = entry.model.ttl_s if entry.model.ttl_s is not None else self.options.ttl_s
+        return ttl if ttl > 0 else None
+
+    def keep_alive(self, model_id: str, seconds: float | None) -> None:
+        """A client's ``keep_alive`` (Ollama's API): the model is unloaded after ``seconds``
+        idle (0: as soon as no request holds it; ``math.inf``: never for idleness) until it
+        is unloaded; None: the configured ttl again."""
+        entry = self._entries[model_id]
+        entry.keep_alive_s = seconds
+        if seconds == 0 and not entry.leases:
+            self._begin_drain(entry, "keep_alive 0: unloaded once idle")
+
+    def expires_at(self, model_id: str) -> float | None:
+        """When the model will be unloaded for idleness (wall clock), if it stays idle;
+        None: never."""
+        entry = self._entries[model_id]
+        ttl = self._ttl(entry)
+        if ttl is None:
+            return None
+        return (entry.last_used or self._clock()) + ttl + self._wall_offset
 
     async def run_background(self, interval_s: float = 1.0) -> None:
         """Refresh measured memory, probe workers and apply ttls, every ``interval_s``,
@@ -521,6 +548,8 @@ class ResidencyManager:
     def _release(self, entry: _Entry) -> None:
         entry.leases -= 1
         entry.last_used = self._clock()
+        if entry.keep_alive_s == 0 and not entry.leases:
+            self._begin_drain(entry, "keep_alive 0: unloaded once idle")
         self._notify()
 
     def _wake(self, entry: _Entry, error: BaseException | None = None) -> None:

@@ -117,8 +117,8 @@ def open_model_file(model: CatalogModel, link_dir: Path | None = None) -> Opened
     fds: list[int] = []
     try:
         size = 0
-        for path in files:
-            fd = _open_checked(model, path)
+        for i, path in enumerate(files):
+            fd = _open_checked(model, path, model.resolved[i] if model.resolved else path)
             fds.append(fd)
             size += os.fstat(fd).st_size
         if size != model.size_bytes:
@@ -140,8 +140,9 @@ def open_model_file(model: CatalogModel, link_dir: Path | None = None) -> Opened
         raise
 
 
-def _open_checked(model: CatalogModel, path: Path) -> int:
-    """``path`` opened for reading, if it is still the regular file registered."""
+def _open_checked(model: CatalogModel, path: Path, real_path: Path) -> int:
+    """``path`` opened for reading, if it is still the regular file registered (at
+    ``real_path``)."""
     try:
         # O_NONBLOCK: a FIFO swapped in must not block the front; cleared below for a file
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -151,7 +152,7 @@ def _open_checked(model: CatalogModel, path: Path) -> int:
                                detail=f"{path}: {e}") from e
     try:
         real = os.readlink(f"/proc/self/fd/{fd}")
-        if real != str(path):
+        if real != str(real_path):
             raise WorkerLoadFailed(
                 f"model {model.id!r}: its file is no longer the file that was checked when "
                 "the model was registered (it, or a directory above it, now leads elsewhere); "
