@@ -153,7 +153,8 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
 def generate_request(body: dict[str, Any], templated: bool) -> tuple[str, dict[str, Any]]:
     """``POST /api/generate`` as (route, request): a chat completion (``system`` and
     ``prompt``) for a model with a chat template, else a completion of the prompt as it is
-    (also when ``raw`` is true). Raises InvalidRequest naming the field."""
+    (also when ``raw`` is true); with a ``suffix``, llama.cpp's ``/infill`` (api/infill.py).
+    Raises InvalidRequest naming the field."""
     prompt = body.get("prompt", "")
     need(isinstance(prompt, str), "prompt must be a string", "prompt")
     system = body.get("system")
@@ -161,9 +162,13 @@ def generate_request(body: dict[str, Any], templated: bool) -> tuple[str, dict[s
     raw = body.get("raw", False)
     need(isinstance(raw, bool), "raw must be a boolean", "raw")
     need(not body.get("images"), "images are not served here", "images")
-    need(not body.get("suffix"), "suffix (fill-in-the-middle) is not served on "
-         "/api/generate yet", "suffix")
+    suffix = body.get("suffix")
+    need(suffix is None or isinstance(suffix, str), "suffix must be a string", "suffix")
     out: dict[str, Any] = {}
+    if suffix:  # fill-in-the-middle: the prompt is the text before the middle
+        out.update(input_prefix=prompt, input_suffix=suffix)
+        _common(body, out)
+        return "/infill", out
     if templated and not raw:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]

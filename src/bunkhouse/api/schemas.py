@@ -167,6 +167,25 @@ class CompletionRequest(_Request):
     suffix: StrictStr | None = None
 
 
+class ExtraChunk(BaseModel):
+    """A chunk of another file, context for fill-in-the-middle."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    filename: StrictStr = ""
+    text: StrictStr
+
+
+class InfillRequest(_Request):
+    """llama.cpp's ``POST /infill`` (tools/server/README.md): the text before and after the
+    cursor, the start of the middle (``prompt``), other files' chunks for context."""
+
+    input_prefix: StrictStr = ""
+    input_suffix: StrictStr = ""
+    input_extra: Annotated[list[ExtraChunk], Field(max_length=1024)] | None = None
+    prompt: StrictStr = ""
+
+
 NonEmptyText = Annotated[StrictStr, Field(min_length=1)]
 Tokens = Annotated[list[TokenId], Field(min_length=1)]
 

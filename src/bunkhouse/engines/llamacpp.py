@@ -166,6 +166,9 @@ def error_object(status: int, body: bytes, route: str) -> tuple[int, dict[str, A
         type_ = str(err.get("type", type_))
     except (ValueError, AttributeError, TypeError, KeyError):
         pass
+    if status == 501:  # e.g. /infill on a model without fill-in-the-middle tokens
+        return 400, envelope(f"the model cannot do this: {message}", "invalid_request_error",
+                             "not_supported", "model")
     if refusal(status, message):
         return (400 if status >= 500 else status,
                 envelope(f"the engine refused the request: {message}", "invalid_request_error",
@@ -352,6 +355,7 @@ class LlamaCpp:
         return ["--context", str(o.context), "--parallel", str(o.parallel),
                 "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
                 *(["--embeddings"] if model.embeddings else []),
+                *(["--pooling", "model"] if model.info.pooling else []),
                 *(["--swa-full"] if o.swa_full else []),
                 *(["--chat-template", model.chat_template] if model.chat_template else [])]
 

@@ -17,12 +17,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bunkhouse import __version__, defaults
-from bunkhouse.api import anthropic
+from bunkhouse.api import anthropic, infill
 from bunkhouse.api.schemas import (
     BodyBudget,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    InfillRequest,
     parse_json_object,
     read_body,
     validate,
@@ -44,7 +45,13 @@ from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_loa
 from bunkhouse.front.auth import Keys, Level, access
 from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
-from bunkhouse.front.protocols import AnthropicShape, ChatShape, ToolCallShape, error_envelope
+from bunkhouse.front.protocols import (
+    AnthropicShape,
+    ChatShape,
+    InfillShape,
+    ToolCallShape,
+    error_envelope,
+)
 from bunkhouse.front.proxy import Shape, forward, stream_broke
 from bunkhouse.front.response_store import ResponseStore, ResponseStoreError
 from bunkhouse.front.site import SiteGuard, SitePolicy
@@ -58,7 +65,8 @@ R = TypeVar("R")
 
 DEFAULT_MAX_BODY = defaults.MAX_BODY_BYTES
 
-Schema = type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
+Schema = (type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
+          | type[InfillRequest])
 
 
 class Front:
@@ -88,6 +96,10 @@ class Front:
         async def handler(request: Request) -> Response:
             body = await self.read(request)
             parsed, data = await self.cpu(len(body), parse, body)
+            if path == "/v1/completions" and data.get("suffix"):  # fill-in-the-middle
+                return await self.generate(request, "/infill", InfillRequest, parsed,
+                                           infill.from_completion(data), len(body),
+                                           InfillShape)
             return await self.generate(request, path, schema, parsed, data, len(body))
 
         return handler
@@ -431,6 +443,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
     Responses API answers are stored (opened at startup; None: none are)."""
+    from bunkhouse.front.extras import Extras
     from bunkhouse.front.ollama import OllamaRoutes
     from bunkhouse.front.responses import ResponsesRoutes
 
@@ -439,6 +452,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
                   strict_context)
     stored = ResponsesRoutes(front, responses)
     olla = OllamaRoutes(front)
+    extras = Extras(front)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
                   functools.partial(front.model_object, detail=True), keeper)
 
@@ -481,6 +495,10 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               front.generation("/v1/chat/completions", ChatCompletionRequest)),
         route("POST", "/v1/completions", front.generation("/v1/completions", CompletionRequest)),
         route("POST", "/v1/embeddings", front.generation("/v1/embeddings", EmbeddingRequest)),
+        route("POST", "/infill", front.generation("/infill", InfillRequest)),
+        route("POST", "/tokenize", extras.tokenize),
+        route("POST", "/detokenize", extras.detokenize),
+        route("POST", "/apply-template", extras.apply_template),
         route("POST", "/v1/messages", front.messages()),
         route("POST", "/v1/messages/count_tokens", front.count_message_tokens),
         route("POST", "/v1/responses", stored.create),

@@ -46,6 +46,10 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("POST", "/api/chat"): Level.CLIENT,  # Ollama's API
     ("POST", "/api/generate"): Level.CLIENT,
     ("POST", "/api/embed"): Level.CLIENT,
+    ("POST", "/infill"): Level.CLIENT,  # llama.cpp's server routes
+    ("POST", "/tokenize"): Level.CLIENT,
+    ("POST", "/detokenize"): Level.CLIENT,
+    ("POST", "/apply-template"): Level.CLIENT,
     ("POST", "/api/embeddings"): Level.CLIENT,
     ("GET", "/api/version"): Level.CLIENT,
     ("GET", "/api/tags"): Level.CLIENT,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -19,15 +20,17 @@ from bunkhouse.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    InfillRequest,
     parse_json_object,
     validate,
 )
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.errors import BunkhouseError, InvalidRequest
-from bunkhouse.front.protocols import OllamaEmbedShape, OllamaShape
+from bunkhouse.front.protocols import InfillShape, OllamaEmbedShape, OllamaShape
+from bunkhouse.front.proxy import Shape
 
 if TYPE_CHECKING:
-    from bunkhouse.front.app import Front
+    from bunkhouse.front.app import Front, Schema
 
 
 class NotServed(BunkhouseError):
@@ -110,11 +113,15 @@ class OllamaRoutes:
         path, data = await front.cpu(len(body), ollama.generate_request, given,
                                      model.has_chat_template)
         data["model"] = model.id
-        schema = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+        schema: Schema = (ChatCompletionRequest if path == "/v1/chat/completions"
+                          else InfillRequest if path == "/infill" else CompletionRequest)
         parsed = await front.cpu(len(body), validate, schema, data)
         front.residency.keep_alive(model.id, keep)
-        return await front.generate(request, path, schema, parsed, data, len(body),
-                                    lambda _: OllamaShape(name, chat=False), cap=True)
+        shape: Callable[[str], Shape] = (
+            (lambda _: InfillShape(name, OllamaShape(name, chat=False))) if path == "/infill"
+            else (lambda _: OllamaShape(name, chat=False)))
+        return await front.generate(request, path, schema, parsed, data, len(body), shape,
+                                    cap=True)
 
     async def embed(self, request: Request) -> Response:
         """``POST /api/embed`` and the older ``/api/embeddings``: the embeddings path."""

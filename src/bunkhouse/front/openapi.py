@@ -151,6 +151,11 @@ def openapi(version: str) -> dict[str, Any]:
                                   _ollama_body(True))},
         "/api/generate": {"post": _op("Ollama generate: through the chat template, or raw",
                                       "200", _ollama_body(False))},
+        "/infill": {"post": _op("llama.cpp fill-in-the-middle: input_prefix, input_suffix, "
+                                "input_extra, prompt (SSE with stream)", "200")},
+        "/tokenize": {"post": _op("llama.cpp: a text's tokens under the model", "200")},
+        "/detokenize": {"post": _op("llama.cpp: the text of token ids", "200")},
+        "/apply-template": {"post": _op("llama.cpp: the prompt chat messages become", "200")},
         "/api/embed": {"post": _op("Ollama embeddings of input (a text or texts)", "200")},
         "/api/embeddings": {"post": _op("Ollama's older embeddings of one prompt", "200")},
         "/api/tags": {"get": _op("Ollama: every model", "200")},

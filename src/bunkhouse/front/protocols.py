@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bunkhouse.api import anthropic, ollama, responses
+from bunkhouse.api import anthropic, infill, ollama, responses
 from bunkhouse.api.fields import renamed
 from bunkhouse.api.tool_calls import ToolCallReader
 from bunkhouse.errors import BunkhouseError, error_body
@@ -294,3 +294,62 @@ class OllamaEmbedShape:
 
     def stream(self) -> StreamShaper:
         raise AssertionError("embeddings are never streamed")
+
+
+class _CompletionEvents(_Once):
+    """OpenAI completion objects as SSE ``data:`` events, ``[DONE]`` last."""
+
+    def feed(self, event: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    def _closing(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        self._ended = True
+        return self.feed(body)
+
+    def keepalive(self) -> bytes:
+        return b": ping\n\n"
+
+
+class _Converted:
+    """A stream whose events are converted before another shaper takes them."""
+
+    def __init__(self, convert: Callable[[dict[str, Any]], dict[str, Any]],
+                 then: StreamShaper) -> None:
+        self._convert = convert
+        self._then = then
+
+    def feed(self, event: dict[str, Any]) -> bytes:
+        return self._then.feed(self._convert(event))
+
+    def end(self) -> bytes:
+        return self._then.end()
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        return self._then.error(body)
+
+    def keepalive(self) -> bytes:
+        return self._then.keepalive()
+
+
+class InfillShape:
+    """llama.cpp's ``/infill`` answer as OpenAI completion objects for ``model``, or, given
+    ``then`` (a shape of completions: Ollama's), in that protocol."""
+
+    def __init__(self, model: str, then: Shape | None = None) -> None:
+        self._convert = infill.Completions(model).convert
+        self._then = then
+        self.media_type = then.media_type if then is not None else "text/event-stream"
+
+    def answer(self, result: dict[str, Any]) -> dict[str, Any]:
+        completion = self._convert(result)
+        return self._then.answer(completion) if self._then is not None else completion
+
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        return self._then.error(status, body) if self._then is not None else body
+
+    def stream(self) -> StreamShaper:
+        return _Converted(self._convert, self._then.stream() if self._then is not None
+                          else _CompletionEvents())

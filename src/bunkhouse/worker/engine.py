@@ -28,6 +28,9 @@ class WorkerConfig:
     embeddings: bool = False  # serve /v1/embeddings (llama.cpp: larger output buffers)
     snapshot_dir: Path | None = None  # where slot KV state is saved and restored from
     swa_full: bool = False  # sliding-window layers keep the whole context
+    # how embeddings pool: "model", as the GGUF says (an embedding model: CLS, last or
+    # mean, as it was trained), or "mean" over the tokens (a generation model: none stated)
+    pooling: str = "mean"
 
 
 class Engine(Protocol):

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
                    help="where slots' KV state is saved to and restored from")
     p.add_argument("--swa-full", action="store_true",
                    help="sliding-window layers keep the whole context (llama.cpp swa_full)")
+    p.add_argument("--pooling", choices=["model", "mean"], default="mean",
+                   help="embeddings pool as the model file says, or by the mean")
     p.add_argument("--engine", required=True,
                    help="module:Class of the engine (its front-side adapter names it)")
     p.add_argument(
@@ -53,7 +55,7 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
     a = p.parse_args(argv)
     config = WorkerConfig(
         a.model_id, a.model_path, a.socket, a.context, a.parallel, a.cache_ram_mib, a.threads,
-        a.chat_template, a.embeddings, a.snapshot_dir, a.swa_full,
+        a.chat_template, a.embeddings, a.snapshot_dir, a.swa_full, a.pooling,
     )
     return config, a.engine, a.parent_pid
 

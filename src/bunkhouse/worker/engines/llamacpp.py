@@ -39,7 +39,11 @@ def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:
     params.cpuparams_batch.n_threads = config.threads
     if config.embeddings:  # /v1/embeddings next to generation
         params.embedding = True
-        params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
+        pooling = xllamacpp.llama_pooling_type
+        # unspecified: llama.cpp takes the GGUF's own pooling type (CLS for a BERT-style
+        # model, which mean pooling would make wrong)
+        params.pooling_type = (pooling.LLAMA_POOLING_TYPE_UNSPECIFIED
+                               if config.pooling == "model" else pooling.LLAMA_POOLING_TYPE_MEAN)
     if config.snapshot_dir is not None:
         # llama.cpp joins this and a file name without a separator (its own flag adds it)
         params.slot_save_path = f"{config.snapshot_dir}/"
