@@ -201,6 +201,15 @@ def parser() -> argparse.ArgumentParser:
                          help="default: $BUNKHOUSE_ADMIN_KEY")
         if verb == "load":
             cmd.add_argument("--path", help="a GGUF file inside the server's allowed roots")
+    for verb, what in (("reload", "re-read the config file and model folders"),
+                       ("default", "make a model the default one")):
+        cmd = sub.add_parser(verb, help=f"{what} on a running server (admin key)")
+        if verb == "default":
+            cmd.add_argument("model", metavar="ID")
+        cmd.add_argument("--url", default="http://127.0.0.1:8080",
+                         help="the server's address (%(default)s)")
+        cmd.add_argument("--admin-key", default=os.environ.get("BUNKHOUSE_ADMIN_KEY"),
+                         help="default: $BUNKHOUSE_ADMIN_KEY")
     cache = sub.add_parser(
         "cache", help="list or remove saved KV snapshots (conversations' KV state on disk)",
         description="Work on the KV snapshot directory itself. Stop the server first, or use "
@@ -378,12 +387,16 @@ def print_catalog(catalog: Catalog) -> None:
         print("\n* default model; CONTEXT is slots x tokens a slot / trained tokens")
 
 
-def serve(settings: Settings, catalog: Catalog) -> int:
+def serve(settings: Settings, catalog: Catalog,
+          rebuild: Callable[[], Catalog] | None = None) -> int:
+    """Serve until stopped. ``rebuild()``: the catalog the configuration describes now, for
+    reloads (SIGHUP, ``POST /admin/reload``)."""
     from bunkhouse.front.admin import AdminOptions
     from bunkhouse.front.admission import ComputeGate
     from bunkhouse.front.app import build_app
     from bunkhouse.front.auth import Keys
     from bunkhouse.front.heads import HeadLimits, bounded_http
+    from bunkhouse.front.reload import Reloader
     from bunkhouse.front.site import SitePolicy, is_loopback_bind
     from bunkhouse.residency.estimate import default_budget_bytes
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
@@ -420,7 +433,8 @@ def serve(settings: Settings, catalog: Catalog) -> int:
                         defaults=settings.defaults,
                         drain_grace_s=settings.stop_grace_s),
                     site=SitePolicy.for_bind(settings.host, settings.allowed_hosts),
-                    strict_context=settings.strict_context)
+                    strict_context=settings.strict_context,
+                    reloader=Reloader(rebuild, residency) if rebuild else None)
     if not is_loopback_bind(settings.host) and not settings.api_keys:
         log.warning("listening on %s without --api-key: anyone who can reach this address "
                     "can use every model; set keys (docs/security.md)", settings.host)
@@ -660,6 +674,35 @@ def control(verb: str, model: str, url: str, key: str | None, path: str | None) 
     return 0
 
 
+def server_call(verb: str, model: str | None, url: str, key: str | None) -> int:
+    """``bunkhouse reload`` and ``bunkhouse default ID`` against a running server."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    base = url.rstrip("/")
+    body = {"model": model} if verb == "default" else {}
+    try:
+        resp = httpx.post(f"{base}/admin/{verb}", json=body, headers=headers, timeout=600)
+    except httpx.HTTPError as e:
+        print(f"bunkhouse: error: cannot reach {base}: {e}; is `bunkhouse serve` running "
+              "there? (--url sets the address)", file=sys.stderr)
+        return 1
+    if resp.status_code >= 400:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text
+        print(f"bunkhouse: error: {resp.status_code}: {message}", file=sys.stderr)
+        return 1
+    data = resp.json()
+    if verb == "default":
+        print(f"default model: {data['id']}")
+    else:
+        for change in ("added", "removed", "changed"):
+            print(f"{change}: {', '.join(data[change]) or 'none'}")
+    return 0
+
+
 def cache(action: str, model: str | None, root: Path | None) -> int:
     """``bunkhouse cache list|purge [MODEL]`` on the snapshot directory."""
     from bunkhouse.config import default_kv_cache_dir
@@ -721,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "ps":
         return ps(args.url, args.api_key)
+    if args.command in ("reload", "default"):
+        return server_call(args.command, getattr(args, "model", None), args.url,
+                           args.admin_key)
     if args.command in ("load", "unload", "pin", "unpin"):
         return control(args.command, args.model, args.url, args.admin_key,
                        getattr(args, "path", None))
@@ -740,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             print_catalog(catalog)
             return 0
-        return serve(settings, catalog)
+        return serve(settings, catalog, lambda: build_catalog(settings_from(args)))
     except BunkhouseError as e:
         print(f"bunkhouse: error: {e.message}", file=sys.stderr)
         return 2

@@ -86,6 +86,7 @@ class Catalog:
                 f"default model {default_id!r} is not in the catalog; known: {self.ids()}"
             )
         self.default_id = None if default_id is None else self.resolve(default_id)
+        self._switched: str | None = None  # an operator's choice of default model
 
     def __iter__(self) -> Iterator[CatalogModel]:
         return iter(list(self._models.values()))
@@ -147,10 +148,22 @@ class Catalog:
                f"{known or '(none)'}"
 
     def set_default(self, name: str) -> CatalogModel:
-        """Make the model ``name`` means the default one (ModelNotFound if none)."""
+        """Make the model ``name`` means the default one, until a restart (ModelNotFound if
+        none); a configuration reload keeps it while the model is served."""
         model = self.get(name)
-        self.default_id = model.id
+        self.default_id = self._switched = model.id
         return model
+
+    def adopt(self, new: Catalog, keep: Iterable[str]) -> None:
+        """Take ``new``'s models, aliases and default model (residency's reload); the models
+        of ``keep`` stay (runtime-registered ones, removed ones still draining) and a model
+        whose settings changed keeps its running ones until residency takes the new
+        (:meth:`add`)."""
+        kept = {i: self._models[i] for i in keep if i in self._models}
+        self._models = {**{i: self._models.get(i, m) for i, m in new._models.items()}, **kept}
+        self._aliases = dict(new._aliases)
+        switched = self._switched
+        self.default_id = switched if switched in new._models else new.default_id
 
 
 def _spellings(name: str) -> tuple[str, ...]:

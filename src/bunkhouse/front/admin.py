@@ -44,6 +44,7 @@ from bunkhouse.errors import (
     NotFound,
     WorkerLoadFailed,
 )
+from bunkhouse.front.reload import Reloader
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import ResidencyManager
 
@@ -84,12 +85,32 @@ def inside_roots(path: str, roots: tuple[Path, ...]) -> Path | None:
 class Admin:
     def __init__(self, catalog: Catalog, residency: ResidencyManager, options: AdminOptions,
                  describe: Callable[[CatalogModel], dict[str, Any]],
-                 keeper: SnapshotKeeper | None = None) -> None:
+                 keeper: SnapshotKeeper | None = None,
+                 reloader: Reloader | None = None) -> None:
         self.catalog = catalog
         self.residency = residency
         self.options = options
         self.describe = describe
         self.keeper = keeper
+        self.reloader = reloader
+
+    async def reload(self, request: Request) -> Response:
+        """Re-read the configuration file and the model folders (front/reload.py)."""
+        if self.reloader is None:
+            raise Conflict("this server cannot reload its configuration")
+        return JSONResponse(await self.reloader.reload("an operator asked"))
+
+    async def set_default(self, request: Request) -> Response:
+        """``{"model": ID}``: requests that name no model go to it from now on (until a
+        restart)."""
+        data = parse_json_object(await read_body(request, 64 * 1024))
+        name = data.get("model")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest("needs a string field 'model': the model to make the "
+                                 "default", param="model")
+        model = self.catalog.set_default(name)
+        log.info("default model switched to %s by an operator", model.id)
+        return JSONResponse(self.describe(model))
 
     def _snapshots(self) -> SnapshotKeeper:
         if self.keeper is None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -53,6 +54,7 @@ from bunkhouse.front.protocols import (
     error_envelope,
 )
 from bunkhouse.front.proxy import Shape, forward, stream_broke
+from bunkhouse.front.reload import Reloader
 from bunkhouse.front.response_store import ResponseStore, ResponseStoreError
 from bunkhouse.front.site import SiteGuard, SitePolicy
 from bunkhouse.kvcache.keeper import SnapshotKeeper
@@ -439,10 +441,13 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               site: SitePolicy | None = None,
               keeper: SnapshotKeeper | None = None,
               responses: ResponseStore | None = None,
-              strict_context: bool = False) -> Starlette:
+              strict_context: bool = False,
+              reloader: Reloader | None = None) -> Starlette:
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
-    Responses API answers are stored (opened at startup; None: none are)."""
+    Responses API answers are stored (opened at startup; None: none are). ``reloader``: how
+    the configuration is re-read, on ``POST /admin/reload`` and on SIGHUP (None: it is not).
+    """
     from bunkhouse.front.extras import Extras
     from bunkhouse.front.ollama import OllamaRoutes
     from bunkhouse.front.responses import ResponsesRoutes
@@ -454,7 +459,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     olla = OllamaRoutes(front)
     extras = Extras(front)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
-                  functools.partial(front.model_object, detail=True), keeper)
+                  functools.partial(front.model_object, detail=True), keeper, reloader)
 
     def route(method: str, path: str, handler: Callable[[Request], Awaitable[Response]]
               ) -> Route:
@@ -464,6 +469,15 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         residency.open()
         background = asyncio.create_task(residency.run_background())
+        hangups: set[asyncio.Task[Any]] = set()
+        if reloader is not None:
+            def hangup() -> None:
+                task = asyncio.create_task(reloader.reload("SIGHUP"))
+                hangups.add(task)
+                task.add_done_callback(hangups.discard)
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged
+
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, hangup)
         if responses is not None:
             try:
                 count = await responses.open()
@@ -478,8 +492,10 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
                     log.error("could not preload model %s: %s", model_id, e.message)
             yield
         finally:
+            if reloader is not None:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             background.cancel()
-            await asyncio.gather(background, return_exceptions=True)
+            await asyncio.gather(background, *hangups, return_exceptions=True)
             if keeper is not None:
                 await keeper.close()  # idle saves stop; each drain saves what is unsaved
             await residency.close()
@@ -512,6 +528,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("DELETE", "/v1/models/{model_id:path}", admin.delete),
         route("POST", "/admin/cache/flush", admin.cache_flush),
         route("DELETE", "/admin/cache", admin.cache_purge),
+        route("POST", "/admin/reload", admin.reload),
+        route("POST", "/admin/default", admin.set_default),
         route("DELETE", "/admin/cache/{model_id:path}", admin.cache_purge),
         route("POST", "/api/chat", olla.chat),
         route("POST", "/api/generate", olla.generate),

@@ -67,6 +67,8 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("POST", "/v1/models/{model_id:path}/{action}"): Level.ADMIN,
     ("DELETE", "/v1/models/{model_id:path}"): Level.ADMIN,
     ("POST", "/admin/cache/flush"): Level.ADMIN,
+    ("POST", "/admin/reload"): Level.ADMIN,
+    ("POST", "/admin/default"): Level.ADMIN,
     ("DELETE", "/admin/cache"): Level.ADMIN,
     ("DELETE", "/admin/cache/{model_id:path}"): Level.ADMIN,
 }

@@ -11,19 +11,22 @@ vocabulary, chat on a model with a template); the engine's answer is relayed as 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api.schemas import ChatCompletionRequest, TokenId, parse_json_object, validate
+from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines.llamacpp import TEMPLATED_FIELDS
 from bunkhouse.errors import InvalidRequest
 from bunkhouse.front.edge import prepare
 
 if TYPE_CHECKING:
     from bunkhouse.front.app import Front
+
+S = TypeVar("S", bound=BaseModel)
 
 MAX_DETOKENIZE = 1 << 20
 """Token ids in one ``/detokenize`` request (a million: far past any context)."""
@@ -50,20 +53,21 @@ class Extras:
     def __init__(self, front: Front) -> None:
         self.front = front
 
-    async def tokenize(self, request: Request) -> Response:
+    async def _parse(self, request: Request, schema: type[S]
+                     ) -> tuple[dict[str, Any], S, CatalogModel]:
+        """The body as given, as ``schema`` checks it, and the model it names."""
         front = self.front
         body = await front.read(request)
         data = await front.cpu(len(body), parse_json_object, body)
-        parsed = await front.cpu(len(body), validate, TokenizeRequest, data)
-        model = front.catalog.get(parsed.model)
+        parsed = await front.cpu(len(body), validate, schema, data)
+        return data, parsed, front.catalog.get(getattr(parsed, "model", None))
+
+    async def tokenize(self, request: Request) -> Response:
+        _, parsed, model = await self._parse(request, TokenizeRequest)
         return await self._relay(model.id, "/tokenize", parsed.model_dump(exclude={"model"}))
 
     async def detokenize(self, request: Request) -> Response:
-        front = self.front
-        body = await front.read(request)
-        data = await front.cpu(len(body), parse_json_object, body)
-        parsed = await front.cpu(len(body), validate, DetokenizeRequest, data)
-        model = front.catalog.get(parsed.model)
+        _, parsed, model = await self._parse(request, DetokenizeRequest)
         vocab = model.info.vocab_size
         if vocab:  # an id past the vocabulary is not the engine's to meet
             for i, token in enumerate(parsed.tokens):
@@ -75,11 +79,7 @@ class Extras:
 
     async def apply_template(self, request: Request) -> Response:
         """The prompt a chat request becomes under the model's chat template."""
-        front = self.front
-        body = await front.read(request)
-        data = await front.cpu(len(body), parse_json_object, body)
-        parsed = await front.cpu(len(body), validate, ChatCompletionRequest, data)
-        model = front.catalog.get(parsed.model)
+        data, _, model = await self._parse(request, ChatCompletionRequest)
         checked = prepare("/v1/chat/completions", ChatCompletionRequest, model, data)
         chat = {k: v for k, v in checked.items() if k in TEMPLATED_FIELDS}
         return await self._relay(model.id, "/apply-template", chat)

@@ -163,6 +163,10 @@ def openapi(version: str) -> dict[str, Any]:
         "/api/version": {"get": _op("Ollama: the server's version", "200")},
         "/admin/cache/flush": {"post": _op("save every ready model's idle KV slots (admin)",
                                            "200")},
+        "/admin/reload": {"post": _op("re-read the config file and model folders (admin); "
+                                      "the ids added, removed and changed", "200")},
+        "/admin/default": {"post": _op("switch the default model: {\"model\": ID} (admin)",
+                                       "200")},
         "/admin/cache": {"delete": _op("remove every KV snapshot (admin)", "200")},
         "/admin/cache/{model_id}": {"delete": _op("remove a model's KV snapshots (admin)",
                                                   "200", params=_MODEL_ID)},

@@ -136,6 +136,7 @@ class _Entry:
         self.last_probe = 0.0
         self.failed_requests = 0
         self.keep_alive_s: float | None = None  # a client's keep_alive until it is unloaded
+        self.pending: CatalogModel | None = None  # settings a reload changed: the next load's
 
     @property
     def bytes(self) -> int:
@@ -248,6 +249,41 @@ class ResidencyManager:
         del self._entries[model_id]
         if model_id in self.catalog:
             self.catalog.remove(model_id)
+
+    def apply_catalog(self, new: Catalog) -> dict[str, list[str]]:
+        """A re-read configuration's catalog, applied without cutting anything: models only
+        in ``new`` are added; models gone from it are discarded (requests waiting for them
+        get 404, running ones finish, then the worker stops); a model whose settings changed
+        takes them at its next load (at once if it holds nothing). Runtime-registered models
+        stay. Aliases and the default model are ``new``'s. Returns the ids by change."""
+        old = {m.id: m for m in self.catalog}
+        fresh = {m.id: m for m in new}
+        added = sorted(fresh.keys() - old.keys())
+        removed = sorted(i for i in old.keys() - fresh.keys() if old[i].source != "runtime")
+        changed = sorted(i for i in fresh.keys() & old.keys() if fresh[i] != old[i])
+        self.catalog.adopt(new, keep=[i for i in old if i not in fresh])
+        for model_id in added:
+            self._entries[model_id] = _Entry(fresh[model_id])
+        for model_id in changed:
+            entry = self._entries[model_id]
+            entry.pending = fresh[model_id]
+            if entry.state in (State.ABSENT, State.FAILED) and not entry.busy \
+                    and entry.loading is None:
+                self._take_pending(entry)
+        for model_id in removed:
+            self.discard(model_id)
+        return {"added": added, "removed": removed, "changed": changed}
+
+    def _take_pending(self, entry: _Entry) -> None:
+        """The model's changed settings, taken while no worker runs it."""
+        model, entry.pending = entry.pending, None
+        if model is None:
+            return
+        entry.model = model
+        entry.estimate = estimate(model)
+        entry.pinned = model.pinned
+        entry.slots = SlotGate(model.id, model.options.parallel, model.options.queue)
+        self.catalog.add(model)
 
     def discard(self, model_id: str) -> None:
         """Remove a model whatever it holds: requests waiting for it get 404 at once, its
@@ -571,6 +607,7 @@ class ResidencyManager:
             raise ShuttingDown(entry.model.id)
         if entry.retired:
             raise ModelNotFound(f"model {entry.model.id!r} was removed", param="model")
+        self._take_pending(entry)
         self._set_state(entry, State.LOADING, f"estimated {entry.estimate.total // MIB} MiB")
         entry.spawned_at = self._clock()
 
@@ -646,6 +683,8 @@ class ResidencyManager:
             self._set_state(entry, State.FAILED, f"stopped ({reason}); {entry.last_error}")
         elif entry.state is State.DRAINING:
             self._set_state(entry, State.ABSENT, f"stopped ({reason})")
+        if entry.state is State.ABSENT and not entry.busy and entry.loading is None:
+            self._take_pending(entry)  # a reload's settings, shown from now on
         callbacks, entry.on_absent = entry.on_absent, []
         for callback in callbacks:
             try:

@@ -1,0 +1,112 @@
+"""The configuration re-read while serving: SIGHUP adds a model and removes one that is
+streaming (the stream completes, then the model is gone), a broken file is refused with its
+error while the old configuration keeps serving, a changed setting is taken at the next load,
+and an operator switches the default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bunkhouse.catalog import Catalog
+from tests.e2e.server import Server, serve
+from tests.helpers import wait_for
+
+ADMIN = {"authorization": "Bearer adm"}
+
+
+def _write(config: Path, text: str) -> None:
+    tmp = config.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, config)  # as an editor saves: never half a file
+
+
+def _ids(server: Server) -> set[str]:
+    data = httpx.get(f"{server.url}/v1/models", headers=ADMIN).json()["data"]
+    return {m["id"] for m in data}
+
+
+def _stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_sighup_adds_removes_mid_stream_and_refuses_a_broken_file(
+        tmp_path: Path, packaged_catalog: Catalog) -> None:
+    gemma = packaged_catalog.get("gemma-3-270m").path
+    qwen = packaged_catalog.get("qwen2.5-coder-0.5b-instruct").path
+    config = tmp_path / "bunkhouse.toml"
+    _write(config, f'include_packaged = false\n[[models]]\nid = "g"\npath = "{gemma}"\n'
+                   'parallel = 2\ncontext = 2048\n')
+    with serve(tmp_path / "serve", "--config", str(config), "--admin-key", "adm",
+               "--no-source", "hf_cache") as server:
+        assert _ids(server) == {"g"}
+        body = {"model": "g", "prompt": "Once upon a time", "max_tokens": 150,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(_stream, server.url, body)
+            wait_for(lambda: httpx.get(f"{server.url}/v1/models/g").json()["running"] == 1,
+                     300, "the stream to start")
+            # g removed mid-stream, q added with an alias
+            _write(config, f'include_packaged = false\n[[models]]\nid = "q"\npath = "{qwen}"\n'
+                           'aliases = ["coder"]\ncontext = 2048\n')
+            server.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: "q" in _ids(server), 120, "the added model to appear")
+            events = streaming.result(timeout=900)
+        assert events[-1]["usage"]["completion_tokens"] == 150  # the stream completed
+        wait_for(lambda: _ids(server) == {"q"}, 120, "the removed model to go")
+        gone = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"model": "g", "prompt": "Hi", "max_tokens": 1})
+        assert gone.status_code == 404
+        answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+            "model": "coder", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Say hi."}]})
+        assert answer.status_code == 200, answer.text
+
+        # a broken file is refused with its error; the running configuration serves on
+        _write(config, 'include_packaged = false\n[[models]]\nid = "q"\npath = \n')
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "configuration not reloaded (SIGHUP)" in server.log.read_text(),
+                 120, "the broken file to be refused")
+        refused = httpx.post(f"{server.url}/admin/reload", headers=ADMIN, timeout=120)
+        assert refused.status_code == 400
+        assert "not valid TOML" in refused.json()["error"]["message"]
+        assert _ids(server) == {"q"}
+        again = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+            "model": "q", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert again.status_code == 200
+
+        # a changed setting is taken at the next load; an operator switches the default
+        _write(config, f'include_packaged = false\n[[models]]\nid = "q"\npath = "{qwen}"\n'
+                       f'context = 4096\n[[models]]\nid = "g"\npath = "{gemma}"\n')
+        change = httpx.post(f"{server.url}/admin/reload", headers=ADMIN, timeout=120).json()
+        assert change == {"added": ["g"], "removed": [], "changed": ["q"]}
+        assert httpx.get(f"{server.url}/v1/models/q").json()["context"] == 2048  # loaded
+        httpx.post(f"{server.url}/v1/models/q/unload", headers=ADMIN, timeout=120)
+        assert httpx.get(f"{server.url}/v1/models/q").json()["context"] == 4096
+        assert httpx.post(f"{server.url}/admin/default", json={"model": "g"}).status_code \
+            == 401  # an admin call
+        switched = subprocess.run(
+            [sys.executable, "-m", "bunkhouse", "default", "g", "--url", server.url,
+             "--admin-key", "adm"], capture_output=True, text=True, timeout=120)
+        assert switched.returncode == 0 and "default model: g" in switched.stdout
+        assert httpx.get(f"{server.url}/v1/models/g").json()["default"] is True
+        reloaded = subprocess.run(
+            [sys.executable, "-m", "bunkhouse", "reload", "--url", server.url,
+             "--admin-key", "adm"], capture_output=True, text=True, timeout=120)
+        assert reloaded.returncode == 0 and "added: none" in reloaded.stdout
+        assert httpx.get(f"{server.url}/v1/models/g").json()["default"] is True  # kept
