@@ -421,3 +421,50 @@ def test_a_worker_that_fails_every_request_is_replaced() -> None:
         await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
 
     run(go())
+
+
+def test_a_reload_adds_removes_without_cutting_and_changes_at_the_next_load() -> None:
+    import dataclasses
+    import math
+
+    from bunkhouse.catalog import Catalog
+
+    async def go() -> None:
+        h = Host([model("a", 1), model("b", 1), model("c", 1)])
+        lease = await h.manager.acquire(h.models["a"])  # a is in use through the reload
+        await h.use("c")
+        bigger = dataclasses.replace(h.models["c"], size_bytes=2 * GIB)
+        h.models["d"] = model("d", 1)
+        change = h.manager.apply_catalog(Catalog([model("b", 1), bigger, h.models["d"]], "d"))
+        assert change == {"added": ["d"], "removed": ["a"], "changed": ["c"]}
+        assert h.manager.catalog.default_id == "d"
+        # a drains only once its request ends; new requests for it are refused
+        await asyncio.sleep(0.05)
+        assert h.state("a") == "draining" and not h.workers[0].stopped
+        lease.release()
+        for _ in range(100):
+            if "a" not in h.manager.catalog.ids():
+                break
+            await asyncio.sleep(0.01)
+        assert h.workers[0].stopped and "a" not in h.manager.catalog.ids()
+        # c keeps its running settings until it is loaded again
+        assert h.manager.status("c").estimated_bytes < 2 * GIB
+        await h.manager.unload("c", "test")
+        assert h.manager.catalog.get("c").size_bytes == 2 * GIB
+        await h.use("d")
+        # keep_alive: 0 unloads as soon as nobody holds the model; inf never for idleness
+        h.manager.keep_alive("d", 0)
+        for _ in range(100):
+            if h.state("d") == "absent":
+                break
+            await asyncio.sleep(0.01)
+        assert h.state("d") == "absent"
+        await h.use("b")
+        h.manager.keep_alive("b", math.inf)
+        h.clock.now += 10**6
+        assert h.manager.expire_idle() == [] and h.manager.expires_at("b") is None
+        h.manager.keep_alive("b", 60)
+        assert h.manager.expires_at("b") is not None
+        assert len(h.manager.expire_idle()) == 1
+
+    run(go())

@@ -6,7 +6,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bunkhouse.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from bunkhouse.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    InfillRequest,
+)
 from bunkhouse.front.admin import RegisterRequest
 
 _REF = "#/components/schemas/{model}"
@@ -119,8 +124,11 @@ def openapi(version: str) -> dict[str, Any]:
     schemas: dict[str, Any] = {"Error": {
         "type": "object", "required": ["error"],
         "properties": {"error": {"type": "object", "required": ["message", "type", "code"]}}}}
-    chat, comp, emb, reg = (_body(m, schemas) for m in (
-        ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RegisterRequest))
+    from bunkhouse.front.extras import DetokenizeRequest, TokenizeRequest
+
+    chat, comp, emb, reg, fim, tok, detok = (_body(m, schemas) for m in (
+        ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RegisterRequest,
+        InfillRequest, TokenizeRequest, DetokenizeRequest))
     paths = {
         "/v1/chat/completions": {"post": _op("chat completion (SSE with stream)", "200", chat)},
         "/v1/completions": {"post": _op("text completion (SSE with stream)", "200", comp)},
@@ -152,10 +160,11 @@ def openapi(version: str) -> dict[str, Any]:
         "/api/generate": {"post": _op("Ollama generate: through the chat template, or raw",
                                       "200", _ollama_body(False))},
         "/infill": {"post": _op("llama.cpp fill-in-the-middle: input_prefix, input_suffix, "
-                                "input_extra, prompt (SSE with stream)", "200")},
-        "/tokenize": {"post": _op("llama.cpp: a text's tokens under the model", "200")},
-        "/detokenize": {"post": _op("llama.cpp: the text of token ids", "200")},
-        "/apply-template": {"post": _op("llama.cpp: the prompt chat messages become", "200")},
+                                "input_extra, prompt (SSE with stream)", "200", fim)},
+        "/tokenize": {"post": _op("llama.cpp: a text's tokens under the model", "200", tok)},
+        "/detokenize": {"post": _op("llama.cpp: the text of token ids", "200", detok)},
+        "/apply-template": {"post": _op("llama.cpp: the prompt chat messages become", "200",
+                                        chat)},
         "/api/embed": {"post": _op("Ollama embeddings of input (a text or texts)", "200")},
         "/api/embeddings": {"post": _op("Ollama's older embeddings of one prompt", "200")},
         "/api/tags": {"get": _op("Ollama: every model", "200")},
