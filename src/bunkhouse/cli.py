@@ -385,6 +385,10 @@ def print_catalog(catalog: Catalog) -> None:
         )
     else:
         print("\n* default model; CONTEXT is slots x tokens a slot / trained tokens")
+        for m in catalog:
+            if m.projector is not None:
+                print(f"{m.id}: a vision projector beside it, {m.projector} (noted; images "
+                      "are not served yet)")
 
 
 def serve(settings: Settings, catalog: Catalog,

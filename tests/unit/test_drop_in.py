@@ -75,3 +75,30 @@ def test_ollama_params_become_request_defaults() -> None:
                           "num_predict": 64, "top_k": "40", "mirostat": 2}) == {
         "stop": ["<end_of_turn>"], "temperature": 0.7, "max_tokens": 64}
     assert ollama_params({"stop": "x"}) == {"stop": ["x"]}
+
+
+def test_embeddings_pool_as_the_model_file_says(tmp_path: Any) -> None:
+    import dataclasses
+    from pathlib import Path
+
+    import xllamacpp
+
+    from bunkhouse.catalog.catalog import CatalogModel
+    from bunkhouse.catalog.gguf_meta import GGUFInfo
+    from bunkhouse.config import EngineOptions
+    from bunkhouse.engines import engine_for
+    from bunkhouse.worker.engine import WorkerConfig
+    from bunkhouse.worker.engines.llamacpp import build_params
+
+    info = GGUFInfo("bert", None, 512, 12, 384, 12, 12, 32, 32, None, None, None, 0,
+                    pooling=True)
+    embedder = CatalogModel("e", Path("/m/e.gguf"), "config", info, EngineOptions(), 1)
+    generator = dataclasses.replace(embedder, info=dataclasses.replace(info, pooling=False))
+    assert "--pooling" in engine_for(embedder).worker_args(embedder)
+    assert "--pooling" not in engine_for(generator).worker_args(generator)
+    pooling = xllamacpp.llama_pooling_type
+    for kind, expected in (("model", pooling.LLAMA_POOLING_TYPE_UNSPECIFIED),
+                           ("mean", pooling.LLAMA_POOLING_TYPE_MEAN)):
+        config = WorkerConfig("e", Path("/m/e.gguf"), Path(tmp_path) / "w.sock", 512, 1, 0, 1,
+                              embeddings=True, pooling=kind)
+        assert build_params(config).pooling_type == expected
