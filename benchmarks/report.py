@@ -115,6 +115,14 @@ def _overhead(o: dict[str, Any], goals: list[list[str]]) -> list[str]:
 # ---------------------------------------------------------------- throughput
 
 
+def _slots(model_id: str) -> str:
+    from benchmarks.common import packaged
+
+    o = packaged(model_id).options
+    return (f"{model_id} {o.parallel} slots of {o.context // o.parallel} tokens, "
+            f"{o.threads} threads")
+
+
 def _throughput(t: dict[str, Any], goals: list[list[str]]) -> list[str]:
     res = {k: Spread.of(v) for k, v in t["results"].items()}
     n = len(t["results"]["bunkhouse c=1"])
@@ -123,7 +131,8 @@ def _throughput(t: dict[str, Any], goals: list[list[str]]) -> list[str]:
         "",
         f"Streamed completions of {t['tokens']} tokens (`ignore_eos`), all sent at once; "
         f"aggregate tokens/s = tokens / wall time; median (min-max) of {n} rounds, targets "
-        f"alternating. Qwen and Gemma: context 8192, 4 slots, 2 threads each.",
+        f"alternating. Qwen and Gemma on their default engine options: "
+        f"{_slots(QWEN)}, {_slots(GEMMA)}.",
         "",
     ]
     rows = []
