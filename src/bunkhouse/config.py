@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -133,14 +134,34 @@ class RequestParams:
         return out
 
 
-REQUEST_PARAMS: dict[str, tuple[type, ...]] = {
-    "temperature": (int, float), "top_p": (int, float), "top_k": (int,), "min_p": (int, float),
-    "typical_p": (int, float), "seed": (int,), "repeat_penalty": (int, float),
-    "repeat_last_n": (int,), "presence_penalty": (int, float),
-    "frequency_penalty": (int, float), "max_tokens": (int,), "stop": (list,),
+REQUEST_PARAMS: dict[str, tuple[type, float, float]] = {
+    "temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int, 0, 1 << 20),
+    "min_p": (float, 0, 1), "typical_p": (float, 0, 1), "seed": (int, -(1 << 63), 1 << 63),
+    "repeat_penalty": (float, 0, 10), "repeat_last_n": (int, -1, 1 << 20),
+    "presence_penalty": (float, -2, 2), "frequency_penalty": (float, -2, 2),
+    "max_tokens": (int, 1, 1 << 24), "stop": (list, 0, 4),
 }
-"""Fields a model's params may set, with their types (sampling and limits; anything else is
-a request's own business)."""
+"""Fields a model's params may set: (type, lowest, highest; for ``stop``, how many strings),
+as the request schema bounds them (OpenAI's ranges; llama.cpp's for its own fields)."""
+
+
+def param_error(name: str, value: object) -> str | None:
+    """Why ``value`` cannot be the request field ``name`` of a model's params; None if it
+    can."""
+    rule = REQUEST_PARAMS.get(name)
+    if rule is None:
+        return f"a model's params may set {', '.join(sorted(REQUEST_PARAMS))}"
+    kind, lo, hi = rule
+    if kind is list:
+        ok = (isinstance(value, list) and len(value) <= hi
+              and all(isinstance(v, str) and v for v in value))
+        return None if ok else "must be an array of at most 4 non-empty strings"
+    number = isinstance(value, int | float) and not isinstance(value, bool) and (
+        kind is float or isinstance(value, int))
+    if not number or not lo <= value <= hi:  # type: ignore[operator]  # NaN fails too
+        what = "an integer" if kind is int else "a number"
+        return f"must be {what} from {lo:.15g} to {hi:.15g}, not {value!r}"
+    return None
 
 _STRIPPABLE = frozenset(REQUEST_PARAMS) | {"logit_bias", "logprobs", "top_logprobs", "n",
                                            "response_format", "tools", "tool_choice",
@@ -322,18 +343,17 @@ def _params(table: dict[str, Any], where: str) -> RequestParams:
         if not isinstance(given, dict):
             raise ConfigError(f"{where}: {key} must be a table, e.g. {{ temperature = 0.2 }}")
         for name, value in given.items():
-            kinds = REQUEST_PARAMS.get(name)
-            if kinds is None:
-                raise ConfigError(f"{where}: {key}.{name}: a model's params may set "
-                                  f"{', '.join(sorted(REQUEST_PARAMS))}")
-            if isinstance(value, bool) or not isinstance(value, kinds) or (
-                    isinstance(value, list) and not all(isinstance(v, str) for v in value)):
-                raise ConfigError(f"{where}: {key}.{name} has the wrong type ({value!r})")
+            error = param_error(name, value)
+            if error is not None:
+                raise ConfigError(f"{where}: {key}.{name}: {error}")
         tables.append(tuple(given.items()))
     strip = table.get("strip_params", [])
     if not isinstance(strip, list) or not all(n in _STRIPPABLE for n in strip):
         raise ConfigError(f"{where}: strip_params must be an array of request fields among "
                           f"{', '.join(sorted(_STRIPPABLE))}")
+    both = sorted(set(strip) & {n for t in tables for n, _ in t})
+    if both:
+        raise ConfigError(f"{where}: {', '.join(both)} both set and stripped; keep one")
     return RequestParams(tables[0], tables[1], tuple(strip))
 
 
@@ -355,7 +375,7 @@ def _chat_template(value: object, base_dir: Path, where: str) -> str | None:
 def load_config_file(path: Path, settings: Settings) -> Settings:
     """Merge the TOML file at ``path`` into ``settings`` (flags given explicitly win)."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(_read_config(path))
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
     except tomllib.TOMLDecodeError as e:
@@ -427,6 +447,26 @@ def _source(value: object, given: bool | Path, path: Path, name: str) -> bool | 
         folder = Path(value).expanduser()
         return folder if folder.is_absolute() else path.parent / folder
     raise ConfigError(f"{path}: '{name}' must be true, false or a folder")
+
+
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+"""Largest config file read (a config of thousands of models is a few hundred KiB)."""
+
+
+def _read_config(path: Path) -> str:
+    """The file's text: a regular file (a FIFO must not block a reload), at most
+    MAX_CONFIG_BYTES, UTF-8. Raises OSError or ConfigError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"config file {path} is not a regular file")
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES // 2**20} MiB")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from e
 
 
 def _check_unique(entries: tuple[ModelEntry, ...]) -> None:

@@ -93,6 +93,10 @@ def test_aliases_tags_and_suggestions(tmp_path: Path) -> None:
     ('[[models]]\nid = "a"\npath = "m.gguf"\naliases = ["x"]\n[aliases]\nx = "a"\n',
      "alias 'x' of model 'a' is already an alias"),
     ('[aliases]\nx = "nobody"\n', "'x' names model 'nobody', which is not in the catalog"),
+    ('[[models]]\nid = "m"\npath = "m.gguf"\n[[models]]\nid = "n"\npath = "m.gguf"\n'
+     '[aliases]\n"m:latest" = "n"\n', "alias 'm:latest' of model 'n' is already a model's id"),
+    ('[[models]]\nid = "a"\npath = "m.gguf"\naliases = ["q:latest"]\n[aliases]\nq = "a"\n',
+     "is already an alias of 'a' ('q:latest')"),
     ('[[models]]\nid = "a"\npath = "m.gguf"\naliases = "b"\n', "aliases must be an array"),
     ('[aliases]\n"../x" = "a"\n', "must be 1-128 characters"),
     ('strict_context = "yes"\n', "'strict_context' must be true or false"),
@@ -147,9 +151,15 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {mirostat = 2}\n",
          "params.mirostat: a model's params may set"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nfixed_params = {top_k = 0.5}\n",
-         "fixed_params.top_k has the wrong type"),
+         "fixed_params.top_k: must be an integer"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {temperature = nan}\n",
+         "params.temperature: must be a number from 0 to 2"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nfixed_params = {repeat_last_n = -100}\n",
+         "fixed_params.repeat_last_n: must be an integer from -1"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {max_tokens = 3}\n"
+         "strip_params = ['max_tokens']\n", "max_tokens both set and stripped"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {stop = [1]}\n",
-         "params.stop has the wrong type"),
+         "params.stop: must be an array"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nstrip_params = ['model']\n",
          "strip_params must be an array"),
         ("[[models]]\nid = 'bad id!'\npath = 'x.gguf'\n", "model id"),
@@ -285,3 +295,20 @@ engine = "llama.cpp"
     assert not catalog.get("gen").embeddings  # a generation model: off unless configured
     pooled = dataclasses.replace(catalog.get("gen").info, pooling=True)
     assert dataclasses.replace(catalog.get("gen"), info=pooled).embeddings
+
+
+def test_a_config_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "bunkhouse.toml"
+    os.mkfifo(fifo)  # a read would block until a writer came: never waited for
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config_file(fifo, _settings())
+
+
+def test_slots_are_whole_blocks_of_256_tokens(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf", context=32768)
+    given = engine_options(EngineOptions(threads=1), {"context": 600, "context_auto": False,
+                                                      "parallel": 2}, "test")
+    options = build_catalog(_settings(models_dirs=(tmp_path,), defaults=given)).get("m").options
+    assert (options.context, options.parallel) == (512, 2)

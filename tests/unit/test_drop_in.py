@@ -16,6 +16,7 @@ from bunkhouse.errors import InvalidRequest
 @pytest.mark.parametrize(("given", "seconds"), [
     (None, None), (0, 0.0), ("0", 0.0), ("5m", 300.0), ("1h30m", 5400.0), ("300ms", 0.3),
     (90, 90.0), (-1, math.inf), ("-1m", math.inf), ("2.5s", 2.5), ("10", 10.0),
+    ("99999999999h", math.inf), (1e30, math.inf),
 ])
 def test_keep_alive(given: Any, seconds: float | None) -> None:
     assert ollama.keep_alive({"keep_alive": given}) == seconds
@@ -75,6 +76,7 @@ def test_ollama_params_become_request_defaults() -> None:
                           "num_predict": 64, "top_k": "40", "mirostat": 2}) == {
         "stop": ["<end_of_turn>"], "temperature": 0.7, "max_tokens": 64}
     assert ollama_params({"stop": "x"}) == {"stop": ["x"]}
+    assert ollama_params({"temperature": "hot", "top_k": 1e400, "top_p": 7}) == {}
 
 
 def test_embeddings_pool_as_the_model_file_says(tmp_path: Any) -> None:
@@ -102,3 +104,13 @@ def test_embeddings_pool_as_the_model_file_says(tmp_path: Any) -> None:
         config = WorkerConfig("e", Path("/m/e.gguf"), Path(tmp_path) / "w.sock", 512, 1, 0, 1,
                               embeddings=True, pooling=kind)
         assert build_params(config).pooling_type == expected
+
+
+def test_several_infill_answers_are_one_completion_with_a_choice_each() -> None:
+    answers = [{"content": "a", "stop": True, "tokens_predicted": 1, "tokens_evaluated": 3},
+               {"content": "b", "stop": True, "stop_type": "limit", "tokens_predicted": 2,
+                "tokens_evaluated": 3}]
+    out = infill.Completions("m").convert(answers)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]] == [
+        (0, "a", "stop"), (1, "b", "length")]
+    assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}

@@ -468,3 +468,48 @@ def test_a_reload_adds_removes_without_cutting_and_changes_at_the_next_load() ->
         assert len(h.manager.expire_idle()) == 1
 
     run(go())
+
+
+def test_a_model_removed_and_added_back_while_it_drains_stays() -> None:
+    import dataclasses
+
+    from bunkhouse.catalog import Catalog
+    from bunkhouse.config import RequestParams
+
+    async def go() -> None:
+        h = Host([model("a", 1), model("b", 1)])
+        lease = await h.manager.acquire(h.models["a"])
+        h.manager.apply_catalog(Catalog([model("b", 1)], None))
+        await asyncio.sleep(0.05)
+        assert h.state("a") == "draining"
+        back = h.manager.apply_catalog(Catalog([model("a", 1), model("b", 1)], None))
+        assert back["added"] == ["a"]
+        lease.release()
+        await asyncio.sleep(0.1)
+        assert "a" in h.manager.catalog.ids() and h.state("a") == "absent"
+        await h.use("a")
+        # names and request params change at once, even while the model runs
+        await h.use("b")
+        renamed = dataclasses.replace(model("b", 1), aliases=("bee",),
+                                      request=RequestParams((("temperature", 0.1),)))
+        change = h.manager.apply_catalog(Catalog([model("a", 1), renamed], None))
+        assert change["changed"] == ["b"] and h.state("b") == "ready"
+        assert h.manager.catalog.get("bee").request.defaults == (("temperature", 0.1),)
+        again = h.manager.apply_catalog(Catalog([model("a", 1), renamed], None))
+        assert again == {"added": [], "removed": [], "changed": []}
+
+    run(go())
+
+
+def test_keep_alive_never_unloads_a_pinned_model() -> None:
+    async def go() -> None:
+        h = Host([model("p", 1, pinned=True)])
+        await h.use("p")
+        h.manager.keep_alive("p", 0)
+        await h.use("p")
+        h.clock.now += 10**6
+        h.manager.expire_idle()
+        await asyncio.sleep(0.05)
+        assert h.state("p") == "ready"
+
+    run(go())

@@ -52,8 +52,8 @@ def as_completion(event: dict[str, Any], model: str, completion_id: str,
     completion object; the last one (``stop``) carries usage and timings."""
     out: dict[str, Any] = {
         "id": completion_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": event.get("content") or "", "logprobs": None,
-                     "finish_reason": _finish(event)}]}
+        "choices": [{"index": event.get("index") or 0, "text": event.get("content") or "",
+                     "logprobs": None, "finish_reason": _finish(event)}]}
     if event.get("stop"):
         prompt = int(event.get("tokens_evaluated") or 0)
         completion = int(event.get("tokens_predicted") or 0)
@@ -72,5 +72,16 @@ class Completions:
         self.id = f"cmpl-{secrets.token_hex(12)}"
         self.created = int(time.time())
 
-    def convert(self, event: dict[str, Any]) -> dict[str, Any]:
-        return as_completion(event, self.model, self.id, self.created)
+    def convert(self, event: dict[str, Any] | list[Any]) -> dict[str, Any]:
+        """One object, or the list of whole answers the engine sends for several (``n``),
+        as one completion object with a choice each."""
+        if not isinstance(event, list):
+            return as_completion(event, self.model, self.id, self.created)
+        answers = [as_completion({**e, "index": i}, self.model, self.id, self.created)
+                   for i, e in enumerate(event) if isinstance(e, dict)]
+        out = answers[0] if answers else as_completion({}, self.model, self.id, self.created)
+        out["choices"] = [a["choices"][0] for a in answers]
+        usages = [a["usage"] for a in answers if "usage" in a]
+        if usages:
+            out["usage"] = {key: sum(u[key] for u in usages) for key in usages[0]}
+        return out

@@ -62,7 +62,7 @@ def _options(body: dict[str, Any], out: dict[str, Any]) -> None:
     stop = given.get("stop")
     if stop is not None:
         need(isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop),
-             "options.stop must be at most 4 strings", "options.stop")
+             "options.stop must be an array of at most 4 strings", "options.stop")
         if stop:
             out["stop"] = stop
     ctx = given.get("num_ctx")  # the model's slot size is the server's to set
@@ -260,7 +260,9 @@ class OllamaStream:
         last.update({
             "done": True,
             "done_reason": "length" if self._finish == "length" else "stop",
-            "total_duration": time.monotonic_ns() - self.started,
+            # a whole answer is shaped after the fact: at least the engine's own time
+            "total_duration": max(time.monotonic_ns() - self.started,
+                                  int((prompt_ms + predicted_ms) * 1e6)),
             "load_duration": 0,
             "prompt_eval_count": int(self._usage.get("prompt_tokens") or 0),
             "prompt_eval_duration": int(prompt_ms * 1e6),
@@ -289,6 +291,8 @@ def answer(result: dict[str, Any], model: str, chat: bool) -> dict[str, Any]:
 
 
 _DURATION_RE = re.compile(r"(-?)((?:\d+(?:\.\d*)?(?:ns|us|µs|ms|s|m|h))+)")
+MAX_KEEP_ALIVE_S = 10 * 365 * 86400.0
+"""A keep_alive past ten years is forever (a negative one, in Ollama's terms)."""
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -317,7 +321,7 @@ def keep_alive(body: dict[str, Any]) -> float | None:
          'keep_alive must be a duration such as "5m", "1h" or "0", or a number of seconds '
          "(negative: keep it loaded)", "keep_alive")
     assert seconds is not None
-    return math.inf if seconds < 0 else seconds
+    return math.inf if seconds < 0 or seconds > MAX_KEEP_ALIVE_S else seconds
 
 
 def embed_request(body: dict[str, Any], legacy: bool) -> dict[str, Any]:

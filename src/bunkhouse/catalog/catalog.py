@@ -75,11 +75,13 @@ class Catalog:
         self._aliases: dict[str, str] = {}
         for model in self._models.values():
             for alias in model.aliases:
-                if alias in self._models or alias in self._aliases:
-                    taken = "a model's id" if alias in self._models else \
-                        f"an alias of {self._aliases[alias]!r}"
-                    raise ConfigError(f"alias {alias!r} of model {model.id!r} is already "
-                                      f"{taken}; each name may mean one model")
+                for spelling in _spellings(alias):  # gemma and gemma:latest are one name
+                    if spelling in self._models or spelling in self._aliases:
+                        taken = "a model's id" if spelling in self._models else \
+                            f"an alias of {self._aliases[spelling]!r}"
+                        raise ConfigError(f"alias {alias!r} of model {model.id!r} is already "
+                                          f"{taken} ({spelling!r}); each name may mean one "
+                                          "model")
                 self._aliases[alias] = model.id
         if default_id is not None and self.resolve(default_id) is None:
             raise ConfigError(
@@ -166,6 +168,10 @@ class Catalog:
         self.default_id = switched if switched in new._models else new.default_id
 
 
+SLOT_BLOCK = 256
+"""Tokens llama.cpp rounds a slot's context up to a multiple of (its KV cache's padding)."""
+
+
 def _spellings(name: str) -> tuple[str, ...]:
     if name.endswith(":latest"):
         return name, name.removesuffix(":latest")
@@ -179,14 +185,18 @@ def effective_options(base: EngineOptions, overrides: dict[str, Any], info: GGUF
     context is lowered to it. Raises ConfigError for invalid options."""
     options = engine_options(base, overrides, where)
     trained = info.context_length
-    slot = options.context // options.parallel
+    given = slot = options.context // options.parallel
     if options.context_auto:
         slot = max(64, min(DEFAULT_SLOT_TOKENS, trained or DEFAULT_SLOT_TOKENS))
     elif trained and slot > trained:
         log.info("%s: slots of %d tokens capped at the model's trained context %d",
                  where, slot, trained)
         slot = trained
-    else:
+    # llama.cpp sizes each slot in whole blocks of 256 tokens (rounding up): a slot that is
+    # not one would hold more than the front checks against
+    if slot > SLOT_BLOCK:
+        slot -= slot % SLOT_BLOCK
+    if slot == given and options.context == slot * options.parallel:
         return options
     return engine_options(options, {"context": slot * options.parallel}, where)
 
@@ -236,8 +246,8 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
                         aliases=entry.aliases if entry else (),
                         projector=found.projector if found else None,
                         request=entry.params if entry else RequestParams(
-                            tuple(sources.ollama_params(found.params).items()) if found
-                            else ()),
+                            tuple(sources.ollama_params(found.params, f"model {model_id!r}")
+                                  .items()) if found else ()),
                         resolved=tuple(p.resolve() for p in parts) if found else ())
 
 
@@ -335,9 +345,6 @@ def build_catalog(settings: Settings) -> Catalog:
                 )
                 continue
             models[model.id] = model
-    for entry in settings.entries:
-        if entry.overlay:
-            _overlay(models, entry, settings)
     for alias, target in settings.aliases:
         named = Catalog(models.values(), None).resolve(target)
         if named is None:
@@ -345,6 +352,9 @@ def build_catalog(settings: Settings) -> Catalog:
                               f"the catalog; known: {', '.join(models) or '(none)'}")
         model = models[named]
         models[named] = replace(model, aliases=(*model.aliases, alias))
+    for entry in settings.entries:  # by id or by any alias given above
+        if entry.overlay:
+            _overlay(models, entry, settings)
     return Catalog(models.values(), settings.default_model or _first_default(models))
 
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bunkhouse.config import check_model_id
+from bunkhouse.config import check_model_id, param_error
 from bunkhouse.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -469,22 +469,26 @@ _NUMBER_PARAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_pena
                   "presence_penalty", "frequency_penalty")
 
 
-def ollama_params(params: dict[str, Any]) -> dict[str, Any]:
+def ollama_params(params: dict[str, Any], where: str = "an Ollama params layer"
+                  ) -> dict[str, Any]:
     """An Ollama params layer (a Modelfile's ``PARAMETER`` lines) as request defaults in
     OpenAI's field names: the sampling numbers under their own names, ``stop`` (at most 4
     strings), ``num_predict`` as ``max_tokens``. ``num_ctx`` and the rest are the server's
-    to set, and dropped; a value of the wrong type is dropped."""
-    out: dict[str, Any] = {}
-    for name in _NUMBER_PARAMS:
-        value = params.get(name)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            out[name] = value
+    to set, and dropped; a value the request schema would refuse is dropped with a warning
+    (``where`` names the model)."""
+    given: dict[str, Any] = {name: params[name] for name in _NUMBER_PARAMS if name in params}
     stop = params.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if isinstance(stop, list) and stop and all(isinstance(s, str) for s in stop):
-        out["stop"] = stop[:4]
+    if stop is not None:
+        given["stop"] = ([stop] if isinstance(stop, str) else
+                         stop[:4] if isinstance(stop, list) else stop)
     predict = params.get("num_predict")
-    if isinstance(predict, int) and not isinstance(predict, bool) and predict > 0:
-        out["max_tokens"] = predict
+    if predict is not None and predict != -1:  # -1: until the context is full
+        given["max_tokens"] = predict
+    out: dict[str, Any] = {}
+    for name, value in given.items():
+        error = param_error(name, value)
+        if error is None:
+            out[name] = value
+        else:
+            log.warning("%s: parameter %s ignored: %s", where, name, error)
     return out

@@ -277,6 +277,7 @@ def _too_long(model: CatalogModel, path: str, tokens: int, max_tokens: int, need
         f"model {model.id!r}: the prompt is {'at least ' if at_least else ''}{tokens} tokens "
         f"{asked}: {need} tokens ({kv_need // 1024} KiB of KV cache) "
         f"do not fit one slot of {limit} tokens ({kv_slot // 1024} KiB; context {o.context} "
-        f"shared by {o.parallel} slots). Shorten the prompt, lower max_tokens, or serve the "
-        "model with a larger context or fewer slots.",
+        f"shared by {o.parallel} slots). Shorten the prompt, "
+        f"{'lower max_tokens, ' if max_tokens else ''}or serve the model with a larger "
+        "context or fewer slots.",
         param=prompt if tokens >= limit else "max_tokens")

@@ -98,6 +98,8 @@ class Front:
         async def handler(request: Request) -> Response:
             body = await self.read(request)
             parsed, data = await self.cpu(len(body), parse, body)
+            if path == "/infill":  # the engine needs both, as the schema defaults them
+                data = {"input_prefix": "", "input_suffix": "", **data}
             if path == "/v1/completions" and data.get("suffix"):  # fill-in-the-middle
                 return await self.generate(request, "/infill", InfillRequest, parsed,
                                            infill.from_completion(data), len(body),

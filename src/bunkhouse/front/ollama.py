@@ -71,8 +71,8 @@ class OllamaRoutes:
         """An empty request loads the model (Ollama's way to preload), or with
         ``keep_alive: 0`` unloads it (Ollama's way to unload)."""
         residency = self.front.residency
-        if keep == 0:
-            await residency.unload(model.id, "unloaded by a client (keep_alive 0)")
+        if keep == 0:  # unloaded once idle, as any keep_alive; never a pinned model
+            residency.keep_alive(model.id, keep)
             reason = "unload"
         else:
             residency.keep_alive(model.id, keep)
@@ -151,7 +151,8 @@ class OllamaRoutes:
             status = residency.status(m.id)
             if status.state not in ("ready", "loading"):
                 continue
-            expires = residency.expires_at(m.id) or 4102444800.0  # never: far away (2100)
+            never = 4102444800.0  # no idle unload: far away (2100)
+            expires = min(residency.expires_at(m.id) or never, never)
             running.append({"name": m.id, "model": m.id, "size":
                             status.measured_bytes or status.estimated_bytes,
                             "digest": _digest(m), "details": _details(m),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import math
@@ -164,6 +165,13 @@ class ModelStatus:
     last_error_detail: str | None = None  # for admin-key callers only
 
 
+def _front_only(old: CatalogModel, new: CatalogModel) -> bool:
+    """Whether two settings of a model differ only in what the front applies (its names,
+    request params, idle ttl), which a running worker need not be restarted for."""
+    return dataclasses.replace(old, aliases=new.aliases, request=new.request,
+                               ttl_s=new.ttl_s) == new
+
+
 class Lease:
     """A hold on a ready model for the whole life of one request. Release it exactly once."""
 
@@ -256,19 +264,32 @@ class ResidencyManager:
         get 404, running ones finish, then the worker stops); a model whose settings changed
         takes them at its next load (at once if it holds nothing). Runtime-registered models
         stay. Aliases and the default model are ``new``'s. Returns the ids by change."""
-        old = {m.id: m for m in self.catalog}
+        old = {m.id: m for m in self.catalog if not self._entries[m.id].retired}
         fresh = {m.id: m for m in new}
+        for model_id in fresh.keys() - old.keys():  # back while its removal drains
+            entry = self._entries.get(model_id)
+            if entry is not None:
+                entry.retired = False  # its removal forgets it only if still retired
+                entry.pending = fresh[model_id]
         added = sorted(fresh.keys() - old.keys())
         removed = sorted(i for i in old.keys() - fresh.keys() if old[i].source != "runtime")
-        changed = sorted(i for i in fresh.keys() & old.keys() if fresh[i] != old[i])
-        self.catalog.adopt(new, keep=[i for i in old if i not in fresh])
+        changed = sorted(i for i in fresh.keys() & old.keys()
+                         if fresh[i] != (self._entries[i].pending or old[i]))
+        self.catalog.adopt(new, keep=[m.id for m in self.catalog if m.id not in fresh])
         for model_id in added:
-            self._entries[model_id] = _Entry(fresh[model_id])
+            if model_id not in self._entries:
+                self._entries[model_id] = _Entry(fresh[model_id])
         for model_id in changed:
             entry = self._entries[model_id]
-            entry.pending = fresh[model_id]
-            if entry.state in (State.ABSENT, State.FAILED) and not entry.busy \
-                    and entry.loading is None:
+            if _front_only(old[model_id], fresh[model_id]):  # names, params, ttl: at once
+                entry.model = fresh[model_id]
+                self.catalog.add(fresh[model_id])
+            else:
+                entry.pending = fresh[model_id]
+        for model_id in (*added, *changed):
+            entry = self._entries[model_id]
+            if entry.pending is not None and entry.state in (State.ABSENT, State.FAILED) \
+                    and not entry.busy and entry.loading is None:
                 self._take_pending(entry)
         for model_id in removed:
             self.discard(model_id)
@@ -298,8 +319,14 @@ class ResidencyManager:
         self._spawn_task(self._discard(model_id))
 
     async def _discard(self, model_id: str) -> None:
-        await self.unload(model_id, "removed", 0.0, then=lambda: self.remove(model_id),
+        await self.unload(model_id, "removed", 0.0, then=lambda: self._forget(model_id),
                           retire=True)
+
+    def _forget(self, model_id: str) -> None:
+        """A discarded model, once it holds nothing, unless a reload brought it back."""
+        entry = self._entries.get(model_id)
+        if entry is not None and entry.retired:
+            self.remove(model_id)
 
     # -- acquire / release -----------------------------------------------------------------
 
