@@ -152,15 +152,16 @@ def param_error(name: str, value: object) -> str | None:
     if rule is None:
         return f"a model's params may set {', '.join(sorted(REQUEST_PARAMS))}"
     kind, lo, hi = rule
-    if kind is list:
-        ok = (isinstance(value, list) and len(value) <= hi
-              and all(isinstance(v, str) and v for v in value))
-        return None if ok else "must be an array of at most 4 non-empty strings"
+    if kind is list:  # stop: one text, or at most 4
+        ok = (isinstance(value, str) and bool(value)) or (
+            isinstance(value, list) and len(value) <= hi
+            and all(isinstance(v, str) and v for v in value))
+        return None if ok else "must be a text or an array of at most 4 non-empty texts"
     number = isinstance(value, int | float) and not isinstance(value, bool) and (
         kind is float or isinstance(value, int))
     if not number or not lo <= value <= hi:  # type: ignore[operator]  # NaN fails too
-        what = "an integer" if kind is int else "a number"
-        return f"must be {what} from {lo:.15g} to {hi:.15g}, not {value!r}"
+        what, shown = ("an integer", int) if kind is int else ("a number", float)
+        return f"must be {what} from {shown(lo)} to {shown(hi)}, not {value!r}"
     return None
 
 _STRIPPABLE = frozenset(REQUEST_PARAMS) | {"logit_bias", "logprobs", "top_logprobs", "n",
@@ -380,6 +381,8 @@ def load_config_file(path: Path, settings: Settings) -> Settings:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+    except RecursionError as e:  # arrays or tables nested thousands deep
+        raise ConfigError(f"config file {path} nests too deeply to be read") from e
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {sorted(unknown)}")

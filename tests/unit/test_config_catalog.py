@@ -153,13 +153,13 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nfixed_params = {top_k = 0.5}\n",
          "fixed_params.top_k: must be an integer"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {temperature = nan}\n",
-         "params.temperature: must be a number from 0 to 2"),
+         "params.temperature: must be a number from 0.0 to 2.0"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nfixed_params = {repeat_last_n = -100}\n",
          "fixed_params.repeat_last_n: must be an integer from -1"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {max_tokens = 3}\n"
          "strip_params = ['max_tokens']\n", "max_tokens both set and stripped"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {stop = [1]}\n",
-         "params.stop: must be an array"),
+         "params.stop: must be a text or an array"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nstrip_params = ['model']\n",
          "strip_params must be an array"),
         ("[[models]]\nid = 'bad id!'\npath = 'x.gguf'\n", "model id"),
@@ -312,3 +312,20 @@ def test_slots_are_whole_blocks_of_256_tokens(tmp_path: Path) -> None:
                                                       "parallel": 2}, "test")
     options = build_catalog(_settings(models_dirs=(tmp_path,), defaults=given)).get("m").options
     assert (options.context, options.parallel) == (512, 2)
+    small = engine_options(EngineOptions(threads=1), {"context": 600, "context_auto": False,
+                                                      "parallel": 3}, "test")
+    options = build_catalog(_settings(models_dirs=(tmp_path,), defaults=small)).get("m").options
+    assert (options.context, options.parallel) == (768, 3)  # llama.cpp's least: 256 a slot
+
+
+def test_names_that_are_one_by_their_latest_spelling_keep_the_first(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf")
+    write_tiny_gguf(tmp_path / "m:latest.gguf")
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,)))
+    assert catalog.ids() == ["m"] and catalog.get("m:latest").id == "m"
+
+
+def test_a_config_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
+    path = _config(tmp_path, "x = " + "[" * 2000 + "]" * 2000 + "\n")
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        load_config_file(path, _settings())

@@ -192,10 +192,9 @@ def effective_options(base: EngineOptions, overrides: dict[str, Any], info: GGUF
         log.info("%s: slots of %d tokens capped at the model's trained context %d",
                  where, slot, trained)
         slot = trained
-    # llama.cpp sizes each slot in whole blocks of 256 tokens (rounding up): a slot that is
-    # not one would hold more than the front checks against
-    if slot > SLOT_BLOCK:
-        slot -= slot % SLOT_BLOCK
+    # llama.cpp sizes each slot in whole blocks of 256 tokens (rounding up, 256 at least): a
+    # slot that is not one would hold more than the front checks against
+    slot = max(SLOT_BLOCK, slot - slot % SLOT_BLOCK)
     if slot == given and options.context == slot * options.parallel:
         return options
     return engine_options(options, {"context": slot * options.parallel}, where)
@@ -336,12 +335,14 @@ def build_catalog(settings: Settings) -> Catalog:
     readers.append(_from_sources(settings))
     for reader in readers:
         for model in reader:
-            if model.id in models:
+            taken = next((s for s in _spellings(model.id) if s in models), None)
+            if taken is not None:  # gemma and gemma:latest are one name
                 log.warning(
-                    "model id %r from %s is already taken by %s; skipped",
+                    "model id %r from %s is already taken by %s (%r); skipped",
                     model.id,
                     model.path,
-                    models[model.id].path,
+                    models[taken].path,
+                    taken,
                 )
                 continue
             models[model.id] = model

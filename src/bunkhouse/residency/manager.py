@@ -712,6 +712,7 @@ class ResidencyManager:
             self._set_state(entry, State.ABSENT, f"stopped ({reason})")
         if entry.state is State.ABSENT and not entry.busy and entry.loading is None:
             self._take_pending(entry)  # a reload's settings, shown from now on
+            entry.keep_alive_s = None  # a client's keep_alive lasts while it is loaded
         callbacks, entry.on_absent = entry.on_absent, []
         for callback in callbacks:
             try:
