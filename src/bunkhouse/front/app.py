@@ -41,6 +41,7 @@ from bunkhouse.errors import (
     NotFound,
     ShuttingDown,
 )
+from bunkhouse.front.access import AccessLog
 from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
 from bunkhouse.front.auth import Keys, Level, access
@@ -168,6 +169,7 @@ class Front:
         request's ``max_tokens`` is a ceiling, as local servers treat it)."""
         cap = cap or not self.strict_context
         model = self.catalog.get(parsed.model)
+        request.state.model = model.id  # for the access log
         data = await self.cpu(size, prepare, path, schema, model, data)
         reader = None
         if path == "/v1/chat/completions":  # after prepare: it checks the tools as given
@@ -194,13 +196,14 @@ class Front:
                 held.close()
                 return Response(status_code=499)
             self._check_still_served(lease)
-            on_timings = None
+            check = None
             if keeper is not None:
                 restore = await keeper.prepare(model, engine, slot, tokens)
                 if restore is not None:
-                    on_timings = functools.partial(keeper.check, model, restore)
+                    check = functools.partial(keeper.check, model, restore)
                 if pinned and slot.id >= 0:
                     data = {**data, "id_slot": slot.id}
+            on_timings = functools.partial(_noted, request, check)
             response = await forward(engine, path, data,
                                      stream=parsed.stream, request=request,
                                      model_id=model.id, on_done=held.close,
@@ -377,6 +380,18 @@ def _counter(engine: EngineClient, tokens: list[int] | None
     return count
 
 
+def _noted(request: Request, then: Callable[[dict[str, Any]], None] | None,
+           timings: dict[str, Any]) -> None:
+    """The engine's timings of an answer: its tokens noted for the access log, then
+    ``then`` (the KV restore's check) if any."""
+    prompt, predicted = timings.get("prompt_n"), timings.get("predicted_n")
+    cached = timings.get("cache_n") or 0
+    if isinstance(prompt, int) and isinstance(predicted, int):
+        request.state.tokens = (prompt + (cached if isinstance(cached, int) else 0), predicted)
+    if then is not None:
+        then(timings)
+
+
 def _pinnable(path: str, data: dict[str, Any]) -> bool:
     """Whether the request runs in exactly one slot the front may choose: one prompt, one
     answer, no slot asked for by the client."""
@@ -549,4 +564,5 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("GET", "/openapi.json", _openapi),
     ]
     return Starlette(routes=routes, exception_handlers=_error_handlers(keys), lifespan=lifespan,
-                     middleware=[Middleware(SiteGuard, policy=site or SitePolicy())])
+                     middleware=[Middleware(AccessLog),
+                                 Middleware(SiteGuard, policy=site or SitePolicy())])
