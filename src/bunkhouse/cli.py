@@ -149,6 +149,11 @@ def parser() -> argparse.ArgumentParser:
                             "for every name under it, * for any). Bound to a loopback address, "
                             "only localhost and IP addresses are served: a web page cannot "
                             "reach this server through DNS rebinding")
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                       help="let web pages from ORIGIN (e.g. https://app.example.com, or * "
+                            "for any) call the API from a browser (repeatable); pages on "
+                            "this machine (http://localhost:PORT) may by default. Admin routes "
+                            "answer only origins named here, never *")
     serve.add_argument("--max-body", type=_size, default=defaults.MAX_BODY_BYTES,
                        metavar="SIZE",
                        help="largest request body; larger ones get 413 (16MiB)")
@@ -319,6 +324,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             allow_runtime_load=args.allow_runtime_load,
             allowed_roots=tuple(args.allowed_root),
             allowed_hosts=tuple(args.allowed_host),
+            cors_origins=tuple(args.cors_origin),
             api_keys=_keys(args.api_key, args.api_key_file, "BUNKHOUSE_API_KEYS"),
             admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS"),
             max_body_bytes=args.max_body,
@@ -438,7 +444,8 @@ def serve(settings: Settings, catalog: Catalog,
                         drain_grace_s=settings.stop_grace_s),
                     site=SitePolicy.for_bind(settings.host, settings.allowed_hosts),
                     strict_context=settings.strict_context,
-                    reloader=Reloader(rebuild, residency) if rebuild else None)
+                    reloader=Reloader(rebuild, residency) if rebuild else None,
+                    cors_origins=settings.cors_origins)
     if not is_loopback_bind(settings.host) and not settings.api_keys:
         log.warning("listening on %s without --api-key: anyone who can reach this address "
                     "can use every model; set keys (docs/security.md)", settings.host)
@@ -746,13 +753,20 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.0f} MiB"
 
 
+def _idle(model: dict[str, Any], now: float) -> str:
+    """How long a loaded model has served nothing; "-" for one not loaded or in use."""
+    if model["state"] != "ready" or model["leases"] or not model["last_used"]:
+        return "-"
+    return f"{max(0.0, now - model['last_used']):.0f} s"
+
+
 def format_ps(stats: dict[str, Any]) -> str:
     header = ("ID", "STATE", "PINNED", "LEASES", "ESTIMATED", "MEASURED", "IDLE", "PID")
     now = time.time()
     rows = [header] + [
         (m["id"], m["state"], "yes" if m["pinned"] else "no", str(m["leases"]),
          _mib(m["estimated_bytes"]), _mib(m["measured_bytes"]),
-         f"{now - m['last_used']:.0f} s" if m["last_used"] else "-", str(m["pid"] or "-"))
+         _idle(m, now), str(m["pid"] or "-"))
         for m in stats["models"]
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

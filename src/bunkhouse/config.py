@@ -192,6 +192,7 @@ class Settings:
     allow_runtime_load: bool = False  # POST /v1/models by path (admin key needed as well)
     allowed_roots: tuple[Path, ...] = ()  # for runtime paths; empty: the model roots
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides local ones (front/site.py)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed besides loopback (front/cors.py)
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     kv_cache_dir: Path = field(default_factory=lambda: default_kv_cache_dir())
     kv_cache_max: int | None = None  # bytes; None: a share of the free disk; 0: no snapshots

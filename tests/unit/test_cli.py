@@ -134,3 +134,23 @@ def test_socket_dirs_of_fronts_that_are_gone_are_removed(tmp_path: Path) -> None
         assert alive.exists() and other.exists() and launcher.socket_dir.exists()
     finally:
         launcher.close()
+
+
+def test_ps_shows_idle_time_only_for_loaded_models_serving_nothing() -> None:
+    import time
+
+    from bunkhouse.cli import format_ps
+
+    now = time.time()
+    base = {"pinned": False, "estimated_bytes": 1, "measured_bytes": None, "pid": None}
+    stats = {"budget_bytes": 1, "used_bytes": 0, "free_bytes": 1, "peak_used_bytes": 0,
+             "models": [{**base, "id": "idle", "state": "ready", "leases": 0,
+                         "last_used": now - 30},
+                        {**base, "id": "busy", "state": "ready", "leases": 1,
+                         "last_used": now - 30},
+                        {**base, "id": "gone", "state": "absent", "leases": 0,
+                         "last_used": now - 30}]}
+    rows = {line.split()[0]: line.split() for line in format_ps(stats).splitlines()[1:4]}
+    # ID STATE PINNED LEASES ESTIMATED(2) MEASURED IDLE PID
+    assert rows["idle"][7:9] == ["30", "s"]
+    assert rows["busy"][7] == "-" and rows["gone"][7] == "-"

@@ -45,6 +45,7 @@ from bunkhouse.front.access import AccessLog
 from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
 from bunkhouse.front.auth import Keys, Level, access
+from bunkhouse.front.cors import Cors
 from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
 from bunkhouse.front.protocols import (
@@ -459,11 +460,13 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               keeper: SnapshotKeeper | None = None,
               responses: ResponseStore | None = None,
               strict_context: bool = False,
-              reloader: Reloader | None = None) -> Starlette:
+              reloader: Reloader | None = None,
+              cors_origins: Sequence[str] = ()) -> Starlette:
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
     Responses API answers are stored (opened at startup; None: none are). ``reloader``: how
     the configuration is re-read, on ``POST /admin/reload`` and on SIGHUP (None: it is not).
+    ``cors_origins``: origins browsers may call from besides loopback ones (front/cors.py).
     """
     from bunkhouse.front.extras import Extras
     from bunkhouse.front.ollama import OllamaRoutes
@@ -565,4 +568,5 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     ]
     return Starlette(routes=routes, exception_handlers=_error_handlers(keys), lifespan=lifespan,
                      middleware=[Middleware(AccessLog),
+                                 Middleware(Cors, origins=cors_origins),
                                  Middleware(SiteGuard, policy=site or SitePolicy())])
