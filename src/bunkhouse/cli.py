@@ -195,6 +195,8 @@ def parser() -> argparse.ArgumentParser:
     ps.add_argument("--api-key", default=os.environ.get("BUNKHOUSE_API_KEY"),
                     help="a client or admin key, if the server needs one "
                          "(default: $BUNKHOUSE_API_KEY)")
+    ps.add_argument("--watch", type=_positive, nargs="?", const=2.0, metavar="S",
+                    help="redraw every S seconds (2 if not given) until Ctrl-C")
     for verb, what in (("load", "load a model (with --path: register it first)"),
                        ("unload", "drain and unload a model"),
                        ("pin", "never evict a model"), ("unpin", "let a model be evicted")):
@@ -638,7 +640,23 @@ class _Server(uvicorn.Server):
         await self._stop_workers()
 
 
-def ps(url: str, key: str | None = None) -> int:
+def ps(url: str, key: str | None = None, watch_s: float | None = None) -> int:
+    """``bunkhouse ps``: once, or redrawn every ``watch_s`` seconds until interrupted."""
+    if watch_s is None:
+        return _ps_once(url, key)
+    try:
+        while True:
+            print("\033[H\033[2J", end="")  # clear the terminal, as watch(1) does
+            code = _ps_once(url, key)
+            if code:
+                return code
+            print(f"\nevery {watch_s:g} s; Ctrl-C to stop")
+            time.sleep(watch_s)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _ps_once(url: str, key: str | None) -> int:
     import httpx
 
     headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -781,7 +799,7 @@ def format_ps(stats: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "ps":
-        return ps(args.url, args.api_key)
+        return ps(args.url, args.api_key, args.watch)
     if args.command in ("reload", "default"):
         return server_call(args.command, getattr(args, "model", None), args.url,
                            args.admin_key)

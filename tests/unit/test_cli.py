@@ -154,3 +154,8 @@ def test_ps_shows_idle_time_only_for_loaded_models_serving_nothing() -> None:
     # ID STATE PINNED LEASES ESTIMATED(2) MEASURED IDLE PID
     assert rows["idle"][7:9] == ["30", "s"]
     assert rows["busy"][7] == "-" and rows["gone"][7] == "-"
+
+
+def test_ps_watch_stops_on_an_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ps", "--url", "http://127.0.0.1:1", "--watch", "0.1"]) == 1
+    assert "cannot read http://127.0.0.1:1/stats" in capsys.readouterr().err
