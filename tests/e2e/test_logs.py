@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.server import serve
 
@@ -24,8 +25,16 @@ def test_twenty_requests_are_twenty_access_lines_and_no_polling(tmp_path: Path) 
                     "model": QWEN, "prompt": "Once", "max_tokens": 2, "stream": True}) as resp:
                 assert resp.status_code == 200
                 resp.read()
-        for path in ("/v1/models", "/v1/models", "/api/tags", "/stats"):
+        for path in ("/v1/models", "/v1/models", "/api/tags"):
             assert httpx.get(f"{url}{path}").status_code == 200
+        scraped = httpx.get(f"{url}/metrics")  # the 20th: residency as Prometheus reads it
+        families = {f.name: f for f in text_string_to_metric_families(scraped.text)}
+        ready = [s for s in families["bunkhouse_model_state"].samples
+                 if s.labels == {"model": QWEN, "state": "ready"}]
+        assert ready[0].value == 1.0
+        events = {s.labels["kind"]: s.value
+                  for s in families["bunkhouse_residency_events"].samples}
+        assert events["ready"] >= 1 and events["loading"] >= 1
         missing = httpx.post(f"{url}/v1/chat/completions", json={
             "model": "nobody", "messages": [{"role": "user", "content": "Hi"}]})
         assert missing.status_code == 404

@@ -469,6 +469,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     ``cors_origins``: origins browsers may call from besides loopback ones (front/cors.py).
     """
     from bunkhouse.front.extras import Extras
+    from bunkhouse.front.metrics import Metrics
     from bunkhouse.front.ollama import OllamaRoutes
     from bunkhouse.front.responses import ResponsesRoutes
 
@@ -478,6 +479,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     stored = ResponsesRoutes(front, responses)
     olla = OllamaRoutes(front)
     extras = Extras(front)
+    metrics = Metrics(residency)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
                   functools.partial(front.model_object, detail=True), keeper, reloader)
 
@@ -564,6 +566,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("DELETE", "/api/delete", olla.not_served),
         route("GET", "/health", front.health),
         route("GET", "/stats", front.stats),
+        route("GET", "/metrics", metrics.scrape),
         route("GET", "/openapi.json", _openapi),
     ]
     return Starlette(routes=routes, exception_handlers=_error_handlers(keys), lifespan=lifespan,

@@ -46,6 +46,7 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("POST", "/api/chat"): Level.CLIENT,  # Ollama's API
     ("POST", "/api/generate"): Level.CLIENT,
     ("POST", "/api/embed"): Level.CLIENT,
+    ("GET", "/metrics"): Level.CLIENT,  # Prometheus' scrape
     ("POST", "/infill"): Level.CLIENT,  # llama.cpp's server routes
     ("POST", "/tokenize"): Level.CLIENT,
     ("POST", "/detokenize"): Level.CLIENT,

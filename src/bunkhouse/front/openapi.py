@@ -181,6 +181,7 @@ def openapi(version: str) -> dict[str, Any]:
                                                   "200", params=_MODEL_ID)},
         "/health": {"get": _op("liveness and every model's state", "200")},
         "/stats": {"get": _op("memory budget, models and recent events", "200")},
+        "/metrics": {"get": _op("residency in Prometheus' text format", "200")},
     }
     return {"openapi": "3.1.0", "info": {"title": "bunkhouse", "version": version},
             "paths": paths, "components": {"schemas": schemas}}

@@ -1,0 +1,25 @@
+"""GET /metrics through the whole front, read back with prometheus-client's own parser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from tests.helpers import app_without_workers
+
+
+def test_metrics_parse_and_show_residency(tmp_path: Path) -> None:
+    with TestClient(app_without_workers(tmp_path), base_url="http://localhost:8080") as c:
+        resp = c.get("/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    for name in ("bunkhouse_model_state", "bunkhouse_model_estimated_bytes",
+                 "bunkhouse_model_leases", "bunkhouse_model_queued_requests",
+                 "bunkhouse_budget_bytes", "bunkhouse_used_bytes", "bunkhouse_residency_events"):
+        assert name in families, sorted(families)
+    states = {s.labels["state"]: s.value for s in families["bunkhouse_model_state"].samples
+              if s.labels["model"] == "tiny"}
+    assert states["absent"] == 1.0 and states["ready"] == 0.0
+    assert families["bunkhouse_budget_bytes"].samples[0].value == 2**30
