@@ -675,27 +675,36 @@ def _ps_once(url: str, key: str | None) -> int:
     return 0
 
 
-def control(verb: str, model: str, url: str, key: str | None, path: str | None) -> int:
+def _admin_post(base: str, path: str, key: str | None, body: dict[str, Any] | None
+                ) -> Any:
+    """POST to a running server's admin route: the answer, or None once the failure is
+    printed (unreachable, or an error status with its message)."""
     import httpx
 
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    base = url.rstrip("/")
     try:
-        if verb == "load" and path:
-            resp = httpx.post(f"{base}/v1/models", json={"id": model, "path": path},
-                              headers=headers, timeout=600)
-        else:
-            resp = httpx.post(f"{base}/v1/models/{model}/{verb}", headers=headers, timeout=600)
+        resp = httpx.post(f"{base}{path}", json=body, headers=headers, timeout=600)
     except httpx.HTTPError as e:
         print(f"bunkhouse: error: cannot reach {base}: {e}; is `bunkhouse serve` running "
               "there? (--url sets the address)", file=sys.stderr)
-        return 1
+        return None
     if resp.status_code >= 400:
         try:
             message = resp.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = resp.text
         print(f"bunkhouse: error: {resp.status_code}: {message}", file=sys.stderr)
+        return None
+    return resp
+
+
+def control(verb: str, model: str, url: str, key: str | None, path: str | None) -> int:
+    base = url.rstrip("/")
+    if verb == "load" and path:
+        resp = _admin_post(base, "/v1/models", key, {"id": model, "path": path})
+    else:
+        resp = _admin_post(base, f"/v1/models/{model}/{verb}", key, None)
+    if resp is None:
         return 1
     outcome = {202: "draining: it is freed when its running requests end",
                204: "unloaded"}.get(resp.status_code)
@@ -705,23 +714,9 @@ def control(verb: str, model: str, url: str, key: str | None, path: str | None) 
 
 def server_call(verb: str, model: str | None, url: str, key: str | None) -> int:
     """``bunkhouse reload`` and ``bunkhouse default ID`` against a running server."""
-    import httpx
-
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    base = url.rstrip("/")
     body = {"model": model} if verb == "default" else {}
-    try:
-        resp = httpx.post(f"{base}/admin/{verb}", json=body, headers=headers, timeout=600)
-    except httpx.HTTPError as e:
-        print(f"bunkhouse: error: cannot reach {base}: {e}; is `bunkhouse serve` running "
-              "there? (--url sets the address)", file=sys.stderr)
-        return 1
-    if resp.status_code >= 400:
-        try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = resp.text
-        print(f"bunkhouse: error: {resp.status_code}: {message}", file=sys.stderr)
+    resp = _admin_post(url.rstrip("/"), f"/admin/{verb}", key, body)
+    if resp is None:
         return 1
     data = resp.json()
     if verb == "default":

@@ -347,7 +347,7 @@ def build_catalog(settings: Settings) -> Catalog:
                 continue
             models[model.id] = model
     for alias, target in settings.aliases:
-        named = Catalog(models.values(), None).resolve(target)
+        named = _resolve(models, target)
         if named is None:
             raise ConfigError(f"[aliases]: {alias!r} names model {target!r}, which is not in "
                               f"the catalog; known: {', '.join(models) or '(none)'}")
@@ -359,9 +359,21 @@ def build_catalog(settings: Settings) -> Catalog:
     return Catalog(models.values(), settings.default_model or _first_default(models))
 
 
+def _resolve(models: dict[str, CatalogModel], name: str) -> str | None:
+    """The id ``name`` means among ``models`` as Catalog.resolve reads names (id, alias,
+    ``:latest``), without building a catalog for each lookup."""
+    for candidate in _spellings(name):
+        if candidate in models:
+            return candidate
+        for model in models.values():
+            if candidate in model.aliases:
+                return model.id
+    return None
+
+
 def _overlay(models: dict[str, CatalogModel], entry: ModelEntry, settings: Settings) -> None:
     """A [[models]] entry without a path configures the model of another source it names."""
-    named = Catalog(models.values(), None).resolve(entry.id)
+    named = _resolve(models, entry.id)
     if named is None:
         raise ConfigError(f"model {entry.id!r}: no such model found to configure; give its "
                           "entry a path, or name a model of `bunkhouse models`")

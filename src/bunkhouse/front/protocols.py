@@ -256,7 +256,14 @@ class _OllamaStream(_Once):
         return b""  # newline-delimited JSON has no comment: nothing to send
 
 
-class OllamaShape:
+class _OllamaErrors:
+    """Errors of an Ollama route: its ``{"error": "..."}``."""
+
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        return ollama.error(_message(body))
+
+
+class OllamaShape(_OllamaErrors):
     """A chat completion (``chat``) or completion answer as Ollama's ``/api/chat`` or
     ``/api/generate`` objects, for the model the client named."""
 
@@ -269,14 +276,11 @@ class OllamaShape:
     def answer(self, result: dict[str, Any]) -> dict[str, Any]:
         return ollama.answer(result, self.model, self.chat)
 
-    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
-        return ollama.error(_message(body))
-
     def stream(self) -> StreamShaper:
         return _OllamaStream(ollama.OllamaStream(self.model, self.chat))
 
 
-class OllamaEmbedShape:
+class OllamaEmbedShape(_OllamaErrors):
     """An embeddings answer as ``/api/embed``'s, or the older ``/api/embeddings``'
     (``legacy``), for the model the client named."""
 
@@ -288,9 +292,6 @@ class OllamaEmbedShape:
 
     def answer(self, result: dict[str, Any]) -> dict[str, Any]:
         return ollama.embed_answer(result, self.model, self.legacy)
-
-    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
-        return ollama.error(_message(body))
 
     def stream(self) -> StreamShaper:
         raise AssertionError("embeddings are never streamed")
