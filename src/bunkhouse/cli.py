@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import resource
@@ -76,6 +77,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="every model's slots: requests decoded at once (default 4)")
     p.add_argument("--default-model", metavar="ID", help="model for requests that name none")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="text lines (default), or one JSON object a line for log collectors")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -197,6 +200,17 @@ def parser() -> argparse.ArgumentParser:
                          "(default: $BUNKHOUSE_API_KEY)")
     ps.add_argument("--watch", type=_positive, nargs="?", const=2.0, metavar="S",
                     help="redraw every S seconds (2 if not given) until Ctrl-C")
+    events = sub.add_parser("events", help="follow a running server's residency events "
+                                           "(loads, evictions, crashes) until Ctrl-C")
+    events.add_argument("--url", default="http://127.0.0.1:8080",
+                        help="the server's address (%(default)s)")
+    events.add_argument("--api-key", default=os.environ.get("BUNKHOUSE_API_KEY"),
+                        help="a client or admin key, if the server needs one "
+                             "(default: $BUNKHOUSE_API_KEY)")
+    events.add_argument("--since", type=int, metavar="SEQ",
+                        help="begin after this event's sequence number (what the server still "
+                             "holds of them), not with the next one")
+    events.add_argument("--json", action="store_true", help="print each event's JSON")
     for verb, what in (("load", "load a model (with --path: register it first)"),
                        ("unload", "drain and unload a model"),
                        ("pin", "never evict a model"), ("unpin", "let a model be evicted")):
@@ -474,7 +488,13 @@ def serve(settings: Settings, catalog: Catalog,
         await residency.close()
         launcher.close()
 
-    server = _Server(config, stop_workers, settings.stop_grace_s, serving)
+    def end_event_streams() -> None:  # they would hold uvicorn's wait for connections
+        if not events.closed:
+            events.emit("*", "stopping", "the server is stopping; event streams end")
+            events.close()
+
+    server = _Server(config, stop_workers, settings.stop_grace_s, serving,
+                     on_stop=end_event_streams)
     server.run()
     return 0 if server.started else 1
 
@@ -606,8 +626,10 @@ class _Server(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, stop_workers: Callable[[], Awaitable[None]],
-                 grace_s: float, serving: str) -> None:
+                 grace_s: float, serving: str,
+                 on_stop: Callable[[], None] | None = None) -> None:
         super().__init__(config)
+        self._on_stop = on_stop  # ends the event streams, which would hold the shutdown
         self._stop_workers = stop_workers
         self._grace_s = grace_s
         self._serving = serving
@@ -624,6 +646,8 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         loop = asyncio.get_running_loop()
         cut: list[asyncio.Future[None]] = []
+        if self._on_stop is not None:
+            self._on_stop()
         timer = loop.call_later(self._grace_s,
                                 lambda: cut.append(asyncio.ensure_future(self._cut())))
         try:
@@ -654,6 +678,84 @@ def ps(url: str, key: str | None = None, watch_s: float | None = None) -> int:
             time.sleep(watch_s)
     except KeyboardInterrupt:
         return 0
+
+
+def follow_events(url: str, key: str | None, since: int | None, as_json: bool) -> int:
+    """``bunkhouse events``: print the server's residency events as they come, resuming by
+    sequence number after a lost connection, until interrupted."""
+    import httpx
+
+    base = url.rstrip("/")
+    last = since
+    warned = False
+    try:
+        while True:
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            if last is not None:
+                headers["last-event-id"] = str(last)
+            try:
+                with httpx.stream("GET", f"{base}/admin/events", headers=headers,
+                                  timeout=httpx.Timeout(10, read=120)) as resp:
+                    if resp.status_code >= 400:
+                        resp.read()
+                        print(f"bunkhouse: error: {_message(resp)}"
+                              f"{' (--api-key)' if resp.status_code in (401, 403) else ''}",
+                              file=sys.stderr)
+                        return 1
+                    warned = False
+                    for line in resp.iter_lines():
+                        if line.startswith("id:"):
+                            last = int(line[3:].strip())
+                        elif line.startswith("data:"):
+                            print(_event_line(line[5:].strip(), as_json), flush=True)
+            except httpx.HTTPError as e:
+                if not warned:
+                    print(f"bunkhouse: {base}/admin/events: {e}; retrying every 2 s "
+                          "(Ctrl-C to stop)", file=sys.stderr)
+                    warned = True
+            time.sleep(2)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _message(resp: Any) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"{resp.status_code} {resp.text[:200]}"
+
+
+def _event_line(data: str, as_json: bool) -> str:
+    """One event as ``bunkhouse events`` prints it."""
+    if as_json:
+        return data
+    try:
+        event = json.loads(data)
+        when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+        seq = f"#{event['seq']}" if "seq" in event else "--"
+        return f"{when} {seq:>6} {event.get('model', '-')}: {event['kind']} ({event['reason']})"
+    except (ValueError, KeyError, TypeError):
+        return data
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line: time (ISO 8601, UTC), level, logger, message, and the
+    exception's traceback if any (``--log-format json``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+                    + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)  # an access line's figures, one by one
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
 
 
 def _ps_once(url: str, key: str | None) -> int:
@@ -795,6 +897,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "ps":
         return ps(args.url, args.api_key, args.watch)
+    if args.command == "events":
+        return follow_events(args.url, args.api_key, args.since, args.json)
     if args.command in ("reload", "default"):
         return server_call(args.command, getattr(args, "model", None), args.url,
                            args.admin_key)
@@ -806,11 +910,10 @@ def main(argv: list[str] | None = None) -> int:
             print("bunkhouse: error: give a model id, or none for every model", file=sys.stderr)
             return 2
         return cache(args.action, args.model, args.kv_cache_dir)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter() if args.log_format == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if args.log_level != "debug":  # the front's own polling of its workers: debug only
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -100,7 +100,7 @@ def test_every_route_is_in_the_access_table_and_the_table_names_no_dead_route(
               if m != "HEAD"}
     assert served == set(ACCESS)
     assert {p for (_, p), level in ACCESS.items() if level is Level.OPEN} == {
-        "/health", "/openapi.json"}
+        "/health", "/openapi.json", "/", "/console/{name}"}
     inference = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages",
                  "/v1/messages/count_tokens", "/v1/responses",
                  "/v1/responses/{response_id}",  # a client deletes its own stored responses

@@ -26,7 +26,7 @@ def test_loopback_pages_may_call_the_api_and_other_sites_may_not(tmp_path: Path,
                                                                   method: str) -> None:
     with TestClient(app_without_workers(tmp_path), base_url="http://localhost:8080") as c:
         local = _preflight(c, path, "http://localhost:3000", method)
-        assert local == {"status": "200", "allow": "http://localhost:3000"}
+        assert local == {"status": "204", "allow": "http://localhost:3000"}
         assert _preflight(c, path, "http://127.0.0.1:5173", method)["allow"] == \
             "http://127.0.0.1:5173"
         evil = _preflight(c, path, "http://evil.example", method)
@@ -45,7 +45,7 @@ def test_admin_routes_answer_only_origins_named_explicitly(tmp_path: Path) -> No
             assert c.post("/v1/models/tiny/unload",
                           headers={"origin": origin}).status_code == 403
         named = _preflight(c, "/admin/reload", "https://ops.example")
-        assert named == {"status": "200", "allow": "https://ops.example"}
+        assert named == {"status": "204", "allow": "https://ops.example"}
         # * opens the API to any page, never the admin routes
         assert _preflight(c, "/v1/chat/completions", "http://evil.example")["allow"] == "*"
         # the server's own pages and callers without an Origin are not cross-origin

@@ -32,10 +32,10 @@ def _host(*models: tuple[str, float], budget_gib: float, **kwargs: object) -> Ho
     drains: list[tuple[str, int, str]] = []
     emit = h.manager.events.emit
 
-    def recording(model_id: str, kind: str, reason: str) -> Any:
+    def recording(model_id: str, kind: str, reason: str, **data: Any) -> Any:
         if kind == "draining":
             drains.append((model_id, h.manager.status(model_id).leases, reason))
-        return emit(model_id, kind, reason)
+        return emit(model_id, kind, reason, **data)
 
     h.manager.events.emit = recording  # type: ignore[method-assign]
     h.drains = drains  # type: ignore[attr-defined]

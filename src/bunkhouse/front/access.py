@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,9 +23,16 @@ log = logging.getLogger("bunkhouse.access")
 _QUIET = frozenset({("GET", "/health")})
 
 
+Observer = Callable[[Scope, "int | None", "float | None", float], None]
+"""Called once per request when it ends: its scope (whose ``state`` has what the handlers
+noted), status (None: no answer started), seconds to the first body byte (None: none sent)
+and seconds in all."""
+
+
 class AccessLog:
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, observe: Observer | None = None) -> None:
         self.app = app
+        self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -47,6 +55,14 @@ class AccessLog:
             await self.app(scope, receive, sending)
         finally:
             self._log(scope, seen, started)
+            if self.observe is not None:
+                first = seen["first"]
+                try:
+                    self.observe(scope, seen["status"],
+                                 None if first is None else first - started,
+                                 time.monotonic() - started)
+                except Exception:
+                    log.exception("noting a request's figures failed")
 
     @staticmethod
     def _log(scope: Scope, seen: dict[str, Any], started: float) -> None:
@@ -58,10 +74,20 @@ class AccessLog:
         client = scope.get("client")
         tokens = state.get("tokens")
         first = seen["first"]
-        log.log(level, "%s %s model=%s status=%s tokens=%s ttfb_ms=%s duration_ms=%.0f "
-                "client=%s%s", method, path, state.get("model", "-"), seen["status"] or "-",
+        fields = {
+            "method": method, "path": path, "model": state.get("model"),
+            "status": seen["status"],
+            "prompt_tokens": tokens[0] if tokens else None,
+            "generated_tokens": tokens[1] if tokens else None,
+            "ttfb_ms": round((first - started) * 1000) if first is not None else None,
+            "duration_ms": round((time.monotonic() - started) * 1000),
+            "client": f"{client[0]}:{client[1]}" if client else None,
+            "client_left": not seen["done"] and seen["status"] is not None,
+        }
+        log.log(level, "%s %s model=%s status=%s tokens=%s ttfb_ms=%s duration_ms=%d "
+                "client=%s%s", method, path, fields["model"] or "-", fields["status"] or "-",
                 f"{tokens[0]}+{tokens[1]}" if tokens else "-",
-                f"{(first - started) * 1000:.0f}" if first is not None else "-",
-                (time.monotonic() - started) * 1000,
-                f"{client[0]}:{client[1]}" if client else "-",
-                "" if seen["done"] or seen["status"] is None else " (client left)")
+                "-" if fields["ttfb_ms"] is None else fields["ttfb_ms"],
+                fields["duration_ms"], fields["client"] or "-",
+                " (client left)" if fields["client_left"] else "",
+                extra={"fields": fields})

@@ -56,6 +56,8 @@ class ComputeGate:
         self.active = 0
         self._turn_started = 0.0
         self._turns: collections.OrderedDict[str, _Turn] = collections.OrderedDict()
+        self.waits = 0  # requests that waited for another model's turn to end
+        self.wait_s = 0.0  # the seconds they waited, all together
 
     async def enter(self, model_id: str) -> None:
         if not self.enabled:
@@ -71,12 +73,15 @@ class ComputeGate:
         if turn is None:
             turn = self._turns[model_id] = _Turn(asyncio.get_running_loop().create_future())
         turn.waiting += 1
+        self.waits += 1
         try:
             await asyncio.shield(turn.future)
         except asyncio.CancelledError:
             turn.waiting -= 1
             self._abandoned(model_id, turn)
             raise
+        finally:
+            self.wait_s += asyncio.get_running_loop().time() - now
         turn.waiting -= 1
         self.active += 1
 

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -177,6 +178,8 @@ class Front:
             data, reader = _tool_reader(data)
         await refuse_before_load(model, path, data, functools.partial(_pair_table, model),
                                  cap=cap)
+        request.state.stream = bool(parsed.stream)
+        queued = time.monotonic()
         lease = await self.residency.acquire(model)
         held = _Held(lease.release)
         try:
@@ -193,6 +196,7 @@ class Front:
             held.push(functools.partial(self._leave, model, engine, slots, slot))
             await self.compute.enter(model.id)
             held.push(lambda: self.compute.leave(model.id))
+            request.state.queue_s = time.monotonic() - queued  # load, slot and compute turn
             if await request.is_disconnected():  # gone while it waited: never started
                 held.close()
                 return Response(status_code=499)
@@ -389,6 +393,7 @@ def _noted(request: Request, then: Callable[[dict[str, Any]], None] | None,
     cached = timings.get("cache_n") or 0
     if isinstance(prompt, int) and isinstance(predicted, int):
         request.state.tokens = (prompt + (cached if isinstance(cached, int) else 0), predicted)
+        request.state.timings = timings  # the engine's own figures, for /metrics
     if then is not None:
         then(timings)
 
@@ -461,17 +466,22 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               responses: ResponseStore | None = None,
               strict_context: bool = False,
               reloader: Reloader | None = None,
-              cors_origins: Sequence[str] = ()) -> Starlette:
+              cors_origins: Sequence[str] = (),
+              events_heartbeat_s: float = 15.0) -> Starlette:
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
     Responses API answers are stored (opened at startup; None: none are). ``reloader``: how
     the configuration is re-read, on ``POST /admin/reload`` and on SIGHUP (None: it is not).
     ``cors_origins``: origins browsers may call from besides loopback ones (front/cors.py).
+    ``events_heartbeat_s``: seconds of silence on ``GET /admin/events`` before a comment
+    line is sent.
     """
+    from bunkhouse.front.console import Console
     from bunkhouse.front.extras import Extras
     from bunkhouse.front.metrics import Metrics
     from bunkhouse.front.ollama import OllamaRoutes
     from bunkhouse.front.responses import ResponsesRoutes
+    from bunkhouse.front.watch import EventStream
 
     keys = keys or Keys()
     front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys, keeper,
@@ -479,13 +489,21 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     stored = ResponsesRoutes(front, responses)
     olla = OllamaRoutes(front)
     extras = Extras(front)
-    metrics = Metrics(residency)
+    metrics = Metrics(residency, front.compute, keeper)
+    watch = EventStream(residency.events, events_heartbeat_s)
+    console = Console()
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
                   functools.partial(front.model_object, detail=True), keeper, reloader)
 
     def route(method: str, path: str, handler: Callable[[Request], Awaitable[Response]]
               ) -> Route:
-        return Route(path, keys.guard(access(method, path), handler), methods=[method])
+        guarded = keys.guard(access(method, path), handler)
+
+        async def noted(request: Request) -> Response:
+            request.state.route = path  # a bounded label for /metrics
+            return await guarded(request)
+
+        return Route(path, noted, methods=[method])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -521,6 +539,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
             if keeper is not None:
                 await keeper.close()  # idle saves stop; each drain saves what is unsaved
             await residency.close()
+            residency.events.close()  # every event stream ends
             if keeper is not None:
                 keeper.log_shutdown([m.id for m in catalog])
             if responses is not None:
@@ -567,9 +586,12 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("GET", "/health", front.health),
         route("GET", "/stats", front.stats),
         route("GET", "/metrics", metrics.scrape),
+        route("GET", "/admin/events", watch.follow),
+        route("GET", "/", console.page),
+        route("GET", "/console/{name}", console.asset),
         route("GET", "/openapi.json", _openapi),
     ]
     return Starlette(routes=routes, exception_handlers=_error_handlers(keys), lifespan=lifespan,
-                     middleware=[Middleware(AccessLog),
+                     middleware=[Middleware(AccessLog, observe=metrics.observe),
                                  Middleware(Cors, origins=cors_origins),
                                  Middleware(SiteGuard, policy=site or SitePolicy())])

@@ -64,6 +64,9 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("GET", "/v1/models"): Level.CLIENT,
     ("GET", "/v1/models/{model_id:path}"): Level.CLIENT,
     ("GET", "/stats"): Level.CLIENT,
+    ("GET", "/admin/events"): Level.CLIENT,  # read-only: the residency event stream
+    ("GET", "/"): Level.OPEN,  # the web console: static files, they hold no data
+    ("GET", "/console/{name}"): Level.OPEN,
     ("POST", "/v1/models"): Level.ADMIN,
     ("POST", "/v1/models/{model_id:path}/{action}"): Level.ADMIN,
     ("DELETE", "/v1/models/{model_id:path}"): Level.ADMIN,

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bunkhouse.errors import Forbidden, error_body
@@ -40,15 +40,29 @@ def admin_route(method: str, path: str) -> bool:
     return path.startswith("/v1/models") and method in _ADMIN_METHODS
 
 
+class _Preflight(CORSMiddleware):
+    """Starlette's middleware, with an allowed preflight answered ``204 No Content`` (as
+    browsers, the Fetch standard's examples and other servers answer it) rather than
+    ``200 OK`` with a body."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 200:
+            return response
+        headers = {k: v for k, v in response.headers.items()
+                   if k.lower() not in ("content-length", "content-type")}
+        return Response(status_code=204, headers=headers)
+
+
 class Cors:
     def __init__(self, app: ASGIApp, origins: Iterable[str] = ()) -> None:
         given = tuple(origins)
         self.app = app
         self.explicit = frozenset(o for o in given if o != "*")
         common = {"allow_methods": ["*"], "allow_headers": ["*"], "max_age": 600}
-        self.api = CORSMiddleware(app, allow_origins=list(given),
+        self.api = _Preflight(app, allow_origins=list(given),
                                   allow_origin_regex=LOOPBACK_ORIGINS, **common)  # type: ignore[arg-type]
-        self.admin = CORSMiddleware(app, allow_origins=sorted(self.explicit), **common)  # type: ignore[arg-type]
+        self.admin = _Preflight(app, allow_origins=sorted(self.explicit), **common)  # type: ignore[arg-type]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -1,30 +1,78 @@
-"""``GET /metrics``: residency in Prometheus' text format, written by ``prometheus-client``.
+"""``GET /metrics``: the server in Prometheus' text format, written by ``prometheus-client``.
 
-A collector reads residency's own state at each scrape (no second copy of it to keep in
-step): each model's state, estimated and measured bytes, leases, running and queued
-requests; the budget, used and peak bytes; residency events by kind (loads, evictions,
-crashes, restarts: ``EventLog.counts``). The per-model label is ``model``, whose values come
-from the catalog only, so a client cannot grow the label set.
+Two kinds of figures:
+
+* **Read at each scrape** from their one owner (no second copy to keep in step), by
+  :class:`StateCollector`: each model's state, estimated and measured bytes, leases,
+  running and queued requests, residency events by kind (loads are ``loading``, crashes
+  ``crashed``, restarts ``respawning``), evictions by cause, KV snapshots kept and their
+  bytes; the budget, used and peak bytes; the compute gate's waits.
+* **Observed as they happen**, by :class:`Metrics`: requests by route, protocol and status
+  (from the access log's record of each request, front/access.py); time to first token of
+  streamed generations and the wait for a load, a slot and a compute turn; tokens in and
+  out; the engine's own prompt and decode counts and seconds (from each answer's
+  ``timings``, so tokens per second is ``rate(tokens) / rate(seconds)`` with no scrape of
+  the workers); load time (from the ``ready`` event).
+
+Label values are bounded: ``model`` only takes catalog ids (a request for an unknown model
+is counted under ``-``), ``route`` the route's template (``unmatched`` for a 404),
+``protocol`` and ``cause`` a fixed set each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Scope
 
+from bunkhouse.front.admission import ComputeGate
+from bunkhouse.kvcache.keeper import SnapshotKeeper
+from bunkhouse.residency.events import Event
 from bunkhouse.residency.manager import ResidencyManager
 
 STATES = ("absent", "loading", "ready", "draining", "failed")
 
+# Seconds; a model's first token ranges from milliseconds (a warm slot) to a minute (a cold
+# load of a large model behind a queue).
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+LOAD_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-class ResidencyCollector(Collector):
-    def __init__(self, residency: ResidencyManager) -> None:
+
+def protocol_of(route: str) -> str:
+    """The API a route belongs to (a bounded label)."""
+    if route.startswith("/v1/messages"):
+        return "anthropic"
+    if route.startswith("/v1/responses"):
+        return "responses"
+    if route.startswith("/api/"):
+        return "ollama"
+    if route.startswith("/v1/"):
+        return "openai"
+    if route in ("/infill", "/tokenize", "/detokenize", "/apply-template"):
+        return "llamacpp"
+    if route.startswith("/admin/"):
+        return "admin"
+    return "other"
+
+
+class StateCollector(Collector):
+    def __init__(self, residency: ResidencyManager, compute: ComputeGate,
+                 keeper: SnapshotKeeper | None) -> None:
         self.residency = residency
+        self.compute = compute
+        self.keeper = keeper
 
     def collect(self) -> Iterator[Metric]:
         r = self.residency
@@ -37,7 +85,10 @@ class ResidencyCollector(Collector):
                       ("measured_bytes", "the worker's measured peak memory"),
                       ("leases", "requests holding the model"),
                       ("running_requests", "requests in the model's slots"),
-                      ("queued_requests", "requests waiting for a slot"))}
+                      ("queued_requests", "requests waiting for a slot"),
+                      ("pinned", "1 if the model is pinned resident"),
+                      ("kv_snapshots", "KV cache snapshots kept on disk for the model"),
+                      ("kv_snapshot_bytes", "their bytes on disk"))}
         for s in r.statuses():
             for name in STATES:
                 state.add_metric([s.id, name], 1.0 if s.state == name else 0.0)
@@ -47,6 +98,11 @@ class ResidencyCollector(Collector):
             gauges["leases"].add_metric([s.id], s.leases)
             gauges["running_requests"].add_metric([s.id], slots.running)
             gauges["queued_requests"].add_metric([s.id], slots.waiting)
+            gauges["pinned"].add_metric([s.id], 1.0 if s.pinned else 0.0)
+            if self.keeper is not None:
+                count, size = self.keeper.store.model_stats(s.id)
+                gauges["kv_snapshots"].add_metric([s.id], count)
+                gauges["kv_snapshot_bytes"].add_metric([s.id], size)
         yield state
         yield from gauges.values()
         for name, doc, value in (
@@ -54,18 +110,91 @@ class ResidencyCollector(Collector):
                 ("used_bytes", "memory the resident models hold", r.used_bytes()),
                 ("peak_used_bytes", "the most they held at once", r.peak_bytes)):
             yield GaugeMetricFamily(f"bunkhouse_{name}", doc, value=value)
-        events = CounterMetricFamily("bunkhouse_residency_events",
-                                     "residency events by kind (loading, ready, draining, "
-                                     "crashed, ...)", labels=["kind"])
-        for kind, count in sorted(r.events.counts.items()):
-            events.add_metric([kind], count)
+        events = CounterMetricFamily(
+            "bunkhouse_residency_events", "residency events by model and kind (loading is a "
+            "load begun, ready one done, crashed a worker's death, respawning a restart)",
+            labels=["model", "kind"])
+        for (model, kind), count in sorted(r.events.by_model.items()):
+            if kind != "load_progress":
+                events.add_metric([model, kind], count)
         yield events
+        evictions = CounterMetricFamily(
+            "bunkhouse_evictions", "models drained, by cause (room, idle, keep_alive, operator, "
+            "removed, crashed, shutdown, other)", labels=["model", "cause"])
+        for (model, cause), count in sorted(r.events.drains.items()):
+            evictions.add_metric([model, cause], count)
+        yield evictions
+        yield CounterMetricFamily("bunkhouse_compute_gate_waits",
+                                  "requests that waited for another model's compute turn",
+                                  value=self.compute.waits)
+        yield CounterMetricFamily("bunkhouse_compute_gate_wait_seconds",
+                                  "seconds they waited, all together",
+                                  value=self.compute.wait_s)
 
 
 class Metrics:
-    def __init__(self, residency: ResidencyManager) -> None:
+    """The registry behind ``GET /metrics``, and the observers that feed it."""
+
+    def __init__(self, residency: ResidencyManager, compute: ComputeGate | None = None,
+                 keeper: SnapshotKeeper | None = None) -> None:
+        self.residency = residency
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ResidencyCollector(residency))
+        self.registry.register(StateCollector(residency, compute or ComputeGate(), keeper))
+        reg = self.registry
+        self.requests = Counter("bunkhouse_requests", "client requests answered, by route, "
+                                "protocol, status and model", ["route", "protocol", "status",
+                                                              "model"], registry=reg)
+        self.first_token = Histogram(
+            "bunkhouse_time_to_first_token_seconds", "streamed generations: seconds from the "
+            "request to its first byte of answer, waits included", ["model"],
+            buckets=LATENCY_BUCKETS, registry=reg)
+        self.queue_wait = Histogram(
+            "bunkhouse_queue_wait_seconds", "generations: seconds waiting for the model's load, "
+            "a slot and a compute turn", ["model"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.tokens_in = Counter("bunkhouse_prompt_tokens", "prompt tokens of answered "
+                                 "requests, cached ones included", ["model"], registry=reg)
+        self.tokens_out = Counter("bunkhouse_generated_tokens", "tokens generated", ["model"],
+                                  registry=reg)
+        self.engine = {name: Counter(f"bunkhouse_engine_{name}", doc, ["model"], registry=reg)
+                       for name, doc in (
+                           ("prompt_tokens", "prompt tokens the engine computed (not cached)"),
+                           ("prompt_seconds", "the engine's seconds of prompt processing"),
+                           ("decode_tokens", "tokens the engine decoded"),
+                           ("decode_seconds", "the engine's seconds of decoding"))}
+        self.load_time = Histogram("bunkhouse_model_load_seconds", "seconds from a load's "
+                                   "start to its worker being ready", ["model"],
+                                   buckets=LOAD_BUCKETS, registry=reg)
+        residency.events.listen(self.on_event)
+
+    def on_event(self, event: Event) -> None:
+        if event.kind == "ready" and isinstance(event.data.get("load_s"), (int, float)):
+            self.load_time.labels(event.model).observe(event.data["load_s"])
+
+    def observe(self, scope: Scope, status: int | None, first_s: float | None,
+                total_s: float) -> None:
+        """One request's figures, when it ends (front/access.py's observer)."""
+        state: dict[str, Any] = scope.get("state") or {}
+        route = state.get("route", "unmatched")
+        model = state.get("model", "-")
+        self.requests.labels(route, protocol_of(route), str(status or 0), model).inc()
+        if model == "-":
+            return
+        if state.get("stream") and first_s is not None and status == 200:
+            self.first_token.labels(model).observe(first_s)
+        if isinstance(state.get("queue_s"), float):
+            self.queue_wait.labels(model).observe(state["queue_s"])
+        tokens = state.get("tokens")
+        if tokens:
+            self.tokens_in.labels(model).inc(tokens[0])
+            self.tokens_out.labels(model).inc(tokens[1])
+        timings = state.get("timings") or {}
+        for name, key, scale in (("prompt_tokens", "prompt_n", 1.0),
+                                 ("prompt_seconds", "prompt_ms", 1e-3),
+                                 ("decode_tokens", "predicted_n", 1.0),
+                                 ("decode_seconds", "predicted_ms", 1e-3)):
+            value = timings.get(key)
+            if isinstance(value, (int, float)) and value >= 0:
+                self.engine[name].labels(model).inc(value * scale)
 
     async def scrape(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

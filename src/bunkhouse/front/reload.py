@@ -40,6 +40,7 @@ class Reloader:
             except BunkhouseError as e:
                 log.error("configuration not reloaded (%s): %s; the running configuration "
                           "stays", why, e.message)
+                self._residency.events.emit("*", "config refused", f"{why}: {e.message}")
                 raise InvalidRequest(f"the configuration was not reloaded: {e.message}; "
                                      "the running configuration stays") from e
             change = self._residency.apply_catalog(catalog)

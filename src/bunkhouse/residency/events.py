@@ -1,14 +1,43 @@
-"""Residency events: every transition, logged and kept in a bounded in-memory log."""
+"""Residency events: every transition, logged, kept in a bounded ring, and handed to live
+subscribers (``GET /admin/events``).
+
+Each event has a sequence number, one more than the last; a subscriber that names the last
+one it saw (``Last-Event-ID``) gets what followed from the ring, then live events. A
+subscriber is a bounded queue filled without waiting: one that falls :data:`SUBSCRIBER_QUEUE`
+events behind is dropped (its stream ends; it may resume by sequence number), so a slow
+reader never slows residency.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 log = logging.getLogger("bunkhouse.residency")
+
+SUBSCRIBER_QUEUE = 1000
+"""Events a live subscriber may fall behind before it is dropped."""
+
+# The kinds a drain's reason falls in, for counting evictions by reason (a bounded label).
+DRAIN_CAUSES = ("room", "idle", "keep_alive", "operator", "removed", "crashed", "shutdown",
+                "other")
+
+
+def drain_cause(reason: str) -> str:
+    """The bounded cause of a drain, from its free-text reason."""
+    text = reason.lower()
+    for needle, cause in (("making room", "room"), ("idle", "idle"),
+                          ("keep_alive", "keep_alive"), ("operator", "operator"),
+                          ("removed", "removed"), ("crash", "crashed"),
+                          ("shutting down", "shutdown"), ("shutdown", "shutdown")):
+        if needle in text:
+            return cause
+    return "other"
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,11 +45,41 @@ class Event:
     seq: int
     time: float  # wall clock, seconds since the epoch
     model: str
-    kind: str  # the new state: loading, ready, draining, absent, failed; or pinned, unpinned
+    kind: str  # the new state (loading, ready, draining, absent, failed) or what happened
     reason: str
+    data: dict[str, Any] = field(default_factory=dict)  # figures: bytes, seconds, cause
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class Subscription:
+    """One live reader's queue of events; iterate it, :meth:`close` it when done."""
+
+    def __init__(self, log_: EventLog, backlog: list[Event]) -> None:
+        self._log = log_
+        self._queue: asyncio.Queue[Event | None] = asyncio.Queue(SUBSCRIBER_QUEUE)
+        self.backlog = backlog
+        self.dropped = False
+
+    def offer(self, event: Event | None) -> None:
+        try:
+            self._queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.dropped = True
+            self._log.unsubscribe(self)
+            log.warning("an event stream reader fell %d events behind; dropped",
+                        SUBSCRIBER_QUEUE)
+
+    async def next(self, timeout_s: float) -> Event | None:
+        """The next event; None at the end (the log closed, or this reader fell behind).
+        Raises TimeoutError if none came within ``timeout_s``."""
+        if self.dropped and self._queue.empty():
+            return None
+        return await asyncio.wait_for(self._queue.get(), timeout_s)
+
+    def close(self) -> None:
+        self._log.unsubscribe(self)
 
 
 class EventLog:
@@ -28,14 +87,87 @@ class EventLog:
         self._events: deque[Event] = deque(maxlen=capacity)
         self._seq = 0
         self.counts: dict[str, int] = {}
+        self.by_model: dict[tuple[str, str], int] = {}  # (model, kind) -> count
+        self.drains: dict[tuple[str, str], int] = {}  # (model, cause) -> count
+        self._subscribers: set[Subscription] = set()
+        self._listeners: list[Callable[[Event], None]] = []
+        self.closed = False
 
-    def emit(self, model: str, kind: str, reason: str) -> Event:
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    @property
+    def oldest_seq(self) -> int | None:
+        """The oldest event the ring still holds (None: none yet)."""
+        return self._events[0].seq if self._events else None
+
+    def emit(self, model: str, kind: str, reason: str, **data: Any) -> Event:
         self._seq += 1
-        event = Event(self._seq, time.time(), model, kind, reason)
+        if kind == "draining":
+            data.setdefault("cause", drain_cause(reason))
+            key = (model, data["cause"])
+            self.drains[key] = self.drains.get(key, 0) + 1
+        event = Event(self._seq, time.time(), model, kind, reason, data)
         self._events.append(event)
         self.counts[kind] = self.counts.get(kind, 0) + 1
-        log.info("model %s: %s (%s)", model, kind, reason)
+        self.by_model[(model, kind)] = self.by_model.get((model, kind), 0) + 1
+        if kind != "load_progress":  # progress has its own, rarer, log line
+            log.info("model %s: %s (%s)", model, kind, reason)
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("an event listener failed")
+        for subscriber in list(self._subscribers):
+            subscriber.offer(event)
         return event
+
+    def listen(self, listener: Callable[[Event], None]) -> None:
+        """Call ``listener(event)`` with every event as it is emitted (it must not block)."""
+        self._listeners.append(listener)
 
     def recent(self, limit: int = 100) -> list[Event]:
         return list(self._events)[-limit:]
+
+    def subscribe(self, after: int | None = None) -> Subscription:
+        """A live reader of the events after sequence number ``after`` (None: from now).
+        Those still in the ring come first, in :attr:`Subscription.backlog`; if some were
+        already dropped from it, the backlog starts with the oldest kept."""
+        backlog = [e for e in self._events if after is not None and e.seq > after]
+        subscription = Subscription(self, backlog)
+        if self.closed:
+            subscription.offer(None)
+        else:
+            self._subscribers.add(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self._subscribers.discard(subscription)
+
+    def close(self) -> None:
+        """End every live reader's stream (the front is stopping)."""
+        self.closed = True
+        for subscriber in list(self._subscribers):
+            subscriber.offer(None)
+        self._subscribers.clear()
+
+    async def follow(self, after: int | None, heartbeat_s: float
+                     ) -> AsyncIterator[Event | None]:
+        """The events after ``after`` then live ones, with None every ``heartbeat_s`` of
+        silence (a heartbeat); ends when the log closes or the reader falls behind."""
+        subscription = self.subscribe(after)
+        try:
+            for event in subscription.backlog:
+                yield event
+            while True:
+                try:
+                    live = await subscription.next(heartbeat_s)
+                except TimeoutError:
+                    yield None
+                    continue
+                if live is None:
+                    return
+                yield live
+        finally:
+            subscription.close()

@@ -61,6 +61,10 @@ from bunkhouse.supervisor.restart import RestartPolicy
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+PROGRESS_EVENT_S = 1.0
+"""Seconds between a load's ``load_progress`` events."""
+PROGRESS_LOG_S = 5.0
+"""Seconds between a slow load's log lines."""
 
 
 StartWorker = Callable[[CatalogModel], Awaitable[WorkerHandle]]
@@ -125,6 +129,7 @@ class _Entry:
         self.retired = False  # being deleted: admits nothing new, ever
         # supervision
         self.spawned_at = 0.0
+        self.last_load_s: float | None = None  # its last load's time, start to ready
         self.ready_at = 0.0
         self.failures: list[float] = []  # when workers died or failed to load
         self.quick_deaths = 0
@@ -362,7 +367,7 @@ class ResidencyManager:
             async with self._cold_start:
                 await self._make_room(entry, deadline)
                 self._begin_load(entry)
-                worker = await self._start_worker(entry.model)
+                worker = await self._with_progress(entry, self._start_worker(entry.model))
         except asyncio.CancelledError:
             self._load_failed(entry, ShuttingDown(entry.model.id), cancelled=True)
             raise
@@ -374,6 +379,35 @@ class ResidencyManager:
             self._load_failed(entry, BunkhouseError(f"model {entry.model.id!r}: {e}"))
             return
         self._loaded(entry, worker)
+
+    async def _with_progress(self, entry: _Entry,
+                             start: Awaitable[WorkerHandle]) -> WorkerHandle:
+        """``start``, with a ``load_progress`` event every second while it runs (elapsed
+        seconds, and the fraction of the model's last load time if it loaded before) and a
+        log line every :data:`PROGRESS_LOG_S`."""
+        task = asyncio.ensure_future(start)
+        began = self._clock()
+        logged = began
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=PROGRESS_EVENT_S)
+                if done:
+                    return task.result()
+                now = self._clock()
+                elapsed = now - began
+                expected = entry.last_load_s
+                fraction = min(0.99, elapsed / expected) if expected else None
+                self.events.emit(entry.model.id, "load_progress", f"{elapsed:.0f} s",
+                                 elapsed_s=round(elapsed, 1), expected_s=expected,
+                                 fraction=fraction)
+                if now - logged >= PROGRESS_LOG_S:
+                    logged = now
+                    log.info("model %s: still loading after %.0f s%s", entry.model.id, elapsed,
+                             f" (its last load took {expected:.0f} s)" if expected else "")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _make_room(self, entry: _Entry, deadline: float) -> None:
         while True:
@@ -635,7 +669,9 @@ class ResidencyManager:
         if entry.retired:
             raise ModelNotFound(f"model {entry.model.id!r} was removed", param="model")
         self._take_pending(entry)
-        self._set_state(entry, State.LOADING, f"estimated {entry.estimate.total // MIB} MiB")
+        self._set_state(entry, State.LOADING, f"estimated {entry.estimate.total // MIB} MiB",
+                        estimated_bytes=entry.estimate.total,
+                        file_bytes=entry.model.size_bytes)
         entry.spawned_at = self._clock()
 
     def _loaded(self, entry: _Entry, worker: WorkerHandle) -> None:
@@ -649,9 +685,14 @@ class ResidencyManager:
         entry.next_delay_s = 0.0
         entry.probe_failures = entry.failed_requests = 0
         entry.ready_at = self._clock()
+        entry.last_load_s = entry.ready_at - entry.spawned_at
         measured = f"{entry.measured // MIB} MiB" if entry.measured else "unknown"
-        self._set_state(entry, State.READY, f"{worker.placement}, measured {measured}, "
-                                            f"estimated {entry.estimate.total // MIB} MiB")
+        self._set_state(entry, State.READY,
+                        f"{worker.placement}, {entry.model.size_bytes / MIB:.0f} MiB file, "
+                        f"loaded in {entry.last_load_s:.1f} s, measured {measured}, "
+                        f"estimated {entry.estimate.total // MIB} MiB",
+                        measured_bytes=entry.measured, estimated_bytes=entry.estimate.total,
+                        load_s=round(entry.last_load_s, 3))
         self._note_peak()
         self._wake(entry)  # every waiting request gets its lease in this same step
         if not worker.alive:  # it died before anyone could see it ready
@@ -844,11 +885,11 @@ class ResidencyManager:
         for entry in self._entries.values():
             self._wake(entry, ShuttingDown(entry.model.id))
 
-    def _set_state(self, entry: _Entry, new: State, reason: str) -> None:
+    def _set_state(self, entry: _Entry, new: State, reason: str, **data: Any) -> None:
         if new not in _TRANSITIONS[entry.state]:
             raise RuntimeError(f"{entry.model.id}: illegal {entry.state.value} -> {new.value}")
         entry.state = new
-        self.events.emit(entry.model.id, new.value, reason)
+        self.events.emit(entry.model.id, new.value, reason, **data)
         self._notify()
 
     def _notify(self) -> None:

@@ -1,0 +1,293 @@
+// bunkhouse's web console: the memory budget, each model's state, the recent residency
+// events (live from GET /admin/events), operator buttons and a chat box. Plain script, no
+// build step, no outside resources. Keys are kept in this tab's sessionStorage only and sent
+// in the Authorization header, never in a URL.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+const COLORS = ["#3b82f6", "#10b981", "#f59e0b", "#8b5cf6", "#ef4444", "#14b8a6", "#ec4899",
+                "#6366f1"];
+const MIB = 1024 * 1024;
+const state = { models: [], stats: null, lastSeq: null, colors: new Map() };
+
+function keyFor(level) {
+  const admin = sessionStorage.getItem("bunkhouse.admin") || "";
+  const client = sessionStorage.getItem("bunkhouse.client") || "";
+  return level === "admin" ? admin : (client || admin);
+}
+
+function headers(level, extra) {
+  const h = Object.assign({}, extra || {});
+  const key = keyFor(level);
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+async function errorText(resp) {
+  try {
+    const body = await resp.json();
+    const err = body.error || body;
+    return (err && (err.message || err.error)) || resp.statusText;
+  } catch (e) {
+    return resp.status + " " + resp.statusText;
+  }
+}
+
+function mib(bytes) {
+  return bytes == null ? "–" : Math.round(bytes / MIB) + " MiB";
+}
+
+function idle(model, now) {
+  if (model.state !== "ready" || model.leases > 0 || !model.last_used) return "–";
+  const s = Math.max(0, Math.round(now - model.last_used));
+  return s < 120 ? s + " s" : Math.round(s / 60) + " min";
+}
+
+function colorOf(id) {
+  if (!state.colors.has(id)) state.colors.set(id, COLORS[state.colors.size % COLORS.length]);
+  return state.colors.get(id);
+}
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const child of children) node.append(child);
+  return node;
+}
+
+async function refresh() {
+  const resp = await fetch("/stats", { headers: headers("client") });
+  if (!resp.ok) {
+    $("#admin-note").textContent = "Cannot read the models: " + await errorText(resp) +
+      (resp.status === 401 ? " Enter a client key above." : "");
+    $("#admin-note").className = "note bad";
+    return;
+  }
+  state.stats = await resp.json();
+  state.models = state.stats.models;
+  render();
+}
+
+function render() {
+  const stats = state.stats;
+  if (!stats) return;
+  const now = Date.now() / 1000;
+  const budget = stats.budget_bytes;
+  $("#memory-figures").textContent = mib(stats.used_bytes) + " used of " + mib(budget) +
+    " (peak " + mib(stats.peak_used_bytes) + ")";
+  const bar = $("#bar");
+  bar.replaceChildren();
+  const legend = $("#legend");
+  legend.replaceChildren();
+  for (const m of state.models) {
+    if (!["loading", "ready", "draining"].includes(m.state)) continue;
+    const held = Math.max(m.estimated_bytes || 0, m.measured_bytes || 0);
+    const seg = el("div", { class: "seg", "data-model": m.id,
+                            title: m.id + ": measured " + mib(m.measured_bytes) +
+                                   ", estimated " + mib(m.estimated_bytes) });
+    seg.style.width = (100 * held / budget) + "%";
+    const est = el("div", { class: "estimate" });
+    est.style.background = colorOf(m.id);
+    const measured = el("div", { class: "measured" });
+    measured.style.background = colorOf(m.id);
+    measured.style.width = held ? (100 * (m.measured_bytes || 0) / held) + "%" : "0";
+    seg.append(est, measured);
+    bar.append(seg);
+    const swatch = el("span", { class: "swatch" });
+    swatch.style.background = colorOf(m.id);
+    legend.append(el("span", {}, swatch, m.id + " " + m.state));
+  }
+  legend.append(el("span", {}, "solid: measured; faint: estimated"));
+
+  const tbody = $("#models tbody");
+  tbody.replaceChildren();
+  for (const m of state.models) {
+    const actions = el("td", { class: "actions" });
+    for (const action of ["load", "unload", m.pinned ? "unpin" : "pin"]) {
+      actions.append(el("button", { type: "button", "data-action": action,
+                                    "data-model": m.id,
+                                    onclick: () => act(m.id, action) }, action));
+    }
+    tbody.append(el("tr", { "data-model": m.id },
+      el("td", {}, m.id + (m.default ? " (default)" : "")),
+      el("td", {}, el("span", { class: "state " + m.state, "data-state": m.state }, m.state)),
+      el("td", {}, m.pinned ? "yes" : ""),
+      el("td", {}, String(m.leases)),
+      el("td", {}, m.running + " / " + m.queued),
+      el("td", {}, mib(m.measured_bytes) + " / " + mib(m.estimated_bytes)),
+      el("td", {}, idle(m, now)),
+      el("td", { class: "error" }, m.last_error || ""),
+      actions));
+  }
+
+  const select = $("#chat-model");
+  const chosen = select.value;
+  const usable = state.models.filter((m) => !m.embeddings);
+  if (select.options.length !== usable.length) {
+    select.replaceChildren(...usable.map((m) => el("option", { value: m.id }, m.id)));
+    const fallback = usable.find((m) => m.default) || usable[0];
+    select.value = chosen || (fallback ? fallback.id : "");
+  }
+}
+
+async function act(modelId, action) {
+  const note = $("#admin-note");
+  if (!keyFor("admin")) {
+    note.textContent = "The buttons need the admin key: enter it above (the server takes " +
+      "it from --admin-key; without one, admin is off).";
+    note.className = "note bad";
+    return;
+  }
+  note.textContent = action + " " + modelId + "…";
+  note.className = "note";
+  const resp = await fetch("/v1/models/" + encodeURIComponent(modelId) + "/" + action,
+                           { method: "POST", headers: headers("admin") });
+  if (resp.ok) {
+    note.textContent = action + " " + modelId + ": done";
+  } else {
+    note.textContent = action + " " + modelId + ": " + await errorText(resp);
+    note.className = "note bad";
+  }
+  refresh();
+}
+
+// Server-Sent Events over fetch (EventSource cannot send a key): calls onMessage with each
+// message's {id, event, data} until the stream ends.
+async function readEvents(resp, onMessage) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  let message = { data: [] };
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let newline;
+    while ((newline = buffer.search(/\r?\n/)) >= 0) {
+      const line = buffer.slice(0, newline);
+      buffer = buffer.slice(newline + (buffer[newline] === "\r" ? 2 : 1));
+      if (line === "") {
+        if (message.data.length) onMessage({ id: message.id, event: message.event,
+                                             data: message.data.join("\n") });
+        message = { data: [] };
+      } else if (!line.startsWith(":")) {
+        const colon = line.indexOf(":");
+        const field = colon < 0 ? line : line.slice(0, colon);
+        let value = colon < 0 ? "" : line.slice(colon + 1);
+        if (value.startsWith(" ")) value = value.slice(1);
+        if (field === "data") message.data.push(value);
+        else if (field === "id" || field === "event") message[field] = value;
+      }
+    }
+  }
+}
+
+function showEvent(event) {
+  const list = $("#events");
+  const when = new Date(event.time * 1000).toLocaleTimeString();
+  const item = el("li", { "data-kind": event.kind },
+    el("time", {}, when), el("span", { class: "kind" }, (event.model || "") + " " + event.kind),
+    " " + (event.reason || ""));
+  list.prepend(item);
+  while (list.children.length > 100) list.lastChild.remove();
+}
+
+let pending = null;
+function refreshSoon() {
+  if (pending) return;
+  pending = setTimeout(() => { pending = null; refresh(); }, 150);
+}
+
+async function follow() {
+  const live = $("#live");
+  for (;;) {
+    try {
+      const extra = state.lastSeq == null ? {} : { "Last-Event-ID": String(state.lastSeq) };
+      const resp = await fetch("/admin/events", { headers: headers("client", extra) });
+      if (!resp.ok) throw new Error(await errorText(resp));
+      live.textContent = "live";
+      live.className = "on";
+      refresh();
+      await readEvents(resp, (message) => {
+        const event = JSON.parse(message.data);
+        if (message.id) state.lastSeq = Number(message.id);
+        if (event.kind === "load_progress") return;
+        showEvent(event);
+        refreshSoon();
+      });
+    } catch (e) {
+      live.title = String(e);
+    }
+    live.textContent = "reconnecting…";
+    live.className = "off";
+    await new Promise((resolve) => setTimeout(resolve, 2000));
+  }
+}
+
+async function chat(event) {
+  event.preventDefault();
+  const output = $("#chat-output");
+  const text = $("#chat-input").value.trim();
+  const model = $("#chat-model").value;
+  if (!text || !model) return;
+  output.textContent = "";
+  $("#chat-send").disabled = true;
+  try {
+    // a model without a chat template (a base model) continues the text instead
+    const info = state.models.find((m) => m.id === model) || {};
+    const chatty = info.chat_template !== false;
+    const body = { model, stream: true, max_tokens: 256 };
+    if (chatty) body.messages = [{ role: "user", content: text }];
+    else body.prompt = text;
+    const resp = await fetch(chatty ? "/v1/chat/completions" : "/v1/completions", {
+      method: "POST",
+      headers: headers("client", { "Content-Type": "application/json" }),
+      body: JSON.stringify(body),
+    });
+    if (!resp.ok) {
+      output.textContent = "Error: " + await errorText(resp);
+      return;
+    }
+    await readEvents(resp, (message) => {
+      if (message.data === "[DONE]") return;
+      const chunk = JSON.parse(message.data);
+      if (chunk.error) {
+        output.textContent += "\n[error: " + (chunk.error.message || "") + "]";
+        return;
+      }
+      const choice = chunk.choices && chunk.choices[0];
+      if (!choice) return;
+      const piece = choice.delta ? choice.delta.content : choice.text;
+      if (piece) output.textContent += piece;
+    });
+    output.dataset.done = "true";
+  } catch (e) {
+    output.textContent += "\n[error: " + e + "]";
+  } finally {
+    $("#chat-send").disabled = false;
+  }
+}
+
+function main() {
+  $("#client-key").value = sessionStorage.getItem("bunkhouse.client") || "";
+  $("#admin-key").value = sessionStorage.getItem("bunkhouse.admin") || "";
+  $("#keys").addEventListener("submit", (event) => {
+    event.preventDefault();
+    sessionStorage.setItem("bunkhouse.client", $("#client-key").value);
+    sessionStorage.setItem("bunkhouse.admin", $("#admin-key").value);
+    refresh();
+  });
+  $("#chat").addEventListener("submit", chat);
+  fetch("/api/version").then((r) => r.ok ? r.json() : {}).then((v) => {
+    if (v.version) $("#version").textContent = "v" + v.version;
+  });
+  refresh();
+  follow();
+  setInterval(render, 5000);  // idle times; the state itself comes with the events
+}
+
+main();

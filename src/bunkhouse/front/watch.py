@@ -1,0 +1,84 @@
+"""``GET /admin/events``: residency's events as Server-Sent Events, with sse-starlette.
+
+Each event is one SSE message: ``id`` is its sequence number, ``data`` its JSON
+(``seq, time, model, kind, reason, data``). A client that reconnects with ``Last-Event-ID``
+(or ``?after=N``) gets what followed from the in-memory ring (residency/events.py), then live
+events. If the ring no longer holds them all, or the server restarted (its numbers begin
+again at 1), the stream begins with a ``gap`` message (no id) saying which were lost, so a
+client knows to re-read the state (``GET /v1/models``). A comment line every
+``heartbeat_s`` keeps proxies from closing a quiet stream. A reader that falls behind is
+dropped (residency never waits for it), and every stream ends when the server stops.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import Response
+
+from bunkhouse.errors import InvalidRequest
+from bunkhouse.residency.events import EventLog
+
+HEARTBEAT_S = 15.0
+"""Seconds of silence before a comment line is sent (as llama.cpp's ``--sse-ping-interval``
+and sse-starlette's default ping)."""
+
+SEND_TIMEOUT_S = 30.0
+"""Seconds one message may take to send before the reader is dropped as stuck."""
+
+
+def _after(request: Request) -> int | None:
+    raw = request.headers.get("last-event-id")
+    field = "Last-Event-ID"
+    if raw is None:
+        raw, field = request.query_params.get("after"), "after"
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or len(raw) > 18:
+        raise InvalidRequest(f"{field} must be an event's sequence number (a whole number "
+                             f"of at most 18 digits), got {raw[:40]!r}", param=field)
+    return int(raw)
+
+
+class EventStream:
+    def __init__(self, events: EventLog, heartbeat_s: float = HEARTBEAT_S) -> None:
+        self.events = events
+        self.heartbeat_s = heartbeat_s
+
+    async def follow(self, request: Request) -> Response:
+        after = _after(request)
+        gap = self._gap(after)
+        if gap is not None and after is not None and after > self.events.last_seq:
+            after = 0  # a restarted server: everything it still holds is new to the client
+
+        async def messages() -> AsyncIterator[ServerSentEvent]:
+            if gap is not None:
+                yield ServerSentEvent(data=json.dumps(gap), event="gap")
+            async for event in self.events.follow(after, self.heartbeat_s * 4):
+                if event is not None:  # a quiet spell: sse-starlette's ping covers it
+                    yield ServerSentEvent(data=json.dumps(event.as_dict()), id=str(event.seq))
+
+        # at a stop, sse-starlette lets the stream end on its own for a moment: the server's
+        # last event ("stopping") is sent, then the log's close ends it
+        return EventSourceResponse(messages(), ping=self.heartbeat_s,
+                                   send_timeout=SEND_TIMEOUT_S, shutdown_grace_period=2.0,
+                                   headers={"cache-control": "no-cache",
+                                            "x-accel-buffering": "no"})
+
+    def _gap(self, after: int | None) -> dict[str, Any] | None:
+        """What a resuming client missed, or None."""
+        if after is None:
+            return None
+        last, oldest = self.events.last_seq, self.events.oldest_seq
+        if after > last:
+            return {"kind": "gap", "time": time.time(), "reason": "the server restarted: "
+                    "sequence numbers began again", "after": after, "last_seq": last}
+        if oldest is not None and after < oldest - 1:
+            return {"kind": "gap", "time": time.time(), "reason": "older events were "
+                    "dropped from the ring", "missed_from": after + 1, "missed_to": oldest - 1}
+        return None

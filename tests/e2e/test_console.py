@@ -1,0 +1,101 @@
+"""The web console at ``GET /`` in a real headless browser: Debian's chromium driven by
+Playwright (its own browser download is never used). The page loads with no console
+errors, shows both packaged models, streams a chat answer, says the admin buttons need the
+admin key, and with the key a load button changes the model's state live. A screenshot is
+saved in the test's folder and, if ``BUNKHOUSE_ARTIFACTS`` names a folder, there too."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.server import Server, serve
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+GEMMA = "gemma-3-270m"
+CHROMIUM = os.environ.get("BUNKHOUSE_CHROMIUM", "/usr/bin/chromium")
+# as this machine's notes start it: no sandbox as root, and none of the background
+# connections a closed network refuses
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TIMEOUT_MS = 240_000  # a loaded machine loads a model slowly; each wait ends at its event
+
+
+def _browser_or_skip() -> None:
+    if Path(CHROMIUM).exists():
+        return
+    message = f"no chromium at {CHROMIUM} (apt install chromium; .ci/run installs it)"
+    if os.environ.get("BUNKHOUSE_REQUIRE_BROWSER"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    _browser_or_skip()
+    with serve(tmp_path, "--context", "8192", "--admin-key", "admin-secret") as s:
+        yield s
+
+
+def test_console_in_headless_chromium(server: Server, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(TIMEOUT_MS)
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+
+            for model in (QWEN, GEMMA):
+                page.wait_for_selector(f'#models tr[data-model="{model}"]')
+            page.wait_for_selector("#live.on")  # the event stream is open
+            assert page.locator('#models tr[data-model="gemma-3-270m"] [data-state]'
+                                ).get_attribute("data-state") == "absent"
+
+            # without the key, the buttons say what they need
+            page.click(f'#models tr[data-model="{GEMMA}"] button[data-action="load"]')
+            page.wait_for_selector("#admin-note.bad")
+            assert "admin key" in page.inner_text("#admin-note")
+
+            # a chat, streamed into the box
+            page.select_option("#chat-model", QWEN)
+            page.fill("#chat-input", "Write the word hello.")
+            page.click("#chat-send")
+            page.wait_for_selector('#chat-output[data-done="true"]')
+            answer = page.inner_text("#chat-output")
+            assert answer.strip() and "Error" not in answer, answer
+
+            # with the admin key, load changes the state live (from the event stream)
+            page.fill("#admin-key", "admin-secret")
+            page.click("#keys button")
+            page.click(f'#models tr[data-model="{GEMMA}"] button[data-action="load"]')
+            page.wait_for_selector(
+                f'#models tr[data-model="{GEMMA}"] [data-state="ready"]')
+            page.wait_for_selector('#events li[data-kind="ready"]')
+            page.wait_for_selector(f'#bar .seg[data-model="{GEMMA}"]')
+            shot = tmp_path / "console.png"
+            page.screenshot(path=str(shot), full_page=True)
+
+            # a change made elsewhere reaches the page by its event stream alone
+            unload = httpx.post(f"{server.url}/v1/models/{QWEN}/unload", timeout=120,
+                                headers={"authorization": "Bearer admin-secret"})
+            assert unload.status_code == 204
+            page.wait_for_selector(f'#models tr[data-model="{QWEN}"] [data-state="absent"]')
+            page.wait_for_selector('#events li[data-kind="absent"]')
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    artifacts = os.environ.get("BUNKHOUSE_ARTIFACTS")
+    if artifacts:
+        Path(artifacts).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(artifacts) / "console.png")
+    assert not errors, errors
