@@ -182,6 +182,13 @@ def parser() -> argparse.ArgumentParser:
                        help="refuse (400) a request whose prompt plus max_tokens does not fit "
                             "a slot, as OpenAI does; by default it generates until the slot "
                             "is full (finish_reason length), as local servers do")
+    serve.add_argument("--sse-ping-interval", type=_positive, default=10.0, metavar="S",
+                       help="a streamed request waiting for its model to load or for a slot "
+                            "gets its headers at once and a ping every S seconds "
+                            "(%(default)g), so that proxies and clients keep the connection")
+    serve.add_argument("--send-loading-state", action="store_true",
+                       help="while a streamed chat request waits, also send what it waits "
+                            "for (\"loading model X: 3 s\") as reasoning_content deltas")
     serve.add_argument("--compute-gate", choices=["on", "off"], default="on",
                        help="on: one model computes at a time, so that workers never "
                             "oversubscribe the CPU; off: for GPU hosts (%(default)s)")
@@ -375,6 +382,8 @@ def _flags_win(settings: Settings, args: argparse.Namespace) -> Settings:
     return dataclasses.replace(
         settings,
         strict_context=settings.strict_context or getattr(args, "strict_context", False),
+        sse_ping_s=getattr(args, "sse_ping_interval", settings.sse_ping_s),
+        send_loading_state=getattr(args, "send_loading_state", False),
         sources=tuple((name, False if name in off else where)
                       for name, where in settings.sources))
 
@@ -424,6 +433,7 @@ def serve(settings: Settings, catalog: Catalog,
     from bunkhouse.front.heads import HeadLimits, bounded_http
     from bunkhouse.front.reload import Reloader
     from bunkhouse.front.site import SitePolicy, is_loopback_bind
+    from bunkhouse.front.waiting import WaitingOptions
     from bunkhouse.residency.estimate import default_budget_bytes
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
     from bunkhouse.supervisor.launcher import LocalLauncher
@@ -460,6 +470,8 @@ def serve(settings: Settings, catalog: Catalog,
                         drain_grace_s=settings.stop_grace_s),
                     site=SitePolicy.for_bind(settings.host, settings.allowed_hosts),
                     strict_context=settings.strict_context,
+                    waiting=WaitingOptions(ping_s=settings.sse_ping_s,
+                                           send_loading_state=settings.send_loading_state),
                     reloader=Reloader(rebuild, residency) if rebuild else None,
                     cors_origins=settings.cors_origins)
     if not is_loopback_bind(settings.host) and not settings.api_keys:

@@ -203,6 +203,8 @@ class Settings:
     stop_grace_s: float = d.STOP_GRACE_S
     log_level: str = "info"
     strict_context: bool = False  # prompt + max_tokens past a slot: 400, not generate to full
+    sse_ping_s: float = 10.0  # pings to a streamed request while it waits (front/waiting.py)
+    send_loading_state: bool = False  # and what it waits for, in reasoning_content
     aliases: tuple[tuple[str, str], ...] = ()  # (alias, model id) of the [aliases] table
     # the other tools' model folders: name -> True (the tool's default place), a folder, or
     # False (off); see catalog/sources.py

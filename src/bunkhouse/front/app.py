@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -56,10 +57,11 @@ from bunkhouse.front.protocols import (
     ToolCallShape,
     error_envelope,
 )
-from bunkhouse.front.proxy import Shape, forward, stream_broke
+from bunkhouse.front.proxy import Shape, StreamShaper, forward, stream_broke
 from bunkhouse.front.reload import Reloader
 from bunkhouse.front.response_store import ResponseStore, ResponseStoreError
 from bunkhouse.front.site import SiteGuard, SitePolicy
+from bunkhouse.front.waiting import WaitingOptions, WaitingStream
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import Lease, ResidencyManager
 from bunkhouse.residency.slots import Slot, SlotGate
@@ -80,8 +82,9 @@ class Front:
     def __init__(self, catalog: Catalog, residency: ResidencyManager,
                  compute: ComputeGate, max_body_bytes: int = DEFAULT_MAX_BODY,
                  keys: Keys | None = None, keeper: SnapshotKeeper | None = None,
-                 strict_context: bool = False) -> None:
+                 strict_context: bool = False, waiting: WaitingOptions | None = None) -> None:
         self.catalog = catalog
+        self.waiting = waiting or WaitingOptions()
         self.strict_context = strict_context
         self.keeper = keeper
         self.residency = residency
@@ -179,6 +182,39 @@ class Front:
         await refuse_before_load(model, path, data, functools.partial(_pair_table, model),
                                  cap=cap)
         request.state.stream = bool(parsed.stream)
+        shaped = _shape(model.id, shape, reader)
+        admit = self._admit(request, model, path, data, cap)
+        if not parsed.stream:
+            return await self._serve(request, model, path, parsed, shaped, await admit)
+        task = asyncio.ensure_future(admit)
+        try:
+            await asyncio.wait({task}, timeout=self.waiting.headers_after_s)
+        except asyncio.CancelledError:
+            await _cancel(task)
+            raise
+        if task.done():  # admitted, or refused, at once: the usual status and headers
+            return await self._serve(request, model, path, parsed, shaped, task.result())
+        # it waits for a load or a slot: headers now, then pings until it is admitted
+        return WaitingStream(
+            task, lambda admitted, shaper: self._serve(request, model, path, parsed, shaped,
+                                                       admitted, shaper),
+            shaped, self.waiting, functools.partial(self._waiting_for, model.id)
+            if path == "/v1/chat/completions" and shape is None else None, model.id)
+
+    def _waiting_for(self, model_id: str) -> str | None:
+        """What a waiting request waits for, as a client may be told it (--send-loading-state)."""
+        state = self.residency.status(model_id).state
+        if state == "loading":
+            return f"loading model {model_id}"
+        if state in ("absent", "draining"):
+            return f"waiting for memory to load model {model_id}"
+        return None
+
+    async def _admit(self, request: Request, model: CatalogModel, path: str,
+                     data: dict[str, Any], cap: bool) -> _Admitted | None:
+        """Everything a request waits for before the engine sees it: the lease (loading the
+        model if need be), the context check, a slot and a compute turn. None: the client
+        left meanwhile. On an error or a cancel, what was taken is given back."""
         queued = time.monotonic()
         lease = await self.residency.acquire(model)
         held = _Held(lease.release)
@@ -199,21 +235,43 @@ class Front:
             request.state.queue_s = time.monotonic() - queued  # load, slot and compute turn
             if await request.is_disconnected():  # gone while it waited: never started
                 held.close()
-                return Response(status_code=499)
+                return None
+        except EngineUnavailable as e:
+            held.close()
+            if self.residency.closing:  # the front's shutdown cut it, not the worker
+                raise ShuttingDown(model.id) from e
+            lease.report(False)
+            raise
+        except BaseException:
+            held.close()
+            raise
+        return _Admitted(lease, held, engine, keeper, pinned, tokens, slot, data)
+
+    async def _serve(self, request: Request, model: CatalogModel, path: str, parsed: Any,
+                     shaped: Shape | None, admitted: _Admitted | None,
+                     shaper: StreamShaper | None = None) -> Response:
+        """Send the admitted request to its worker and relay the answer. ``shaper``: the
+        stream's shaper when its first bytes were sent already (a waiting stream)."""
+        if admitted is None:
+            return Response(status_code=499)
+        lease, held, data = admitted.lease, admitted.held, admitted.data
+        try:
             self._check_still_served(lease)
             check = None
+            keeper = admitted.keeper
             if keeper is not None:
-                restore = await keeper.prepare(model, engine, slot, tokens)
+                restore = await keeper.prepare(model, admitted.engine, admitted.slot,
+                                               admitted.tokens)
                 if restore is not None:
                     check = functools.partial(keeper.check, model, restore)
-                if pinned and slot.id >= 0:
-                    data = {**data, "id_slot": slot.id}
+                if admitted.pinned and admitted.slot.id >= 0:
+                    data = {**data, "id_slot": admitted.slot.id}
             on_timings = functools.partial(_noted, request, check)
-            response = await forward(engine, path, data,
+            response = await forward(admitted.engine, path, data,
                                      stream=parsed.stream, request=request,
                                      model_id=model.id, on_done=held.close,
                                      on_broken=self._broken(lease), on_timings=on_timings,
-                                     shape=_shape(model.id, shape, reader))
+                                     shape=shaped, started=shaper)
         except EngineUnavailable as e:
             held.close()
             if self.residency.closing:  # the front's shutdown cut it, not the worker
@@ -408,6 +466,25 @@ def _pinnable(path: str, data: dict[str, Any]) -> bool:
     return data.get("n", 1) == 1 and not several
 
 
+@dataclasses.dataclass
+class _Admitted:
+    """A request let in: what it holds and what its sending needs."""
+
+    lease: Lease
+    held: _Held
+    engine: EngineClient
+    keeper: SnapshotKeeper | None
+    pinned: bool
+    tokens: list[int] | None
+    slot: Slot
+    data: dict[str, Any]
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 class _Held:
     """What a request holds (lease, slot, compute turn), released once, in reverse order."""
 
@@ -467,14 +544,16 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               strict_context: bool = False,
               reloader: Reloader | None = None,
               cors_origins: Sequence[str] = (),
-              events_heartbeat_s: float = 15.0) -> Starlette:
+              events_heartbeat_s: float = 15.0,
+              waiting: WaitingOptions | None = None) -> Starlette:
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
     Responses API answers are stored (opened at startup; None: none are). ``reloader``: how
     the configuration is re-read, on ``POST /admin/reload`` and on SIGHUP (None: it is not).
     ``cors_origins``: origins browsers may call from besides loopback ones (front/cors.py).
     ``events_heartbeat_s``: seconds of silence on ``GET /admin/events`` before a comment
-    line is sent.
+    line is sent. ``waiting``: how a streamed request that waits is answered meanwhile
+    (front/waiting.py).
     """
     from bunkhouse.front.console import Console
     from bunkhouse.front.extras import Extras
@@ -485,7 +564,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
 
     keys = keys or Keys()
     front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys, keeper,
-                  strict_context)
+                  strict_context, waiting)
     stored = ResponsesRoutes(front, responses)
     olla = OllamaRoutes(front)
     extras = Extras(front)

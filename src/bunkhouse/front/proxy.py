@@ -105,7 +105,8 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
                   stream: bool, request: Request, model_id: str,
                   on_done: Callable[[], None] = _nothing,
                   on_broken: Callable[[Exception], BunkhouseError] | None = None,
-                  on_timings: Timings | None = None, shape: Shape | None = None) -> Response:
+                  on_timings: Timings | None = None, shape: Shape | None = None,
+                  started: StreamShaper | None = None) -> Response:
     """Send ``body`` to the worker behind ``engine`` and relay its answer.
 
     ``body`` is raw bytes, sent as they are, or a parsed request, serialized here once: a
@@ -118,7 +119,9 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
     event (default: 502 ``engine_unavailable``). ``on_timings(timings)`` is called with the
     engine's ``timings`` object of a single answer (streamed or assembled), if it sends one.
     ``shape``: the answer, a stream's events and errors in another protocol (a single chat
-    answer only).
+    answer only). ``started``: a stream whose first bytes ``shape``'s shaper ``started``
+    already sent (front/waiting.py): it goes on with that shaper, and an engine's error is
+    its error event, not a status.
     """
     assembler = None
     if isinstance(body, dict):
@@ -130,7 +133,7 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)
         return await _forward_stream(engine, path, body, model_id, on_done, broken, on_timings,
-                                     shape)
+                                     shape, started)
     return await _forward_once(engine, path, body, request, model_id, assembler, on_done,
                                on_timings, shape)
 
@@ -138,17 +141,22 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
 async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id: str,
                           on_done: Callable[[], None],
                           on_broken: Callable[[Exception], BunkhouseError],
-                          on_timings: Timings | None, shape: Shape | None) -> Response:
+                          on_timings: Timings | None, shape: Shape | None,
+                          started: StreamShaper | None = None) -> Response:
     resp = await engine.generate(path, body)
     if resp.status_code >= 400:
         try:
+            if started is not None:
+                _, content = engine.error(resp.status_code, await _read_error(resp), path)
+                return StreamingResponse(iter([started.error(content)]))
             return _engine_error(engine, resp.status_code, await _read_error(resp), path,
                                  shape)
         finally:
             await resp.aclose()
             on_done()
+    shaper = started or (shape.stream() if shape else None)
     return _Relay(resp, model_id, on_done, on_broken, on_timings,
-                  shape.stream() if shape else None, shape.media_type if shape else None)
+                  shaper, shape.media_type if shape else None)
 
 
 async def _raw(resp: httpx.Response) -> AsyncIterator[bytes]:

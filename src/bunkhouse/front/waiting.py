@@ -1,0 +1,152 @@
+"""A streamed request that waits (for its model to load, for memory, for a slot or a compute
+turn) is answered at once: status 200 and its stream's headers after
+:attr:`WaitingOptions.headers_after_s`, then a ping every :attr:`WaitingOptions.ping_s`
+while it waits, in its protocol's own form (an SSE comment, Anthropic's ``ping`` event), so
+that proxies and clients that give up on a silent connection keep it. With
+``--send-loading-state``, an OpenAI chat stream also gets what it waits for as
+``reasoning_content`` deltas ("loading model ..."), as llama-swap's ``sendLoadingState``
+shows it. Once admitted, the worker's answer follows on the same stream.
+
+A request refused at once (a full queue: 429; a model too large for the budget: 507)
+keeps its status: only one still waiting after ``headers_after_s`` is committed to a 200.
+An error after that (no memory freed in time, a failed load, a stop) is its stream's error
+event in its protocol. A client that leaves while waiting gives its place up at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
+
+from bunkhouse.errors import BunkhouseError, error_body
+from bunkhouse.front.protocols import ChatShape
+from bunkhouse.front.proxy import Shape, StreamShaper
+
+if TYPE_CHECKING:
+    from bunkhouse.front.app import _Admitted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WaitingOptions:
+    headers_after_s: float = 0.25
+    """A streamed request still waiting after this gets its headers (seconds). Short enough
+    to be "at once" to a client; long enough that a refusal made at once keeps its status."""
+    ping_s: float = 10.0
+    """Seconds between pings while it waits (llama.cpp's ``--sse-ping-interval`` default)."""
+    send_loading_state: bool = False
+    """Tell an OpenAI chat stream what it waits for, in ``reasoning_content``."""
+
+
+Serve = Callable[["_Admitted | None", "StreamShaper | None"], Awaitable[Response]]
+
+
+class WaitingStream(Response):
+    """The answer of a streamed request whose admission (``admission``, a task) is under way:
+    headers now, pings while it runs, then what ``serve(admitted, shaper)`` answers."""
+
+    def __init__(self, admission: asyncio.Future[_Admitted | None], serve: Serve,
+                 shape: Shape | None, options: WaitingOptions,
+                 waiting_for: Callable[[], str | None] | None = None,
+                 model_id: str = "") -> None:
+        super().__init__(media_type=shape.media_type if shape else "text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        del self.headers["content-length"]
+        self.admission = admission
+        self.serve = serve
+        self.shape = shape
+        self.shaper = shape.stream() if shape else ChatShape().stream()
+        self.options = options
+        self.waiting_for = waiting_for if options.send_loading_state else None
+        self.model_id = model_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        if not await self._wait(receive, send):
+            return
+        try:
+            admitted = self.admission.result()
+            response = await self.serve(admitted, self.shaper if self.shape else None)
+        except BunkhouseError as e:
+            log.info("a streamed request failed after waiting: %s", e.full_message())
+            await self._end(send, self.shaper.error(error_body(e)))
+            return
+        if isinstance(response, StreamingResponse):  # the worker's answer: relayed as is
+            async def body_only(message: Message) -> None:
+                if message["type"] != "http.response.start":
+                    await send(message)
+
+            await response(scope, receive, body_only)
+            return
+        try:  # an answer in one piece: an engine's error (OpenAI's envelope)
+            body = json.loads(bytes(response.body))
+        except ValueError:
+            body = None
+        if response.status_code >= 400 and isinstance(body, dict):
+            await self._end(send, self.shaper.error(body))
+        else:
+            await self._end(send, b"")
+
+    async def _wait(self, receive: Receive, send: Send) -> bool:
+        """Ping until admitted; False if the client left meanwhile (its place given up)."""
+        gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(receive))
+        began = time.monotonic()
+        try:
+            while True:
+                pending: set[asyncio.Future[Any]] = {self.admission, gone}
+                done, _ = await asyncio.wait(pending,
+                                             timeout=self.options.ping_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if gone in done:
+                    await self._give_up()
+                    return False
+                if self.admission in done:
+                    return True
+                body = self.shaper.keepalive() + self._loading(time.monotonic() - began)
+                if body:
+                    await send({"type": "http.response.body", "body": body,
+                                "more_body": True})
+        except BaseException:
+            await self._give_up()
+            raise
+        finally:
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+
+    def _loading(self, waited_s: float) -> bytes:
+        what = self.waiting_for() if self.waiting_for is not None else None
+        if what is None:
+            return b""
+        chunk: dict[str, Any] = {
+            "id": "chatcmpl-waiting", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": self.model_id,
+            "choices": [{"index": 0, "finish_reason": None, "delta": {
+                "role": "assistant", "reasoning_content": f"{what}: {waited_s:.0f} s\n"}}]}
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    async def _give_up(self) -> None:
+        """The client is gone: leave the line, or give back what was already taken."""
+        self.admission.cancel()
+        results = await asyncio.gather(self.admission, return_exceptions=True)
+        admitted = results[0]
+        if admitted is not None and not isinstance(admitted, BaseException):
+            admitted.held.close()
+
+    @staticmethod
+    async def _end(send: Send, body: bytes) -> None:
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
