@@ -160,7 +160,9 @@ def test_requests_queued_at_shutdown_get_shutting_down(tmp_path: Path) -> None:
             assert stream.result(timeout=30)[1][-2] == "event: error"
             status, lines = queued[0].result(timeout=30)
             plain = queued[1].result(timeout=30)
-        assert status == 503 and "shutting_down" in lines[0]
+        # the queued stream had its headers while it waited: its end is the error event
+        assert status == 200 and lines[-2] == "event: error" and "shutting_down" in lines[-1]
+        assert not [line for line in lines if line.startswith("data: {\"id")]  # no answer
         assert plain.status_code == 503 and plain.json()["error"]["code"] == "shutting_down"
     assert "Traceback" not in server.log.read_text()
 

@@ -81,6 +81,11 @@ class WaitingStream(Response):
             log.info("a streamed request failed after waiting: %s", e.full_message())
             await self._end(send, self.shaper.error(error_body(e)))
             return
+        except Exception as e:  # rendered once, here, as the error handler would
+            log.exception("a streamed request failed after waiting", exc_info=e)
+            err = BunkhouseError("internal error; see the server log")
+            await self._end(send, self.shaper.error(error_body(err)))
+            return
         if isinstance(response, StreamingResponse):  # the worker's answer: relayed as is
             async def body_only(message: Message) -> None:
                 if message["type"] != "http.response.start":

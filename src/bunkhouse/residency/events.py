@@ -31,8 +31,8 @@ DRAIN_CAUSES = ("room", "idle", "keep_alive", "operator", "removed", "crashed", 
 def drain_cause(reason: str) -> str:
     """The bounded cause of a drain, from its free-text reason."""
     text = reason.lower()
-    for needle, cause in (("making room", "room"), ("idle", "idle"),
-                          ("keep_alive", "keep_alive"), ("operator", "operator"),
+    for needle, cause in (("making room", "room"), ("keep_alive", "keep_alive"),
+                          ("idle", "idle"), ("operator", "operator"),
                           ("removed", "removed"), ("crash", "crashed"),
                           ("shutting down", "shutdown"), ("shutdown", "shutdown")):
         if needle in text:

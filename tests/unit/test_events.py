@@ -1,0 +1,106 @@
+"""The residency event ring and its live readers (residency/events.py), and the SSE route's
+resume rules (front/watch.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bunkhouse.residency import events as ev
+from bunkhouse.residency.events import EventLog, drain_cause
+
+
+def test_a_reader_gets_the_backlog_after_its_number_then_live_events() -> None:
+    async def run() -> list[int]:
+        log = EventLog(capacity=10)
+        for i in range(5):
+            log.emit("m", "loading", str(i))
+        got: list[int] = []
+
+        async def read() -> None:
+            async for event in log.follow(after=3, heartbeat_s=5):
+                assert event is not None
+                got.append(event.seq)
+                if event.seq == 7:
+                    return
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0)
+        log.emit("m", "ready", "")
+        log.emit("m", "draining", "making room for x")
+        await asyncio.wait_for(reader, 5)
+        return got
+
+    assert asyncio.run(run()) == [4, 5, 6, 7]
+
+
+def test_a_slow_reader_is_dropped_and_never_slows_the_emitter(monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    monkeypatch.setattr(ev, "SUBSCRIBER_QUEUE", 3)
+
+    async def run() -> tuple[int, bool]:
+        log = EventLog()
+        subscription = log.subscribe()
+        for i in range(10):  # nobody reads: the fourth overflows its queue
+            log.emit("m", "pinned", str(i))
+        seen = 0
+        while (await subscription.next(1)) is not None:
+            seen += 1
+        return seen, subscription.dropped
+
+    assert asyncio.run(run()) == (3, True)
+
+
+def test_close_ends_every_reader_and_a_later_one_at_once() -> None:
+    async def run() -> list[object]:
+        log = EventLog()
+        first = log.subscribe()
+        log.close()
+        later = log.subscribe()
+        return [await first.next(1), await later.next(1)]
+
+    assert asyncio.run(run()) == [None, None]
+
+
+def test_a_quiet_stream_yields_heartbeats() -> None:
+    async def run() -> object:
+        log = EventLog()
+        stream = log.follow(None, heartbeat_s=0.01)
+        first = await anext(stream)
+        await stream.aclose()
+        return first
+
+    assert asyncio.run(run()) is None
+
+
+def test_drains_are_counted_by_a_bounded_cause() -> None:
+    log = EventLog()
+    for reason in ("making room for gemma", "idle for 301 s (ttl 300 s)",
+                   "keep_alive 0: unloaded once idle", "unloaded by an operator", "shutdown",
+                   "removed", "crashed", "something new"):
+        log.emit("m", "draining", reason)
+    assert {cause for (_, cause) in log.drains} == set(ev.DRAIN_CAUSES)
+    assert drain_cause("Making room for X") == "room"
+
+
+def test_the_ring_keeps_its_capacity_and_knows_its_oldest() -> None:
+    log = EventLog(capacity=3)
+    for i in range(5):
+        log.emit("m", "pinned", str(i))
+    assert [e.seq for e in log.recent()] == [3, 4, 5]
+    assert (log.oldest_seq, log.last_seq) == (3, 5)
+
+
+def test_a_resume_past_the_ring_or_after_a_restart_is_told_of_its_gap() -> None:
+    from bunkhouse.front.watch import EventStream
+
+    log = EventLog(capacity=3)
+    for i in range(5):
+        log.emit("m", "pinned", str(i))
+    stream = EventStream(log)
+    assert stream._gap(None) is None and stream._gap(2) is None and stream._gap(5) is None
+    lost = stream._gap(0)
+    assert lost is not None and (lost["missed_from"], lost["missed_to"]) == (1, 2)
+    restarted = stream._gap(99)
+    assert restarted is not None and "restarted" in restarted["reason"]
