@@ -159,3 +159,28 @@ def test_ps_shows_idle_time_only_for_loaded_models_serving_nothing() -> None:
 def test_ps_watch_stops_on_an_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ps", "--url", "http://127.0.0.1:1", "--watch", "0.1"]) == 1
     assert "cannot read http://127.0.0.1:1/stats" in capsys.readouterr().err
+
+
+def test_json_log_lines_carry_an_access_line_field_by_field() -> None:
+    import json
+    import logging
+
+    from bunkhouse.cli import JsonLogFormatter
+
+    record = logging.LogRecord("bunkhouse.access", logging.INFO, __file__, 1,
+                               "GET %s status=%s", ("/v1/models", 200), None)
+    record.fields = {"method": "GET", "path": "/v1/models", "status": 200}
+    line = json.loads(JsonLogFormatter().format(record))
+    assert line["message"] == "GET /v1/models status=200" and line["level"] == "info"
+    assert (line["method"], line["status"], line["logger"]) == ("GET", 200, "bunkhouse.access")
+    assert line["time"].endswith("Z")
+
+
+def test_events_prints_one_line_an_event() -> None:
+    from bunkhouse.cli import _event_line
+
+    data = ('{"seq": 7, "time": 0, "model": "m", "kind": "ready", "reason": "measured 1 MiB", '
+            '"data": {}}')
+    assert _event_line(data, as_json=False).endswith("#7 m: ready (measured 1 MiB)")
+    assert _event_line(data, as_json=True) == data
+    assert "gap" in _event_line('{"kind": "gap", "time": 0, "reason": "restarted"}', False)
