@@ -107,6 +107,22 @@ def test_events_follow_a_load_an_eviction_and_a_crash_and_resume(server: Server)
     assert {m["id"]: m["state"] for m in server.stats()["models"]} == {
         QWEN: "absent", GEMMA: "absent"}  # polling loads nothing
 
+    # CORS, as a browser asks it: a page on this machine may call, another site may not
+    def preflight(origin: str, path: str = "/v1/chat/completions") -> httpx.Response:
+        return httpx.options(f"{server.url}{path}", timeout=30, headers={
+            "origin": origin, "access-control-request-method": "POST",
+            "access-control-request-headers": "content-type,authorization"})
+
+    local = preflight("http://localhost:3000")
+    assert local.status_code == 204
+    assert local.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "POST" in local.headers["access-control-allow-methods"]
+    assert "access-control-allow-origin" not in preflight("http://evil.example").headers
+    assert preflight("http://localhost:3000", f"/v1/models/{QWEN}/load").status_code == 403
+    crossed = httpx.post(f"{server.url}/v1/models/{QWEN}/load", timeout=30,
+                         headers={"origin": "http://localhost:3000"})
+    assert crossed.status_code == 403 and "cors-origin" in crossed.json()["error"]["message"]
+
     follower = Follower(server.url)
     before = _metrics(server)
     try:
