@@ -500,13 +500,13 @@ def serve(settings: Settings, catalog: Catalog,
         await residency.close()
         launcher.close()
 
-    def end_event_streams() -> None:  # they would hold uvicorn's wait for connections
-        if not events.closed:
+    def stopping() -> None:
+        residency.stop_loads()  # the grace is for running requests, not for new loads
+        if not events.closed:  # open streams would hold uvicorn's wait for connections
             events.emit("*", "stopping", "the server is stopping; event streams end")
             events.close()
 
-    server = _Server(config, stop_workers, settings.stop_grace_s, serving,
-                     on_stop=end_event_streams)
+    server = _Server(config, stop_workers, settings.stop_grace_s, serving, on_stop=stopping)
     server.run()
     return 0 if server.started else 1
 
@@ -641,7 +641,7 @@ class _Server(uvicorn.Server):
                  grace_s: float, serving: str,
                  on_stop: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self._on_stop = on_stop  # ends the event streams, which would hold the shutdown
+        self._on_stop = on_stop  # called as the stop begins
         self._stop_workers = stop_workers
         self._grace_s = grace_s
         self._serving = serving

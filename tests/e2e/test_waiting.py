@@ -11,6 +11,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for
@@ -65,6 +66,17 @@ def test_a_stream_waiting_for_a_load_gets_headers_pings_and_loading_state(tmp_pa
                 {"role": "user", "content": "Say hello"}]) as s:
             assert "".join(s.text_stream).strip()
         sdk.close()
+
+        # each answer's first token came after its wait ended, pings or not
+        families = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(f"{server.url}/metrics", timeout=30).text)}
+
+        def total(family: str) -> float:
+            return sum(x.value for x in families[family].samples
+                       if x.name == f"{family}_sum" and x.labels["model"] == QWEN)
+
+        assert total("bunkhouse_time_to_first_token_seconds") >= \
+            total("bunkhouse_queue_wait_seconds") > 0
     log = server.log.read_text()
     assert f"model {QWEN}: ready" in log
 
@@ -107,9 +119,15 @@ def test_a_stream_that_waits_in_vain_gets_an_error_event(tmp_path: Path) -> None
                 for line in resp.iter_lines():
                     if line.startswith(":"):
                         break  # gone after the first ping
-            wait_for(lambda: server.model(GEMMA)["leases"] == 0, 60, "gemma's request to go")
+            wait_for(lambda: "load given up" in server.log.read_text(), 60,
+                     "gemma's load to be given up")
+            assert server.model(GEMMA)["waiting"] == 0
             assert server.model(QWEN)["running"] == 1  # the busy stream went on throughout
         finally:
             stop.set()
             busy.join(300)
+        wait_for(lambda: server.model(QWEN)["running"] == 0, 60, "qwen's stream to end")
+        # nobody waits for gemma any more: qwen is not evicted for it
+        events = [(e["model"], e["kind"]) for e in server.stats()["events"]]
+        assert (QWEN, "draining") not in events and (GEMMA, "loading") not in events, events
         assert server.model(GEMMA)["state"] == "absent"

@@ -16,23 +16,28 @@ def test_a_reader_gets_the_backlog_after_its_number_then_live_events() -> None:
         log = EventLog(capacity=10)
         for i in range(5):
             log.emit("m", "loading", str(i))
-        got: list[int] = []
-
-        async def read() -> None:
-            async for event in log.follow(after=3, heartbeat_s=5):
-                assert event is not None
-                got.append(event.seq)
-                if event.seq == 7:
-                    return
-
-        reader = asyncio.create_task(read())
-        await asyncio.sleep(0)
+        subscription = log.subscribe(after=3)
+        got = [e.seq for e in subscription.backlog]
         log.emit("m", "ready", "")
         log.emit("m", "draining", "making room for x")
-        await asyncio.wait_for(reader, 5)
+        for _ in range(2):
+            event = await subscription.next(5)
+            assert event is not None
+            got.append(event.seq)
+        subscription.close()
+        assert log.readers == 0
         return got
 
     assert asyncio.run(run()) == [4, 5, 6, 7]
+
+
+def test_each_event_is_encoded_once_as_one_sse_message() -> None:
+    import json
+
+    event = EventLog().emit("m", "ready", "line one\nline two", measured_bytes=5)
+    head, data, end = event.sse.decode().split("\n", 2)
+    assert head == "id: 1" and end == "\n" and data.startswith("data: ")
+    assert json.loads(data[6:]) == event.as_dict() and "sse" not in event.as_dict()
 
 
 def test_a_slow_reader_is_dropped_and_never_slows_the_emitter(monkeypatch: pytest.MonkeyPatch
@@ -63,15 +68,13 @@ def test_close_ends_every_reader_and_a_later_one_at_once() -> None:
     assert asyncio.run(run()) == [None, None]
 
 
-def test_a_quiet_stream_yields_heartbeats() -> None:
-    async def run() -> object:
-        log = EventLog()
-        stream = log.follow(None, heartbeat_s=0.01)
-        first = await anext(stream)
-        await stream.aclose()
-        return first
+def test_a_quiet_subscription_times_out_for_a_heartbeat() -> None:
+    async def run() -> None:
+        subscription = EventLog().subscribe()
+        with pytest.raises(TimeoutError):
+            await subscription.next(0.01)
 
-    assert asyncio.run(run()) is None
+    asyncio.run(run())
 
 
 def test_drains_are_counted_by_a_bounded_cause() -> None:

@@ -14,7 +14,13 @@ from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.llamacpp import LlamaCppClient
-from bunkhouse.errors import InsufficientMemory, ModelFailed, ModelTooLarge, WorkerLoadFailed
+from bunkhouse.errors import (
+    InsufficientMemory,
+    ModelFailed,
+    ModelTooLarge,
+    ShuttingDown,
+    WorkerLoadFailed,
+)
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from bunkhouse.supervisor.handle import Placement, WorkerMemory
 from bunkhouse.supervisor.restart import RestartPolicy
@@ -511,5 +517,44 @@ def test_keep_alive_never_unloads_a_pinned_model() -> None:
         h.manager.expire_idle()
         await asyncio.sleep(0.05)
         assert h.state("p") == "ready"
+
+    run(go())
+
+
+def test_a_load_whose_requests_all_left_evicts_nothing() -> None:
+    async def go() -> None:
+        h = Host([model("a", 6), model("b", 6)], budget_gib=10)
+        lease = await h.manager.acquire(h.models["a"])
+        waiting = [asyncio.create_task(h.use("b")) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert h.manager.status("b").waiting == 2  # shown while they wait
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        lease.release()  # a may go now, but nobody wants b any more
+        await asyncio.sleep(0.05)
+        assert (h.state("a"), h.state("b")) == ("ready", "absent") and h.starts == ["a"]
+        assert h.manager.status("b").waiting == 0
+        await h.use("b")  # a new request loads it as usual
+        assert (h.state("a"), h.state("b")) == ("absent", "ready")
+
+    run(go())
+
+
+def test_once_stopping_no_model_is_loaded_and_ready_ones_still_serve() -> None:
+    async def go() -> None:
+        h = Host([model("a", 6), model("b", 6)], budget_gib=10)
+        lease = await h.manager.acquire(h.models["a"])
+        waiting = asyncio.create_task(h.use("b"))  # waits for a's memory
+        await asyncio.sleep(0.05)
+        h.manager.stop_loads()
+        with pytest.raises(ShuttingDown):
+            await waiting
+        with pytest.raises(ShuttingDown):
+            await h.use("b")
+        lease.release()
+        await h.use("a")  # a ready model serves through the stop's grace
+        await asyncio.sleep(0.05)
+        assert (h.state("a"), h.state("b")) == ("ready", "absent") and h.starts == ["a"]
 
     run(go())

@@ -117,7 +117,9 @@ function render() {
       el("td", {}, el("span", { class: "state " + m.state, "data-state": m.state }, m.state)),
       el("td", {}, m.pinned ? "yes" : ""),
       el("td", {}, String(m.leases)),
-      el("td", {}, m.running + " / " + m.queued),
+      el("td", { title: "running in its slots / queued for a slot / waiting for its " +
+                        "load or for memory" }, m.running + " / " + m.queued + " / " +
+         (m.waiting || 0)),
       el("td", {}, mib(m.measured_bytes) + " / " + mib(m.estimated_bytes)),
       el("td", {}, idle(m, now)),
       el("td", { class: "error" }, m.last_error || ""),

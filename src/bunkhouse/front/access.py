@@ -54,6 +54,9 @@ class AccessLog:
         try:
             await self.app(scope, receive, sending)
         finally:
+            state = scope.get("state") or {}
+            if "first_byte_at" in state:  # a waiting stream: its pings are not its answer
+                seen["first"] = state["first_byte_at"]
             self._log(scope, seen, started)
             if self.observe is not None:
                 first = seen["first"]

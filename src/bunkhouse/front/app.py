@@ -348,6 +348,7 @@ class Front:
             "leases": status.leases,
             "running": self.residency.slots(model.id).running,
             "queued": self.residency.slots(model.id).waiting,
+            "waiting": status.waiting,  # for a lease: its load, memory, a pause
             "queue": model.options.queue,
             "last_used": status.last_used,
             "estimated_bytes": status.estimated_bytes,

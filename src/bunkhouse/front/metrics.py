@@ -86,6 +86,8 @@ class StateCollector(Collector):
                       ("leases", "requests holding the model"),
                       ("running_requests", "requests in the model's slots"),
                       ("queued_requests", "requests waiting for a slot"),
+                      ("waiting_requests", "requests waiting for the model to load, for "
+                                           "memory or for a pause to end"),
                       ("pinned", "1 if the model is pinned resident"),
                       ("kv_snapshots", "KV cache snapshots kept on disk for the model"),
                       ("kv_snapshot_bytes", "their bytes on disk"))}
@@ -98,6 +100,7 @@ class StateCollector(Collector):
             gauges["leases"].add_metric([s.id], s.leases)
             gauges["running_requests"].add_metric([s.id], slots.running)
             gauges["queued_requests"].add_metric([s.id], slots.waiting)
+            gauges["waiting_requests"].add_metric([s.id], s.waiting)
             gauges["pinned"].add_metric([s.id], 1.0 if s.pinned else 0.0)
             if self.keeper is not None:
                 count, size = self.keeper.store.model_stats(s.id)

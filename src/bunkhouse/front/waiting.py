@@ -70,6 +70,9 @@ class WaitingStream(Response):
         self.model_id = model_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # the access log and /metrics time the first byte of the answer, not of the pings
+        state = scope.setdefault("state", {})
+        state["first_byte_at"] = None
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         if not await self._wait(receive, send):
@@ -88,8 +91,11 @@ class WaitingStream(Response):
             return
         if isinstance(response, StreamingResponse):  # the worker's answer: relayed as is
             async def body_only(message: Message) -> None:
-                if message["type"] != "http.response.start":
-                    await send(message)
+                if message["type"] == "http.response.start":
+                    return
+                if state["first_byte_at"] is None and message.get("body"):
+                    state["first_byte_at"] = time.monotonic()
+                await send(message)
 
             await response(scope, receive, body_only)
             return

@@ -7,7 +7,9 @@ events. If the ring no longer holds them all, or the server restarted (its numbe
 again at 1), the stream begins with a ``gap`` message (no id) saying which were lost, so a
 client knows to re-read the state (``GET /v1/models``). A comment line every
 ``heartbeat_s`` keeps proxies from closing a quiet stream. A reader that falls behind is
-dropped (residency never waits for it), and every stream ends when the server stops.
+dropped (residency never waits for it), and every stream ends when the server stops. At most
+:data:`MAX_READERS` streams are open at once; each event's message is encoded once, at its
+emit, whoever sends it.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
 
-from bunkhouse.errors import InvalidRequest
+from bunkhouse.errors import InvalidRequest, ServerBusy
 from bunkhouse.residency.events import EventLog
 
 HEARTBEAT_S = 15.0
 """Seconds of silence before a comment line is sent (as llama.cpp's ``--sse-ping-interval``
 and sse-starlette's default ping)."""
+
+MAX_READERS = 64
+"""Event streams open at once (a console tab holds one); more get 503 ``server_busy``.
+Each costs a queue and, on resuming, a write of up to the ring's 1,000 events."""
 
 SEND_TIMEOUT_S = 30.0
 """Seconds one message may take to send before the reader is dropped as stuck."""
@@ -56,12 +62,29 @@ class EventStream:
         if gap is not None and after is not None and after > self.events.last_seq:
             after = 0  # a restarted server: everything it still holds is new to the client
 
-        async def messages() -> AsyncIterator[ServerSentEvent]:
-            if gap is not None:
-                yield ServerSentEvent(data=json.dumps(gap), event="gap")
-            async for event in self.events.follow(after, self.heartbeat_s * 4):
-                if event is not None:  # a quiet spell: sse-starlette's ping covers it
-                    yield ServerSentEvent(data=json.dumps(event.as_dict()), id=str(event.seq))
+        if self.events.readers >= MAX_READERS:
+            raise ServerBusy(f"{MAX_READERS} event streams are open already; close one, or "
+                             "retry shortly")
+
+        async def messages() -> AsyncIterator[ServerSentEvent | bytes]:
+            # subscribed at the stream's first step, so that a stream never started (its
+            # client gone first) holds no subscription
+            subscription = self.events.subscribe(after)
+            try:
+                if gap is not None:
+                    yield ServerSentEvent(data=json.dumps(gap), event="gap")
+                if subscription.backlog:  # one write, each message encoded at its emit
+                    yield b"".join(e.sse for e in subscription.backlog)
+                while True:
+                    try:
+                        event = await subscription.next(self.heartbeat_s * 4)
+                    except TimeoutError:
+                        continue  # a quiet spell: sse-starlette's ping covers it
+                    if event is None:
+                        return
+                    yield event.sse
+            finally:
+                subscription.close()
 
         # at a stop, sse-starlette lets the stream end on its own for a moment: the server's
         # last event ("stopping") is sent, then the log's close ends it

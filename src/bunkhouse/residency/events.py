@@ -11,11 +11,12 @@ reader never slows residency.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 log = logging.getLogger("bunkhouse.residency")
@@ -48,9 +49,19 @@ class Event:
     kind: str  # the new state (loading, ready, draining, absent, failed) or what happened
     reason: str
     data: dict[str, Any] = field(default_factory=dict)  # figures: bytes, seconds, cause
+    sse: bytes = field(default=b"", repr=False, compare=False)  # its SSE message, made once
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["sse"]
+        return out
+
+
+def _encoded(event: Event) -> Event:
+    """The event with its SSE message (``id`` and one ``data`` line: JSON has no newline),
+    encoded once however many readers send it."""
+    body = json.dumps(event.as_dict(), default=str)
+    return replace(event, sse=f"id: {event.seq}\ndata: {body}\n\n".encode())
 
 
 class Subscription:
@@ -108,7 +119,7 @@ class EventLog:
             data.setdefault("cause", drain_cause(reason))
             key = (model, data["cause"])
             self.drains[key] = self.drains.get(key, 0) + 1
-        event = Event(self._seq, time.time(), model, kind, reason, data)
+        event = _encoded(Event(self._seq, time.time(), model, kind, reason, data))
         self._events.append(event)
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.by_model[(model, kind)] = self.by_model.get((model, kind), 0) + 1
@@ -129,6 +140,11 @@ class EventLog:
 
     def recent(self, limit: int = 100) -> list[Event]:
         return list(self._events)[-limit:]
+
+    @property
+    def readers(self) -> int:
+        """Live readers now."""
+        return len(self._subscribers)
 
     def subscribe(self, after: int | None = None) -> Subscription:
         """A live reader of the events after sequence number ``after`` (None: from now).
@@ -151,23 +167,3 @@ class EventLog:
         for subscriber in list(self._subscribers):
             subscriber.offer(None)
         self._subscribers.clear()
-
-    async def follow(self, after: int | None, heartbeat_s: float
-                     ) -> AsyncIterator[Event | None]:
-        """The events after ``after`` then live ones, with None every ``heartbeat_s`` of
-        silence (a heartbeat); ends when the log closes or the reader falls behind."""
-        subscription = self.subscribe(after)
-        try:
-            for event in subscription.backlog:
-                yield event
-            while True:
-                try:
-                    live = await subscription.next(heartbeat_s)
-                except TimeoutError:
-                    yield None
-                    continue
-                if live is None:
-                    return
-                yield live
-        finally:
-            subscription.close()

@@ -118,6 +118,7 @@ class _Entry:
         self.worker: WorkerHandle | None = None
         self.slots = SlotGate(model.id, model.options.parallel, model.options.queue)
         self.leases = 0
+        self.wanting = 0  # acquire() calls under way: requests waiting for a lease
         self.waiters: list[_Waiter] = []
         self.last_used = 0.0
         self.pinned = model.pinned
@@ -168,6 +169,7 @@ class ModelStatus:
     pid: int | None
     last_error: str | None
     last_error_detail: str | None = None  # for admin-key callers only
+    waiting: int = 0  # requests waiting for a lease: the model's load, memory, a pause
 
 
 def _front_only(old: CatalogModel, new: CatalogModel) -> bool:
@@ -216,6 +218,7 @@ class ResidencyManager:
         self._changed = asyncio.Event()
         self._paused = 0
         self.closing = False
+        self.no_new_loads = False  # the front is stopping: see stop_loads
         self._closed: asyncio.Task[None] | None = None
         self.peak_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -232,7 +235,7 @@ class ResidencyManager:
             measured_bytes=e.measured, pinned=e.pinned, leases=e.leases,
             last_used=e.last_used + self._wall_offset if e.last_used else None,
             pid=e.worker.placement.pid if e.worker else None, last_error=e.last_error,
-            last_error_detail=e.last_error_detail,
+            last_error_detail=e.last_error_detail, waiting=e.wanting,
         )
 
     def statuses(self) -> list[ModelStatus]:
@@ -341,17 +344,21 @@ class ResidencyManager:
         Raises ModelNotFound (being removed), ModelFailed (cooling down after a crash loop),
         ModelTooLarge, InsufficientMemory, WorkerLoadFailed, ShuttingDown."""
         entry = self._entries[model.id]
-        while True:
-            ticket = self._ask(entry)
-            if isinstance(ticket, Lease):
-                return ticket
-            try:
-                lease = await ticket
-            except asyncio.CancelledError:
-                self._abandon(entry, ticket)
-                raise
-            if lease is not None:
-                return lease
+        entry.wanting += 1
+        try:
+            while True:
+                ticket = self._ask(entry)
+                if isinstance(ticket, Lease):
+                    return ticket
+                try:
+                    lease = await ticket
+                except asyncio.CancelledError:
+                    self._abandon(entry, ticket)
+                    raise
+                if lease is not None:
+                    return lease
+        finally:
+            entry.wanting -= 1
 
     # -- load and evict (orchestration: commit, await an effect, commit) --------------------
 
@@ -410,9 +417,16 @@ class ResidencyManager:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def _make_room(self, entry: _Entry, deadline: float) -> None:
+        """Evict what the plan says until the model fits. Before each step: a load nobody
+        waits for any more (its requests all left) is given up, and so is every load once
+        the front has begun to stop: neither evicts a model for nothing."""
         while True:
-            if self.closing:
+            if self.closing or self.no_new_loads:
                 raise ShuttingDown(entry.model.id)
+            if not entry.wanting:
+                log.info("model %s: load given up: no request waits for it any more",
+                         entry.model.id)
+                raise BunkhouseError(f"model {entry.model.id!r}: nobody waits for its load")
             decision = policy.plan(self._residents(), self.options.budget_bytes,
                                    entry.model.id, entry.estimate.total)
             if isinstance(decision, policy.NeverFits):
@@ -570,11 +584,22 @@ class ResidencyManager:
         finally:
             self._set_paused(-1)
 
+    def stop_loads(self) -> None:
+        """The front begins to stop: running and queued requests on ready models go on for
+        the stop's grace, but no model is loaded (or evicted for another) any more; requests
+        waiting for a load get ShuttingDown."""
+        self.no_new_loads = True
+        for entry in self._entries.values():
+            if entry.state is not State.READY and entry.state is not State.LOADING:
+                self._wake(entry)  # they look again, and are told
+        self._notify()
+
     def open(self) -> None:
         """Accept work (again, after a close: an app whose lifespan runs more than once)."""
         if self._closed is not None and self._closed.done():
             self._closed = None
             self.closing = False
+            self.no_new_loads = False
 
     async def close(self) -> None:
         """Stop every worker, in every state, concurrently; refuse everything after. Safe to
@@ -609,6 +634,9 @@ class ResidencyManager:
             raise ShuttingDown(entry.model.id)
         if entry.state is State.READY and entry.worker is not None and not entry.worker.alive:
             self._worker_died(entry, entry.worker)
+        if self.no_new_loads and entry.state is not State.READY \
+                and entry.state is not State.LOADING:
+            raise ShuttingDown(entry.model.id)  # stopping: no model is loaded any more
         if entry.state is State.READY and entry.worker is not None and not self._paused:
             return self._lease(entry, entry.worker)
         if entry.state is State.FAILED and entry.failed_until is not None:
