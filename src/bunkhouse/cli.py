@@ -182,10 +182,11 @@ def parser() -> argparse.ArgumentParser:
                        help="refuse (400) a request whose prompt plus max_tokens does not fit "
                             "a slot, as OpenAI does; by default it generates until the slot "
                             "is full (finish_reason length), as local servers do")
-    serve.add_argument("--sse-ping-interval", type=_positive, default=10.0, metavar="S",
-                       help="a streamed request waiting for its model to load or for a slot "
-                            "gets its headers at once and a ping every S seconds "
-                            "(%(default)g), so that proxies and clients keep the connection")
+    serve.add_argument("--sse-ping-interval", type=_ping_interval, default=10.0, metavar="S",
+                       help="a streamed request still waiting for its model to load or for a "
+                            "slot after 250 ms gets its headers, then a ping every S seconds "
+                            "(%(default)g; at least 0.1), so that proxies and clients keep "
+                            "the connection")
     serve.add_argument("--send-loading-state", action="store_true",
                        help="while a streamed chat request waits, also send what it waits "
                             "for (\"loading model X: 3 s\") as reasoning_content deltas")
@@ -295,6 +296,14 @@ def _count(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 10**9:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to 10^9")
     return int(text)
+
+
+def _ping_interval(text: str) -> float:
+    value = _positive(text)
+    if value < 0.1:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 0.1 s: pings that often only "
+                                         "flood the client")
+    return value
 
 
 def _positive(text: str) -> float:
@@ -679,12 +688,12 @@ class _Server(uvicorn.Server):
 def ps(url: str, key: str | None = None, watch_s: float | None = None) -> int:
     """``bunkhouse ps``: once, or redrawn every ``watch_s`` seconds until interrupted."""
     if watch_s is None:
-        return _ps_once(url, key)
+        return min(_ps_once(url, key), 1)
     try:
         while True:
             print("\033[H\033[2J", end="")  # clear the terminal, as watch(1) does
             code = _ps_once(url, key)
-            if code:
+            if code and code != _UNREACHABLE:  # a refused key: no retry helps
                 return code
             print(f"\nevery {watch_s:g} s; Ctrl-C to stop")
             time.sleep(watch_s)
@@ -740,14 +749,15 @@ def _message(resp: Any) -> str:
 def _event_line(data: str, as_json: bool) -> str:
     """One event as ``bunkhouse events`` prints it."""
     if as_json:
-        return data
+        return data  # JSON escapes every control character itself
     try:
         event = json.loads(data)
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         seq = f"#{event['seq']}" if "seq" in event else "--"
-        return f"{when} {seq:>6} {event.get('model', '-')}: {event['kind']} ({event['reason']})"
+        return printable(f"{when} {seq:>6} {event.get('model', '-')}: {event['kind']} "
+                         f"({event['reason']})")
     except (ValueError, KeyError, TypeError):
-        return data
+        return printable(data)
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -770,6 +780,9 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+_UNREACHABLE = 3  # bunkhouse ps: no server answered (--watch tries again)
+
+
 def _ps_once(url: str, key: str | None) -> int:
     import httpx
 
@@ -784,7 +797,7 @@ def _ps_once(url: str, key: str | None) -> int:
     except (httpx.HTTPError, ValueError) as e:
         print(f"bunkhouse: error: cannot read {url}/stats: {e}; is `bunkhouse serve` running "
               "there? (--url sets the address)", file=sys.stderr)
-        return 1
+        return _UNREACHABLE
     print(format_ps(stats))
     return 0
 
@@ -887,11 +900,30 @@ def _idle(model: dict[str, Any], now: float) -> str:
     return f"{max(0.0, now - model['last_used']):.0f} s"
 
 
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\x1b``), so that a name from a file or
+    a server can neither forge a log line nor drive a terminal."""
+    return text.translate(_CONTROLS)
+
+
+class TextLogFormatter(logging.Formatter):
+    """The text log: one line a message, its control characters escaped (a traceback
+    keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
 def format_ps(stats: dict[str, Any]) -> str:
     header = ("ID", "STATE", "PINNED", "LEASES", "ESTIMATED", "MEASURED", "IDLE", "PID")
     now = time.time()
     rows = [header] + [
-        (m["id"], m["state"], "yes" if m["pinned"] else "no", str(m["leases"]),
+        (printable(str(m["id"])), printable(str(m["state"])), "yes" if m["pinned"] else "no",
+         str(m["leases"]),
          _mib(m["estimated_bytes"]), _mib(m["measured_bytes"]),
          _idle(m, now), str(m["pid"] or "-"))
         for m in stats["models"]
@@ -923,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return cache(args.action, args.model, args.kv_cache_dir)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLogFormatter() if args.log_format == "json" else logging.Formatter(
+    handler.setFormatter(JsonLogFormatter() if args.log_format == "json" else TextLogFormatter(
         "%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if args.log_level != "debug":  # the front's own polling of its workers: debug only

@@ -237,17 +237,17 @@ def default_kv_cache_dir() -> Path:
     return default_cache_dir() / "kv"
 
 
-def check_model_id(model_id: str, where: str) -> str:
+def check_model_id(model_id: str, where: str, what: str = "model id") -> str:
     """``model_id`` if it is 1-128 letters, digits and ``. _ : / -``, starting with a letter
     or digit, and survives a trip through a URL path (no empty, ``.`` or ``..`` segment,
     which clients collapse); else ConfigError."""
     if not _ID_RE.fullmatch(model_id):
         raise ConfigError(
-            f"{where}: model id {model_id!r} must be 1-128 characters of letters, digits "
+            f"{where}: {what} {model_id!r} must be 1-128 characters of letters, digits "
             "and . _ : / - (starting with a letter or digit)"
         )
     if any(part in ("", ".", "..") for part in model_id.split("/")):
-        raise ConfigError(f"{where}: model id {model_id!r} has an empty, '.' or '..' path "
+        raise ConfigError(f"{where}: {what} {model_id!r} has an empty, '.' or '..' path "
                           "segment, which no URL can reach; name it without one")
     return model_id
 
@@ -335,7 +335,7 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise ConfigError(f"{where}: aliases must be an array of strings")
     for alias in aliases:
-        check_model_id(alias, f"{where} aliases")
+        check_model_id(alias, f"{where} aliases", "alias")
     return ModelEntry(model_id, resolved, options, pinned, ttl, template, engine,
                       tuple(dict.fromkeys(aliases)), _params(table, where), overlay=not path)
 
@@ -439,7 +439,7 @@ def _aliases(table: object, path: Path) -> tuple[tuple[str, str], ...]:
     if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
         raise ConfigError(f'{path}: [aliases] must be a table of names, alias = "model id"')
     for alias in table:
-        check_model_id(alias, f"{path} [aliases]")
+        check_model_id(alias, f"{path} [aliases]", "alias")
     return tuple(table.items())
 
 

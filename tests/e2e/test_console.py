@@ -99,3 +99,35 @@ def test_console_in_headless_chromium(server: Server, tmp_path: Path) -> None:
         Path(artifacts).mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, Path(artifacts) / "console.png")
     assert not errors, errors
+
+
+def test_console_with_client_keys_asks_for_one_and_clears_its_note(tmp_path: Path) -> None:
+    _browser_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with serve(tmp_path, "--context", "8192", "--api-key", "client-secret") as server, \
+            sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+            page.wait_for_selector("#admin-note.bad")
+            assert "Enter a client key above." in page.inner_text("#admin-note")
+            assert page.locator("#models tbody tr").count() == 0  # nothing without a key
+            page.fill("#client-key", "wrong")
+            page.click("#keys button")
+            page.fill("#client-key", "client-secret")
+            page.click("#keys button")
+            page.wait_for_selector(f'#models tr[data-model="{QWEN}"]')
+            page.wait_for_selector("#admin-note:not(.bad)", state="attached")
+            assert page.inner_text("#admin-note").strip() == ""
+            page.wait_for_selector("#version:has-text('v')")
+            page.wait_for_selector("#live.on")  # the stream reconnects with the key
+        finally:
+            browser.close()
+    # the refused reads before the key are the browser's own 401 lines, nothing else
+    assert all("status of 401" in e for e in errors), errors

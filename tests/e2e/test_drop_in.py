@@ -144,6 +144,9 @@ def test_keep_alive_zero_unloads(client: ollama.Client) -> None:
     client.generate(model=OLLAMA_NAME, prompt="Hi", options=GREEDY, raw=True, keep_alive=0)
     wait_for(lambda: OLLAMA_NAME not in {m.model for m in client.ps().models}, 120,
              "keep_alive 0 to unload the model")
+    cold = client.generate(model=OLLAMA_NAME, prompt="Hi", options=GREEDY, raw=True)
+    assert cold.load_duration and cold.total_duration  # it waited for the load: not 0
+    assert cold.total_duration >= cold.load_duration
     client.generate(model=OLLAMA_NAME, keep_alive="10m")  # Ollama's way to load
     (loaded,) = [m for m in client.ps().models if m.model == OLLAMA_NAME]
     assert loaded.expires_at is not None

@@ -184,3 +184,32 @@ def test_events_prints_one_line_an_event() -> None:
     assert _event_line(data, as_json=False).endswith("#7 m: ready (measured 1 MiB)")
     assert _event_line(data, as_json=True) == data
     assert "gap" in _event_line('{"kind": "gap", "time": 0, "reason": "restarted"}', False)
+
+
+def test_control_characters_never_reach_a_log_line_or_a_terminal() -> None:
+    import logging
+
+    from bunkhouse.cli import TextLogFormatter, _event_line, format_ps
+
+    evil = "esc\x1b]0;PWNED\x07\x1b[31mred\nline2"
+    record = logging.LogRecord("bunkhouse", logging.INFO, __file__, 1, "model %s: ready",
+                               (evil,), None)
+    line = TextLogFormatter("%(message)s").format(record)
+    assert "\n" not in line and "\x1b" not in line and "\\x1b]0;PWNED\\x07" in line
+    data = ('{"seq": 1, "time": 0, "model": "' + evil.encode("unicode_escape").decode()
+            + '", "kind": "ready", "reason": "r"}')
+    assert "\x1b" not in _event_line(data, as_json=False)
+    table = format_ps({"models": [{"id": evil, "state": "ready", "pinned": False, "leases": 0,
+                                   "estimated_bytes": 1, "measured_bytes": None, "pid": None,
+                                   "last_used": None}],
+                       "budget_bytes": 1, "used_bytes": 0, "free_bytes": 1,
+                       "peak_used_bytes": 0})
+    assert "\x1b" not in table and "\x07" not in table and len(table.splitlines()) == 4
+
+
+def test_a_folder_model_whose_name_has_control_characters_is_skipped(tmp_path: Path) -> None:
+    from bunkhouse.catalog.catalog import gguf_files
+
+    (tmp_path / "good.gguf").write_bytes(b"GGUF")
+    (tmp_path / "bad\x1b[31m\nname.gguf").write_bytes(b"GGUF")
+    assert [model_id for model_id, _ in gguf_files(tmp_path)] == ["good"]

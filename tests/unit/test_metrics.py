@@ -47,3 +47,5 @@ def test_request_labels_stay_bounded_whatever_a_client_sends(tmp_path: Path) -> 
     assert [protocol_of(r) for r in ("/v1/messages", "/v1/responses/{response_id}", "/api/chat",
                                      "/v1/embeddings", "/infill", "/admin/events", "/health")
             ] == ["anthropic", "responses", "ollama", "openai", "llamacpp", "admin", "other"]
+    assert protocol_of("/v1/models/{model_id:path}/{action}", "POST") == "admin"
+    assert protocol_of("/v1/models/{model_id:path}", "GET") == "openai"

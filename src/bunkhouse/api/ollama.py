@@ -22,6 +22,8 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from bunkhouse.api.fields import need, shown
@@ -205,14 +207,25 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else {}
 
 
+@dataclass(frozen=True)
+class Timing:
+    """A request's own times, as Ollama reports them."""
+
+    received_ns: int  # time.monotonic_ns() when it came
+    load_ns: Callable[[], int]  # how long it waited for its model's load (0: it was ready)
+
+
 class OllamaStream:
     """Chat or completion chunks in, Ollama's objects out: one per chunk with text
     (``message`` for chat, ``response`` for generate), then the last one with ``done``."""
 
-    def __init__(self, model: str, chat: bool) -> None:
+    def __init__(self, model: str, chat: bool, timing: Timing | None = None) -> None:
+        """``timing``: when the request came (monotonic ns) and how long its model took to
+        load for it (ns, read at the end), for ``total_duration`` and ``load_duration``."""
         self.model = model
         self.chat = chat
-        self.started = time.monotonic_ns()
+        self.started = timing.received_ns if timing else time.monotonic_ns()
+        self._timing = timing
         self._finish: str | None = None
         self._usage: dict[str, Any] = {}
         self._calls: dict[int, dict[str, Any]] = {}
@@ -263,7 +276,7 @@ class OllamaStream:
             # a whole answer is shaped after the fact: at least the engine's own time
             "total_duration": max(time.monotonic_ns() - self.started,
                                   int((prompt_ms + predicted_ms) * 1e6)),
-            "load_duration": 0,
+            "load_duration": self._timing.load_ns() if self._timing else 0,
             "prompt_eval_count": int(self._usage.get("prompt_tokens") or 0),
             "prompt_eval_duration": int(prompt_ms * 1e6),
             "eval_count": int(self._usage.get("completion_tokens") or 0),
@@ -272,9 +285,10 @@ class OllamaStream:
         return [last]
 
 
-def answer(result: dict[str, Any], model: str, chat: bool) -> dict[str, Any]:
+def answer(result: dict[str, Any], model: str, chat: bool,
+           timing: Timing | None = None) -> dict[str, Any]:
     """A whole chat completion or completion as Ollama's one object (``stream: false``)."""
-    stream = OllamaStream(model, chat)
+    stream = OllamaStream(model, chat, timing)
     text, thinking, calls, finish = _text(result)
     stream.feed({"usage": result.get("usage"), "timings": result.get("timings"),
                  "choices": [{"delta": {"tool_calls": [{**c, "index": i}

@@ -282,6 +282,9 @@ def gguf_files(root: Path) -> Iterator[tuple[str, Path]]:
         if not path.is_file() or path.name.startswith("."):
             continue
         rel = path.relative_to(root).with_suffix("").as_posix()
+        if not rel.isprintable():  # a control character: a forged log line, a terminal escape
+            log.warning("skipping %r: its name has control characters; rename it", str(path))
+            continue
         shard = _SHARD_RE.search(rel)
         if shard:
             if int(shard.group(1)) != 1:

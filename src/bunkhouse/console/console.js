@@ -59,14 +59,34 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
+function readNote(text) {
+  const note = $("#admin-note");
+  if (text) {
+    note.textContent = text;
+    note.className = "note bad";
+    note.dataset.read = "true";
+  } else if (note.dataset.read) {  // the models could not be read before; they can now
+    note.textContent = "";
+    note.className = "note";
+    delete note.dataset.read;
+  }
+}
+
 async function refresh() {
-  const resp = await fetch("/stats", { headers: headers("client") });
-  if (!resp.ok) {
-    $("#admin-note").textContent = "Cannot read the models: " + await errorText(resp) +
-      (resp.status === 401 ? " Enter a client key above." : "");
-    $("#admin-note").className = "note bad";
+  let resp;
+  try {
+    resp = await fetch("/stats", { headers: headers("client") });
+  } catch (e) {
+    readNote("Cannot reach the server (" + e.message + "); retrying with the event stream.");
     return;
   }
+  if (!resp.ok) {
+    const why = (await errorText(resp)).replace(/\.?$/, ".");
+    readNote("Cannot read the models: " + why +
+             (resp.status === 401 || resp.status === 403 ? " Enter a client key above." : ""));
+    return;
+  }
+  readNote("");
   state.stats = await resp.json();
   state.models = state.stats.models;
   render();
@@ -274,6 +294,16 @@ async function chat(event) {
   }
 }
 
+async function showVersion() {
+  try {
+    const resp = await fetch("/api/version", { headers: headers("client") });
+    const body = resp.ok ? await resp.json() : {};
+    if (body.version) $("#version").textContent = "v" + body.version;
+  } catch (e) {
+    // the server is away: the event stream says so
+  }
+}
+
 function main() {
   $("#client-key").value = sessionStorage.getItem("bunkhouse.client") || "";
   $("#admin-key").value = sessionStorage.getItem("bunkhouse.admin") || "";
@@ -282,11 +312,10 @@ function main() {
     sessionStorage.setItem("bunkhouse.client", $("#client-key").value);
     sessionStorage.setItem("bunkhouse.admin", $("#admin-key").value);
     refresh();
+    showVersion();
   });
   $("#chat").addEventListener("submit", chat);
-  fetch("/api/version").then((r) => r.ok ? r.json() : {}).then((v) => {
-    if (v.version) $("#version").textContent = "v" + v.version;
-  });
+  showVersion();
   refresh();
   follow();
   setInterval(render, 5000);  // idle times; the state itself comes with the events

@@ -209,7 +209,9 @@ class Admin:
                             modified=int(st.st_mtime), pinned=body.pinned, ttl_s=body.ttl)
 
     def _known(self, request: Request) -> CatalogModel:
-        return self.catalog.get(request.path_params["model_id"])
+        model = self.catalog.get(request.path_params["model_id"])
+        request.state.model = model.id  # for the access log and /metrics
+        return model
 
     async def delete(self, request: Request) -> Response:
         model = self._known(request)

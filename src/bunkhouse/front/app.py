@@ -217,6 +217,7 @@ class Front:
         left meanwhile. On an error or a cancel, what was taken is given back."""
         queued = time.monotonic()
         lease = await self.residency.acquire(model)
+        request.state.load_s = time.monotonic() - queued  # its model's load, if it waited
         held = _Held(lease.release)
         try:
             engine = lease.worker.engine
@@ -581,6 +582,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
 
         async def noted(request: Request) -> Response:
             request.state.route = path  # a bounded label for /metrics
+            request.state.received_ns = time.monotonic_ns()
             return await guarded(request)
 
         return Route(path, noted, methods=[method])

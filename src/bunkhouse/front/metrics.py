@@ -38,6 +38,7 @@ from starlette.responses import Response
 from starlette.types import Scope
 
 from bunkhouse.front.admission import ComputeGate
+from bunkhouse.front.cors import admin_route
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.events import Event
 from bunkhouse.residency.manager import ResidencyManager
@@ -50,8 +51,11 @@ LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 LOAD_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
-def protocol_of(route: str) -> str:
-    """The API a route belongs to (a bounded label)."""
+def protocol_of(route: str, method: str = "POST") -> str:
+    """The API a route belongs to (a bounded label): ``admin`` for every change of state
+    and the event stream (front/cors.py's admin routes)."""
+    if admin_route(method, route):
+        return "admin"
     if route.startswith("/v1/messages"):
         return "anthropic"
     if route.startswith("/v1/responses"):
@@ -62,8 +66,6 @@ def protocol_of(route: str) -> str:
         return "openai"
     if route in ("/infill", "/tokenize", "/detokenize", "/apply-template"):
         return "llamacpp"
-    if route.startswith("/admin/"):
-        return "admin"
     return "other"
 
 
@@ -179,7 +181,8 @@ class Metrics:
         state: dict[str, Any] = scope.get("state") or {}
         route = state.get("route", "unmatched")
         model = state.get("model", "-")
-        self.requests.labels(route, protocol_of(route), str(status or 0), model).inc()
+        self.requests.labels(route, protocol_of(route, scope.get("method", "")),
+                             str(status or 0), model).inc()
         if model == "-":
             return
         if state.get("stream") and first_s is not None and status == 200:

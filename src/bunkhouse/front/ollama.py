@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,8 @@ class OllamaRoutes:
         front.residency.keep_alive(model.id, keep)
         return await front.generate(request, "/v1/chat/completions", ChatCompletionRequest,
                                     parsed, data, len(body),
-                                    lambda _: OllamaShape(name, chat=True), cap=True)
+                                    lambda _: OllamaShape(name, True, _timing(request)),
+                                    cap=True)
 
     async def generate(self, request: Request) -> Response:
         front = self.front
@@ -118,8 +120,8 @@ class OllamaRoutes:
         parsed = await front.cpu(len(body), validate, schema, data)
         front.residency.keep_alive(model.id, keep)
         shape: Callable[[str], Shape] = (
-            (lambda _: InfillShape(name, OllamaShape(name, chat=False))) if path == "/infill"
-            else (lambda _: OllamaShape(name, chat=False)))
+            (lambda _: InfillShape(name, OllamaShape(name, False, _timing(request))))
+            if path == "/infill" else (lambda _: OllamaShape(name, False, _timing(request))))
         return await front.generate(request, path, schema, parsed, data, len(body), shape,
                                     cap=True)
 
@@ -176,3 +178,11 @@ class OllamaRoutes:
 
     async def not_served(self, request: Request) -> Response:
         raise NotServed(ollama.not_served(request.url.path.rsplit("/", 1)[-1]))
+
+
+def _timing(request: Request) -> ollama.Timing:
+    """The request's own times for Ollama's durations: when it came, and how long it waited
+    for its model to load (noted by the generation path once it has its lease)."""
+    received = getattr(request.state, "received_ns", None)
+    return ollama.Timing(received if isinstance(received, int) else time.monotonic_ns(),
+                         lambda: int(getattr(request.state, "load_s", 0.0) * 1e9))

@@ -269,15 +269,16 @@ class OllamaShape(_OllamaErrors):
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, model: str, chat: bool) -> None:
+    def __init__(self, model: str, chat: bool, timing: ollama.Timing | None = None) -> None:
         self.model = model
         self.chat = chat
+        self.timing = timing
 
     def answer(self, result: dict[str, Any]) -> dict[str, Any]:
-        return ollama.answer(result, self.model, self.chat)
+        return ollama.answer(result, self.model, self.chat, self.timing)
 
     def stream(self) -> StreamShaper:
-        return _OllamaStream(ollama.OllamaStream(self.model, self.chat))
+        return _OllamaStream(ollama.OllamaStream(self.model, self.chat, self.timing))
 
 
 class OllamaEmbedShape(_OllamaErrors):

@@ -68,6 +68,7 @@ class WaitingStream(Response):
         self.options = options
         self.waiting_for = waiting_for if options.send_loading_state else None
         self.model_id = model_id
+        self._told_at = -1.0  # seconds into the wait when it was last told
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # the access log and /metrics time the first byte of the answer, not of the pings
@@ -135,14 +136,16 @@ class WaitingStream(Response):
             await asyncio.gather(gone, return_exceptions=True)
 
     def _loading(self, waited_s: float) -> bytes:
+        """What the request waits for, at most once a second whatever the ping interval."""
         what = self.waiting_for() if self.waiting_for is not None else None
-        if what is None:
+        if what is None or waited_s - self._told_at < 1.0:
             return b""
+        self._told_at = waited_s
         chunk: dict[str, Any] = {
             "id": "chatcmpl-waiting", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": self.model_id,
             "choices": [{"index": 0, "finish_reason": None, "delta": {
-                "role": "assistant", "reasoning_content": f"{what}: {waited_s:.0f} s\n"}}]}
+                "reasoning_content": f"{what}: {waited_s:.0f} s\n"}}]}
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
     async def _give_up(self) -> None:
