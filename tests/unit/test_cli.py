@@ -156,9 +156,36 @@ def test_ps_shows_idle_time_only_for_loaded_models_serving_nothing() -> None:
     assert rows["busy"][7] == "-" and rows["gone"][7] == "-"
 
 
-def test_ps_watch_stops_on_an_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["ps", "--url", "http://127.0.0.1:1", "--watch", "0.1"]) == 1
-    assert "cannot read http://127.0.0.1:1/stats" in capsys.readouterr().err
+def test_ps_watch_waits_for_an_unreachable_server_until_interrupted(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import bunkhouse.cli
+
+    naps: list[float] = []
+
+    def nap(seconds: float) -> None:  # the user's Ctrl-C at the third wait
+        naps.append(seconds)
+        if len(naps) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(bunkhouse.cli.time, "sleep", nap)
+    assert main(["ps", "--url", "http://127.0.0.1:1", "--watch", "0.1"]) == 0
+    assert capsys.readouterr().err.count("cannot read http://127.0.0.1:1/stats") == 3
+    assert naps == [0.1, 0.1, 0.1]
+
+
+def test_ps_watch_stops_on_a_refused_key(capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    import bunkhouse.cli
+
+    def refused(*args: object, **kwargs: object) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": "the API key is not valid"}})
+
+    monkeypatch.setattr(httpx, "get", refused)
+    monkeypatch.setattr(bunkhouse.cli.time, "sleep", lambda s: None)
+    assert main(["ps", "--watch", "0.1"]) == 1
+    assert "the API key is not valid (--api-key)" in capsys.readouterr().err
 
 
 def test_json_log_lines_carry_an_access_line_field_by_field() -> None:
