@@ -919,11 +919,13 @@ class TextLogFormatter(logging.Formatter):
 
 
 def format_ps(stats: dict[str, Any]) -> str:
-    header = ("ID", "STATE", "PINNED", "LEASES", "ESTIMATED", "MEASURED", "IDLE", "PID")
+    header = ("ID", "STATE", "PINNED", "LEASES", "RUN/QUEUE/WAIT", "ESTIMATED", "MEASURED",
+              "IDLE", "PID")
     now = time.time()
     rows = [header] + [
         (printable(str(m["id"])), printable(str(m["state"])), "yes" if m["pinned"] else "no",
          str(m["leases"]),
+         f"{m.get('running', 0)}/{m.get('queued', 0)}/{m.get('waiting', 0)}",
          _mib(m["estimated_bytes"]), _mib(m["measured_bytes"]),
          _idle(m, now), str(m["pid"] or "-"))
         for m in stats["models"]

@@ -5,6 +5,7 @@ stopping cleanly with a stream open; ``bunkhouse events``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -202,6 +203,20 @@ def test_events_follow_a_load_an_eviction_and_a_crash_and_resume(server: Server)
     assert _value(after, "bunkhouse_budget_bytes", "bunkhouse_budget_bytes") == 800 * 2**20
     assert _value(after, "bunkhouse_peak_used_bytes", "bunkhouse_peak_used_bytes") > 0
     assert "bunkhouse_compute_gate_waits" in after
+
+    # at most 64 event streams, however many connect at once
+    async def connect(n: int) -> list[int]:
+        limits = httpx.Limits(max_connections=n)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            responses = await asyncio.gather(*(
+                client.send(client.build_request("GET", f"{server.url}/admin/events"),
+                            stream=True) for _ in range(n)))
+            for resp in responses:
+                await resp.aclose()
+            return [r.status_code for r in responses]
+
+    statuses = asyncio.run(connect(80))
+    assert set(statuses) == {200, 503} and statuses.count(200) <= 64, statuses
 
 
 def test_streams_end_when_the_server_stops_and_bunkhouse_events_prints(tmp_path: Path

@@ -170,7 +170,7 @@ def test_ps_shows_the_running_server(host: Server) -> None:
     out = subprocess.run([*argv, "ps", "--url", host.url], capture_output=True, text=True,
                          timeout=30, check=True).stdout
     lines = out.splitlines()
-    assert lines[0].split() == ["ID", "STATE", "PINNED", "LEASES", "ESTIMATED", "MEASURED",
-                                "IDLE", "PID"]
+    assert lines[0].split() == ["ID", "STATE", "PINNED", "LEASES", "RUN/QUEUE/WAIT",
+                                "ESTIMATED", "MEASURED", "IDLE", "PID"]
     assert any(line.startswith(QWEN) for line in lines)
     assert lines[-1].startswith("budget 800 MiB, used ")

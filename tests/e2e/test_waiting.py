@@ -11,6 +11,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.server import Server, serve
@@ -122,6 +123,14 @@ def test_a_stream_that_waits_in_vain_gets_an_error_event(tmp_path: Path) -> None
             wait_for(lambda: "load given up" in server.log.read_text(), 60,
                      "gemma's load to be given up")
             assert server.model(GEMMA)["waiting"] == 0
+            # and so does a plain request whose client gives up waiting
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{server.url}/v1/completions", json={
+                    "model": GEMMA, "prompt": "Once", "max_tokens": 4},
+                    timeout=httpx.Timeout(30, read=1.0))
+            wait_for(lambda: server.log.read_text().count("load given up") >= 2, 60,
+                     "the plain request's load to be given up")
+            wait_for(lambda: server.model(GEMMA)["waiting"] == 0, 60, "its place given up")
             assert server.model(QWEN)["running"] == 1  # the busy stream went on throughout
         finally:
             stop.set()

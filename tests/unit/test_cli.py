@@ -151,9 +151,9 @@ def test_ps_shows_idle_time_only_for_loaded_models_serving_nothing() -> None:
                         {**base, "id": "gone", "state": "absent", "leases": 0,
                          "last_used": now - 30}]}
     rows = {line.split()[0]: line.split() for line in format_ps(stats).splitlines()[1:4]}
-    # ID STATE PINNED LEASES ESTIMATED(2) MEASURED IDLE PID
-    assert rows["idle"][7:9] == ["30", "s"]
-    assert rows["busy"][7] == "-" and rows["gone"][7] == "-"
+    # ID STATE PINNED LEASES RUN/QUEUE/WAIT ESTIMATED(2) MEASURED IDLE PID
+    assert rows["idle"][8:10] == ["30", "s"] and rows["idle"][4] == "0/0/0"
+    assert rows["busy"][8] == "-" and rows["gone"][8] == "-"
 
 
 def test_ps_watch_waits_for_an_unreachable_server_until_interrupted(

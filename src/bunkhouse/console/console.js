@@ -166,8 +166,16 @@ async function act(modelId, action) {
   }
   note.textContent = action + " " + modelId + "…";
   note.className = "note";
-  const resp = await fetch("/v1/models/" + encodeURIComponent(modelId) + "/" + action,
-                           { method: "POST", headers: headers("admin") });
+  let resp;
+  try {
+    resp = await fetch("/v1/models/" + encodeURIComponent(modelId) + "/" + action,
+                       { method: "POST", headers: headers("admin") });
+  } catch (e) {
+    note.textContent = action + " " + modelId + ": cannot reach the server (" + e.message +
+      ")";
+    note.className = "note bad";
+    return;
+  }
   if (resp.ok) {
     note.textContent = action + " " + modelId + ": done";
   } else {

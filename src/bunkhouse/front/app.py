@@ -57,7 +57,7 @@ from bunkhouse.front.protocols import (
     ToolCallShape,
     error_envelope,
 )
-from bunkhouse.front.proxy import Shape, StreamShaper, forward, stream_broke
+from bunkhouse.front.proxy import Shape, StreamShaper, client_gone, forward, stream_broke
 from bunkhouse.front.reload import Reloader
 from bunkhouse.front.response_store import ResponseStore, ResponseStoreError
 from bunkhouse.front.site import SiteGuard, SitePolicy
@@ -184,13 +184,14 @@ class Front:
         request.state.stream = bool(parsed.stream)
         shaped = _shape(model.id, shape, reader)
         admit = self._admit(request, model, path, data, cap)
-        if not parsed.stream:
-            return await self._serve(request, model, path, parsed, shaped, await admit)
+        if not parsed.stream:  # a client that leaves while it waits gives its place up
+            return await self._serve(request, model, path, parsed, shaped,
+                                     await _unless_gone(request, admit))
         task = asyncio.ensure_future(admit)
         try:
             await asyncio.wait({task}, timeout=self.waiting.headers_after_s)
         except asyncio.CancelledError:
-            await _cancel(task)
+            await drop_admission(task)
             raise
         if task.done():  # admitted, or refused, at once: the usual status and headers
             return await self._serve(request, model, path, parsed, shaped, task.result())
@@ -480,6 +481,37 @@ class _Admitted:
     tokens: list[int] | None
     slot: Slot
     data: dict[str, Any]
+
+
+async def _unless_gone(request: Request, admission: Awaitable[_Admitted | None]
+                       ) -> _Admitted | None:
+    """``admission``'s result, or None (the request is over: 499) if the client left while
+    it waited: its place in line is given up at once, and a load nobody waits for any more
+    evicts nothing."""
+    task = asyncio.ensure_future(admission)
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await drop_admission(task)
+        raise
+    finally:
+        await _cancel(gone)
+    if task.done():
+        return task.result()
+    log.info("%s: client disconnected while waiting; its place given up",
+             request.url.path[:200])
+    await drop_admission(task)
+    return None
+
+
+async def drop_admission(task: asyncio.Future[_Admitted | None]) -> None:
+    """Cancel an admission nobody will use, giving back what it holds if it was admitted
+    before the cancel could land."""
+    task.cancel()
+    results = await asyncio.gather(task, return_exceptions=True)
+    if isinstance(results[0], _Admitted):
+        results[0].held.close()
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:

@@ -307,7 +307,7 @@ async def _forward_once(engine: EngineClient, path: str, body: bytes, request: R
                         shape: Shape | None = None) -> Response:
     call = asyncio.create_task(_call(engine, path, body, model_id, assembler, on_done,
                                      on_timings, shape))
-    gone = asyncio.create_task(_client_gone(request))
+    gone = asyncio.create_task(client_gone(request))
     try:
         done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -378,6 +378,7 @@ async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model
     return JSONResponse(shape.answer(result) if shape else result)
 
 
-async def _client_gone(request: Request) -> None:
+async def client_gone(request: Request) -> None:
+    """Returns once the client has disconnected."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

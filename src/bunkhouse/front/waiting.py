@@ -150,11 +150,9 @@ class WaitingStream(Response):
 
     async def _give_up(self) -> None:
         """The client is gone: leave the line, or give back what was already taken."""
-        self.admission.cancel()
-        results = await asyncio.gather(self.admission, return_exceptions=True)
-        admitted = results[0]
-        if admitted is not None and not isinstance(admitted, BaseException):
-            admitted.held.close()
+        from bunkhouse.front.app import drop_admission
+
+        await drop_admission(self.admission)
 
     @staticmethod
     async def _end(send: Send, body: bytes) -> None:

@@ -22,9 +22,10 @@ from typing import Any
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from bunkhouse.errors import InvalidRequest, ServerBusy
-from bunkhouse.residency.events import EventLog
+from bunkhouse.residency.events import EventLog, Subscription
 
 HEARTBEAT_S = 15.0
 """Seconds of silence before a comment line is sent (as llama.cpp's ``--sse-ping-interval``
@@ -51,6 +52,21 @@ def _after(request: Request) -> int | None:
     return int(raw)
 
 
+class _Subscribed(EventSourceResponse):
+    """sse-starlette's response, closing its subscription when it ends (even one whose
+    stream never started: its client left first)."""
+
+    def __init__(self, subscription: Subscription, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.subscription = subscription
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.subscription.close()
+
+
 class EventStream:
     def __init__(self, events: EventLog, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.events = events
@@ -65,11 +81,11 @@ class EventStream:
         if self.events.readers >= MAX_READERS:
             raise ServerBusy(f"{MAX_READERS} event streams are open already; close one, or "
                              "retry shortly")
+        # subscribed in the same step as the check (no await between: the bound holds
+        # however many connect at once), closed when the response ends however it ends
+        subscription = self.events.subscribe(after)
 
         async def messages() -> AsyncIterator[ServerSentEvent | bytes]:
-            # subscribed at the stream's first step, so that a stream never started (its
-            # client gone first) holds no subscription
-            subscription = self.events.subscribe(after)
             try:
                 if gap is not None:
                     yield ServerSentEvent(data=json.dumps(gap), event="gap")
@@ -88,7 +104,7 @@ class EventStream:
 
         # at a stop, sse-starlette lets the stream end on its own for a moment: the server's
         # last event ("stopping") is sent, then the log's close ends it
-        return EventSourceResponse(messages(), ping=self.heartbeat_s,
+        return _Subscribed(subscription, messages(), ping=self.heartbeat_s,
                                    send_timeout=SEND_TIMEOUT_S, shutdown_grace_period=2.0,
                                    headers={"cache-control": "no-cache",
                                             "x-accel-buffering": "no"})
