@@ -110,3 +110,11 @@ def test_an_http11_request_needs_exactly_one_host() -> None:
     two = [(b"host", b"localhost"), (b"host", b"evil.example")]
     assert asyncio.run(status(two, "1.1")) == 400
     assert asyncio.run(status([], "1.1")) == 400
+
+
+def test_an_origin_named_with_cors_origin_may_send_simple_bodies() -> None:
+    named = SitePolicy.for_bind("127.0.0.1", cors_origins=["https://App.example", "*"])
+    browser = {"content-type": "text/plain", "sec-fetch-site": "cross-site"}
+    assert named.refusal("POST", Headers({**browser, "origin": "https://app.example"})) is None
+    assert named.refusal("POST", Headers({**browser, "origin": "https://evil.example"}))
+    assert named.trusted_origins == ("https://app.example",)  # never "*"

@@ -69,10 +69,15 @@ class SitePolicy:
 
     loopback_only: bool = True  # bound to a loopback address: check Host
     allowed_hosts: tuple[str, ...] = ()
+    # origins the operator named with --cors-origin (never "*"): their pages are trusted as
+    # this server's own, simple bodies included
+    trusted_origins: tuple[str, ...] = ()
 
     @classmethod
-    def for_bind(cls, bind_host: str, allowed_hosts: Iterable[str] = ()) -> SitePolicy:
-        return cls(is_loopback_bind(bind_host), tuple(h.lower() for h in allowed_hosts))
+    def for_bind(cls, bind_host: str, allowed_hosts: Iterable[str] = (),
+                 cors_origins: Iterable[str] = ()) -> SitePolicy:
+        return cls(is_loopback_bind(bind_host), tuple(h.lower() for h in allowed_hosts),
+                   tuple(o.lower() for o in cors_origins if o != "*"))
 
     def local_name(self, name: str) -> bool:
         """Whether ``name`` (no port) is an address literal, a local name, or allowed."""
@@ -107,9 +112,11 @@ class SitePolicy:
         return media in _SIMPLE_TYPES or not media
 
     def _cross_site(self, headers: Headers) -> bool:
+        origin = headers.get("origin")
+        if origin is not None and origin.lower() in self.trusted_origins:
+            return False  # named by the operator with --cors-origin
         if headers.get("sec-fetch-site", "").lower() == "cross-site":
             return True
-        origin = headers.get("origin")
         if origin is None:
             return False  # not a browser's cross-origin request (curl, SDKs)
         try:
