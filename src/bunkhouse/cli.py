@@ -720,7 +720,7 @@ def follow_events(url: str, key: str | None, since: int | None, as_json: bool) -
                                   timeout=httpx.Timeout(10, read=120)) as resp:
                     if resp.status_code >= 400:
                         resp.read()
-                        print(f"bunkhouse: error: {_message(resp)}"
+                        print(f"bunkhouse: error: {resp.status_code}: {_message(resp)}"
                               f"{' (--api-key)' if resp.status_code in (401, 403) else ''}",
                               file=sys.stderr)
                         return 1
@@ -741,10 +741,11 @@ def follow_events(url: str, key: str | None, since: int | None, as_json: bool) -
 
 
 def _message(resp: Any) -> str:
+    """An error answer's message: the envelope's, else its text."""
     try:
         return str(resp.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return f"{resp.status_code} {resp.text[:200]}"
+        return str(resp.text)
 
 
 def _event_line(data: str, as_json: bool) -> str:
@@ -817,11 +818,7 @@ def _admin_post(base: str, path: str, key: str | None, body: dict[str, Any] | No
               "there? (--url sets the address)", file=sys.stderr)
         return None
     if resp.status_code >= 400:
-        try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = resp.text
-        print(f"bunkhouse: error: {resp.status_code}: {message}", file=sys.stderr)
+        print(f"bunkhouse: error: {resp.status_code}: {_message(resp)}", file=sys.stderr)
         return None
     return resp
 

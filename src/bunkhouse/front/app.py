@@ -9,7 +9,7 @@ import functools
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
@@ -220,7 +220,7 @@ class Front:
         lease = await self.residency.acquire(model)
         request.state.load_s = time.monotonic() - queued  # its model's load, if it waited
         held = _Held(lease.release)
-        try:
+        with self._releasing(lease, held, model.id):
             engine = lease.worker.engine
             keeper = self.keeper if self.keeper and self.keeper.active(model) else None
             pinned = keeper is not None and _pinnable(path, data)
@@ -238,15 +238,6 @@ class Front:
             if await request.is_disconnected():  # gone while it waited: never started
                 held.close()
                 return None
-        except EngineUnavailable as e:
-            held.close()
-            if self.residency.closing:  # the front's shutdown cut it, not the worker
-                raise ShuttingDown(model.id) from e
-            lease.report(False)
-            raise
-        except BaseException:
-            held.close()
-            raise
         return _Admitted(lease, held, engine, keeper, pinned, tokens, slot, data)
 
     async def _serve(self, request: Request, model: CatalogModel, path: str, parsed: Any,
@@ -257,7 +248,7 @@ class Front:
         if admitted is None:
             return Response(status_code=499)
         lease, held, data = admitted.lease, admitted.held, admitted.data
-        try:
+        with self._releasing(lease, held, model.id):  # forward may have closed it already
             self._check_still_served(lease)
             check = None
             keeper = admitted.keeper
@@ -274,17 +265,25 @@ class Front:
                                      model_id=model.id, on_done=held.close,
                                      on_broken=self._broken(lease), on_timings=on_timings,
                                      shape=shaped, started=shaper)
+        lease.report(True)  # it answered: whatever it said, it is alive
+        return response
+
+    @contextlib.contextmanager
+    def _releasing(self, lease: Lease, held: _Held, model_id: str) -> Iterator[None]:
+        """On any error, give back what the request holds (``held.close`` is idempotent);
+        a worker that could not be reached counts against its health, unless the front's
+        own shutdown cut it."""
+        try:
+            yield
         except EngineUnavailable as e:
             held.close()
             if self.residency.closing:  # the front's shutdown cut it, not the worker
-                raise ShuttingDown(model.id) from e
+                raise ShuttingDown(model_id) from e
             lease.report(False)
             raise
         except BaseException:
-            held.close()  # idempotent: forward may have closed it already
+            held.close()
             raise
-        lease.report(True)  # it answered: whatever it said, it is alive
-        return response
 
     def _leave(self, model: CatalogModel, engine: EngineClient, slots: SlotGate,
                slot: Slot) -> None:

@@ -91,14 +91,8 @@ class EventStream:
                     yield ServerSentEvent(data=json.dumps(gap), event="gap")
                 if subscription.backlog:  # one write, each message encoded at its emit
                     yield b"".join(e.sse for e in subscription.backlog)
-                while True:
-                    try:
-                        event = await subscription.next(self.heartbeat_s * 4)
-                    except TimeoutError:
-                        continue  # a quiet spell: sse-starlette's ping covers it
-                    if event is None:
-                        return
-                    yield event.sse
+                while (event := await subscription.next()) is not None:
+                    yield event.sse  # quiet spells: sse-starlette's ping covers them
             finally:
                 subscription.close()
 

@@ -82,9 +82,9 @@ class Subscription:
             log.warning("an event stream reader fell %d events behind; dropped",
                         SUBSCRIBER_QUEUE)
 
-    async def next(self, timeout_s: float) -> Event | None:
+    async def next(self, timeout_s: float | None = None) -> Event | None:
         """The next event; None at the end (the log closed, or this reader fell behind).
-        Raises TimeoutError if none came within ``timeout_s``."""
+        Raises TimeoutError if none came within ``timeout_s`` (None: wait for one)."""
         if self.dropped and self._queue.empty():
             return None
         return await asyncio.wait_for(self._queue.get(), timeout_s)
@@ -97,12 +97,19 @@ class EventLog:
     def __init__(self, capacity: int = 1000) -> None:
         self._events: deque[Event] = deque(maxlen=capacity)
         self._seq = 0
-        self.counts: dict[str, int] = {}
         self.by_model: dict[tuple[str, str], int] = {}  # (model, kind) -> count
         self.drains: dict[tuple[str, str], int] = {}  # (model, cause) -> count
         self._subscribers: set[Subscription] = set()
         self._listeners: list[Callable[[Event], None]] = []
         self.closed = False
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Events by kind, all models together."""
+        totals: dict[str, int] = {}
+        for (_, kind), count in self.by_model.items():
+            totals[kind] = totals.get(kind, 0) + count
+        return totals
 
     @property
     def last_seq(self) -> int:
@@ -121,7 +128,6 @@ class EventLog:
             self.drains[key] = self.drains.get(key, 0) + 1
         event = _encoded(Event(self._seq, time.time(), model, kind, reason, data))
         self._events.append(event)
-        self.counts[kind] = self.counts.get(kind, 0) + 1
         self.by_model[(model, kind)] = self.by_model.get((model, kind), 0) + 1
         if kind != "load_progress":  # progress has its own, rarer, log line
             log.info("model %s: %s (%s)", model, kind, reason)
