@@ -160,6 +160,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body", type=_size, default=defaults.MAX_BODY_BYTES,
                        metavar="SIZE",
                        help="largest request body; larger ones get 413 (16MiB)")
+    serve.add_argument("--max-audio", type=_size, default=defaults.MAX_AUDIO_BYTES,
+                       metavar="SIZE",
+                       help="largest audio file for POST /v1/audio/transcriptions; larger "
+                            "ones get 413 (25MB, as OpenAI's)")
     serve.add_argument("--kv-cache-dir", type=_dir_path, metavar="DIR",
                        help="where slots' saved KV state is kept, a private directory per "
                             "model (default: the cache directory's kv/)")
@@ -360,6 +364,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             api_keys=_keys(args.api_key, args.api_key_file, "BUNKHOUSE_API_KEYS"),
             admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS"),
             max_body_bytes=args.max_body,
+            max_audio_bytes=args.max_audio,
             kv_cache_max=args.kv_cache_max,
             responses_keep=args.responses_keep,
             responses_max_age_s=args.responses_days * 86400,
@@ -472,6 +477,7 @@ def serve(settings: Settings, catalog: Catalog,
                     compute=ComputeGate(enabled=settings.compute_gate),
                     keys=Keys(settings.api_keys, settings.admin_keys),
                     max_body_bytes=settings.max_body_bytes,
+                    max_audio_bytes=settings.max_audio_bytes,
                     admin_options=AdminOptions(
                         allow_runtime_load=settings.allow_runtime_load,
                         roots=settings.allowed_roots or settings.models_dirs,

@@ -189,6 +189,7 @@ class Settings:
     api_keys: tuple[str, ...] = ()  # client keys; none: inference is open
     admin_keys: tuple[str, ...] = ()
     max_body_bytes: int = d.MAX_BODY_BYTES
+    max_audio_bytes: int = d.MAX_AUDIO_BYTES  # an upload to POST /v1/audio/transcriptions
     allow_runtime_load: bool = False  # POST /v1/models by path (admin key needed as well)
     allowed_roots: tuple[Path, ...] = ()  # for runtime paths; empty: the model roots
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides local ones (front/site.py)

@@ -99,3 +99,6 @@ DEFAULT_SLOT_TOKENS = 8192
 """Tokens each slot holds when no context is configured: a prompt of a few thousand tokens
 with the ``max_tokens: 4096`` many clients send by default fits (the packaged models were
 trained for 32,768, so 4 slots of 8,192 stay inside it)."""
+
+MAX_AUDIO_BYTES = 25 * 1000 * 1000
+"""The largest audio upload to POST /v1/audio/transcriptions, bytes: OpenAI's 25 MB."""

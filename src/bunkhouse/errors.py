@@ -173,6 +173,13 @@ class InsufficientMemory(BunkhouseError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class Paused(InsufficientMemory):
+    """Every model is held paused (``POST /admin/pause``) and was not resumed within the
+    admission wait."""
+
+    code = "paused"
+
+
 class ModelFailed(InsufficientMemory):
     """The model's workers kept dying; it rests until its cool-down passes."""
 

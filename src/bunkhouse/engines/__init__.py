@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 
 from bunkhouse.engines.contract import EngineAdapter
 from bunkhouse.engines.llamacpp import LlamaCpp
+from bunkhouse.engines.whisper import Whisper
 
 if TYPE_CHECKING:
     from bunkhouse.catalog import CatalogModel
 
-ENGINES: dict[str, EngineAdapter] = {LlamaCpp.name: LlamaCpp()}
+ENGINES: dict[str, EngineAdapter] = {LlamaCpp.name: LlamaCpp(), Whisper.name: Whisper()}
 
 
 def engine_for(model: CatalogModel) -> EngineAdapter:

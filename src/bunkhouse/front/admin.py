@@ -13,6 +13,8 @@ one of the allowed roots. Changes live in memory: the config file stays the sour
     POST   /v1/models/{id}/unload     204 freed; 202 still draining
     POST   /v1/models/{id}/pin        200 model object
     POST   /v1/models/{id}/unpin      200 model object
+    POST   /admin/pause               {"max_s"?}: 200 once the requests in flight finished
+    POST   /admin/resume              200 {"resumed": bool}
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import ResidencyManager
 
 log = logging.getLogger(__name__)
+
+
+PAUSE_MAX_S = 300
+"""How long an operator's pause holds when nobody resumes it, seconds, by default."""
+PAUSE_LIMIT_S = 3600
+"""The longest pause ``max_s`` may ask for, seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +119,32 @@ class Admin:
         model = self.catalog.set_default(name)
         log.info("default model switched to %s by an operator", model.id)
         return JSONResponse(self.describe(model))
+
+    async def pause(self, request: Request) -> Response:
+        """``{"max_s": N}`` (optional, seconds, default :data:`PAUSE_MAX_S`): hold every
+        model paused until ``POST /admin/resume`` or ``max_s`` seconds. Answers once the
+        requests in flight have finished (or the pause ended meanwhile: ``paused`` false);
+        a client that leaves before that leaves the pause held."""
+        body = await read_body(request, 64 * 1024)
+        data = parse_json_object(body) if body.strip() else {}
+        max_s = data.get("max_s", PAUSE_MAX_S)
+        if isinstance(max_s, bool) or not isinstance(max_s, int | float) \
+                or not 1 <= max_s <= PAUSE_LIMIT_S:
+            raise InvalidRequest(f"max_s must be a number of seconds from 1 to "
+                                 f"{PAUSE_LIMIT_S}", param="max_s")
+        ends = self.residency.operator_pause(float(max_s))
+        log.info("every model paused by an operator (for %.0f s at most)", max_s)
+        held = await self.residency.paused_quiet()
+        return JSONResponse({"paused": held, "in_flight": self.residency.in_flight(),
+                             "resumes_at": ends if held else None})
+
+    async def resume(self, request: Request) -> Response:
+        """End the pause: every waiting request goes on. ``resumed`` false when no pause was
+        held."""
+        resumed = self.residency.operator_resume()
+        if resumed:
+            log.info("every model resumed by an operator")
+        return JSONResponse({"paused": False, "resumed": resumed})
 
     def _snapshots(self) -> SnapshotKeeper:
         if self.keeper is None:

@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 DEFAULT_MAX_BODY = defaults.MAX_BODY_BYTES
+MAX_AUDIO_BYTES = defaults.MAX_AUDIO_BYTES
 
 Schema = (type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
           | type[InfillRequest])
@@ -334,6 +335,7 @@ class Front:
             "owned_by": "bunkhouse",
             "state": status.state,
             "source": model.source,
+            "kind": model.kind,  # chat, completion, embedding or transcription
             "architecture": model.info.architecture,
             "size_bytes": model.size_bytes,
             "aliases": list(model.aliases),
@@ -578,7 +580,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               reloader: Reloader | None = None,
               cors_origins: Sequence[str] = (),
               events_heartbeat_s: float = 15.0,
-              waiting: WaitingOptions | None = None) -> Starlette:
+              waiting: WaitingOptions | None = None,
+              max_audio_bytes: int = MAX_AUDIO_BYTES) -> Starlette:
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
     Responses API answers are stored (opened at startup; None: none are). ``reloader``: how
@@ -586,8 +589,9 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     ``cors_origins``: origins browsers may call from besides loopback ones (front/cors.py).
     ``events_heartbeat_s``: seconds of silence on ``GET /admin/events`` before a comment
     line is sent. ``waiting``: how a streamed request that waits is answered meanwhile
-    (front/waiting.py).
+    (front/waiting.py). ``max_audio_bytes``: the largest audio upload (front/audio.py).
     """
+    from bunkhouse.front.audio import Transcriptions
     from bunkhouse.front.console import Console
     from bunkhouse.front.extras import Extras
     from bunkhouse.front.metrics import Metrics
@@ -604,6 +608,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     metrics = Metrics(residency, front.compute, keeper)
     watch = EventStream(residency.events, events_heartbeat_s)
     console = Console()
+    audio = Transcriptions(front, max_audio_bytes)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
                   functools.partial(front.model_object, detail=True), keeper, reloader)
 
@@ -671,6 +676,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("POST", "/apply-template", extras.apply_template),
         route("POST", "/v1/messages", front.messages()),
         route("POST", "/v1/messages/count_tokens", front.count_message_tokens),
+        route("POST", "/v1/audio/transcriptions", audio.create),
         route("POST", "/v1/responses", stored.create),
         route("GET", "/v1/responses/{response_id}", stored.retrieve),
         route("DELETE", "/v1/responses/{response_id}", stored.delete),
@@ -684,6 +690,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         route("DELETE", "/admin/cache", admin.cache_purge),
         route("POST", "/admin/reload", admin.reload),
         route("POST", "/admin/default", admin.set_default),
+        route("POST", "/admin/pause", admin.pause),
+        route("POST", "/admin/resume", admin.resume),
         route("DELETE", "/admin/cache/{model_id:path}", admin.cache_purge),
         route("POST", "/api/chat", olla.chat),
         route("POST", "/api/generate", olla.generate),

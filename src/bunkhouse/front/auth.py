@@ -39,6 +39,7 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("POST", "/v1/embeddings"): Level.CLIENT,
     ("POST", "/v1/messages"): Level.CLIENT,
     ("POST", "/v1/messages/count_tokens"): Level.CLIENT,
+    ("POST", "/v1/audio/transcriptions"): Level.CLIENT,
     ("POST", "/v1/responses"): Level.CLIENT,
     ("GET", "/v1/responses/{response_id}"): Level.CLIENT,
     ("DELETE", "/v1/responses/{response_id}"): Level.CLIENT,
@@ -73,6 +74,8 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("POST", "/admin/cache/flush"): Level.ADMIN,
     ("POST", "/admin/reload"): Level.ADMIN,
     ("POST", "/admin/default"): Level.ADMIN,
+    ("POST", "/admin/pause"): Level.ADMIN,
+    ("POST", "/admin/resume"): Level.ADMIN,
     ("DELETE", "/admin/cache"): Level.ADMIN,
     ("DELETE", "/admin/cache/{model_id:path}"): Level.ADMIN,
 }

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from bunkhouse.api.schemas import known_fields
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import ENGINES, engine_for
+from bunkhouse.engines.whisper import wrong_kind
 from bunkhouse.errors import InvalidRequest
 
 _TEXT_PARTS = frozenset({"text"})
@@ -33,6 +34,7 @@ _TEXT_PARTS = frozenset({"text"})
 def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
             data: dict[str, Any]) -> dict[str, Any]:
     """The body to send to ``model``'s worker, or InvalidRequest (400) naming the field."""
+    check_generates(model)
     body = model.request.apply(_merge_token_limits(data))
     _check_choices(model, body)
     if path == "/v1/chat/completions":
@@ -48,6 +50,13 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
     engine.check_request(path, body)
     allowed = _forwarded_fields(schema, engine.name)
     return {k: v for k, v in body.items() if k in allowed}
+
+
+def check_generates(model: CatalogModel) -> None:
+    """InvalidRequest (400, ``model``) for a model that does not generate text (a
+    transcription model)."""
+    if model.transcribes:
+        raise wrong_kind(model.id)
 
 
 @functools.cache

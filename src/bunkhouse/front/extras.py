@@ -21,7 +21,7 @@ from bunkhouse.api.schemas import ChatCompletionRequest, TokenId, parse_json_obj
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines.llamacpp import TEMPLATED_FIELDS
 from bunkhouse.errors import InvalidRequest
-from bunkhouse.front.edge import prepare
+from bunkhouse.front.edge import check_generates, prepare
 
 if TYPE_CHECKING:
     from bunkhouse.front.app import Front
@@ -60,7 +60,9 @@ class Extras:
         body = await front.read(request)
         data = await front.cpu(len(body), parse_json_object, body)
         parsed = await front.cpu(len(body), validate, schema, data)
-        return data, parsed, front.catalog.get(getattr(parsed, "model", None))
+        model = front.catalog.get(getattr(parsed, "model", None))
+        check_generates(model)
+        return data, parsed, model
 
     async def tokenize(self, request: Request) -> Response:
         _, parsed, model = await self._parse(request, TokenizeRequest)

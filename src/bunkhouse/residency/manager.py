@@ -48,6 +48,7 @@ from bunkhouse.errors import (
     ModelFailed,
     ModelNotFound,
     ModelTooLarge,
+    Paused,
     ShuttingDown,
 )
 from bunkhouse.residency import policy
@@ -217,6 +218,8 @@ class ResidencyManager:
         self._cold_start = asyncio.Lock()
         self._changed = asyncio.Event()
         self._paused = 0
+        self._pause_timer: asyncio.TimerHandle | None = None  # the operator's pause
+        self._pause_ends = 0.0
         self.closing = False
         self.no_new_loads = False  # the front is stopping: see stop_loads
         self._closed: asyncio.Task[None] | None = None
@@ -345,16 +348,29 @@ class ResidencyManager:
         ModelTooLarge, InsufficientMemory, WorkerLoadFailed, ShuttingDown."""
         entry = self._entries[model.id]
         entry.wanting += 1
+        paused_until: float | None = None  # while held by a pause: how long it may wait
         try:
             while True:
                 ticket = self._ask(entry)
                 if isinstance(ticket, Lease):
                     return ticket
+                timeout = None
+                if self._paused:
+                    if paused_until is None:
+                        paused_until = self._clock() + self.options.admission_wait_s
+                    timeout = max(0.0, paused_until - self._clock())
                 try:
-                    lease = await ticket
+                    await asyncio.wait({ticket}, timeout=timeout)
                 except asyncio.CancelledError:
                     self._abandon(entry, ticket)
                     raise
+                if not ticket.done():  # still paused past its wait
+                    self._abandon(entry, ticket)
+                    raise Paused(
+                        f"model {model.id!r}: every model is paused (POST /admin/pause) and "
+                        f"was not resumed within {self.options.admission_wait_s:.0f} s; retry",
+                        retry_after_s=self.options.retry_after_s)
+                lease = ticket.result()
                 if lease is not None:
                     return lease
         finally:
@@ -578,11 +594,55 @@ class ResidencyManager:
         """Hold new leases, wait for every in-flight one to end, and release them together."""
         self._set_paused(+1)
         try:
-            while any(e.leases for e in self._entries.values()):
-                await self._wait_changed(None)
+            await self._quiet()
             yield
         finally:
             self._set_paused(-1)
+
+    async def _quiet(self) -> None:
+        while self.in_flight():
+            await self._wait_changed(None)
+
+    def in_flight(self) -> int:
+        """Leases held now, all models together (requests in flight)."""
+        return sum(e.leases for e in self._entries.values())
+
+    @property
+    def paused(self) -> bool:
+        return bool(self._paused)
+
+    def operator_pause(self, max_s: float, reason: str = "operator") -> float:
+        """Hold every model paused (:meth:`pause_all`'s hold, kept across calls) until
+        :meth:`operator_resume` or for ``max_s`` seconds at most, whichever comes first;
+        a second call while paused restarts the bound. New leases wait (at most
+        ``admission_wait_s``, then Paused, a 503 with Retry-After); leases held go on and
+        no model is loaded meanwhile. Returns the wall-clock time it ends by itself."""
+        if self._pause_timer is None:
+            self._set_paused(+1)
+            self.events.emit("*", "paused", reason, max_s=max_s, in_flight=self.in_flight())
+        else:
+            self._pause_timer.cancel()
+        self._pause_timer = asyncio.get_running_loop().call_later(
+            max_s, self.operator_resume, f"not resumed within {max_s:.0f} s")
+        self._pause_ends = self._clock() + max_s
+        return self._pause_ends + self._wall_offset
+
+    async def paused_quiet(self) -> bool:
+        """Once the operator's pause holds no lease in flight (True), or it ended (False)."""
+        while self._pause_timer is not None and self.in_flight():
+            await self._wait_changed(None)
+        return self._pause_timer is not None
+
+    def operator_resume(self, reason: str = "operator") -> bool:
+        """End the operator's pause: every waiting request goes on, together. False when
+        none was held."""
+        if self._pause_timer is None:
+            return False
+        self._pause_timer.cancel()
+        self._pause_timer = None
+        self.events.emit("*", "resumed", reason)
+        self._set_paused(-1)
+        return True
 
     def stop_loads(self) -> None:
         """The front begins to stop: running and queued requests on ready models go on for
@@ -651,7 +711,8 @@ class ResidencyManager:
             entry.failed_until = None
         waiter: _Waiter = asyncio.get_running_loop().create_future()
         entry.waiters.append(waiter)
-        if entry.state in (State.ABSENT, State.FAILED) and entry.loading is None:
+        if entry.state in (State.ABSENT, State.FAILED) and entry.loading is None \
+                and not self._paused:  # paused: it loads once resumed (_wake: look again)
             entry.loading = asyncio.create_task(self._load(entry))
         return waiter
 
@@ -910,6 +971,9 @@ class ResidencyManager:
 
     def _begin_close(self) -> None:
         self.closing = True
+        if self._pause_timer is not None:  # nothing resumes any more: waiters are told
+            self._pause_timer.cancel()
+            self._pause_timer = None
         for entry in self._entries.values():
             self._wake(entry, ShuttingDown(entry.model.id))
 

@@ -108,7 +108,13 @@ def open_model_file(model: CatalogModel, link_dir: Path | None = None) -> Opened
     several files (the engine finds the parts by name), ``link_dir`` gets links named as the
     parts, each to ``/proc/self/fd/N``, which the worker resolves to its own inherited copy.
 
+    A model that is a directory (a Whisper model) is opened as one: the worker reads its
+    files through ``/proc/self/fd/N/``, and their sizes together must still be the
+    catalogued size.
+
     Raises WorkerLoadFailed: the message names no path; the detail (log, admins) does."""
+    if model.transcribes:
+        return _open_directory(model)
     try:
         files = model_files(model.path, model.info.split_count)
     except GGUFError as e:
@@ -138,6 +144,40 @@ def open_model_file(model: CatalogModel, link_dir: Path | None = None) -> Opened
     except BaseException:
         OpenedModel(tuple(fds), "", link_dir if len(fds) > 1 else None).close()
         raise
+
+
+def _open_directory(model: CatalogModel) -> OpenedModel:
+    try:
+        fd = os.open(model.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise WorkerLoadFailed(f"model {model.id!r}: its directory cannot be opened "
+                               f"({e.strerror}); the server log has the path",
+                               detail=f"{model.path}: {e}") from e
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        if real != str(model.path):
+            raise WorkerLoadFailed(
+                f"model {model.id!r}: its directory is no longer the one checked when the "
+                "model was registered (it, or a directory above it, now leads elsewhere); "
+                "refused", detail=f"{model.path} now opens {real}")
+        size = 0
+        for name in os.listdir(fd):
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                size += st.st_size
+        if size != model.size_bytes:
+            raise WorkerLoadFailed(
+                f"model {model.id!r}: its files changed since it was catalogued (size "
+                f"{model.size_bytes} -> {size} bytes); restart the server so that its memory "
+                "estimate is remade", detail=str(model.path))
+    except OSError as e:
+        os.close(fd)
+        raise WorkerLoadFailed(f"model {model.id!r}: its directory cannot be read "
+                               f"({e.strerror})", detail=f"{model.path}: {e}") from e
+    except BaseException:
+        os.close(fd)
+        raise
+    return OpenedModel((fd,), f"/proc/self/fd/{fd}")
 
 
 def _open_checked(model: CatalogModel, path: Path, real_path: Path) -> int:

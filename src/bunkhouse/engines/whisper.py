@@ -1,0 +1,204 @@
+"""The Whisper engine adapter (faster-whisper, CTranslate2 model directories), front side.
+
+Its worker (``bunkhouse.worker.engines.whisper``) speaks the worker API's shape: ``/health``,
+``/slots`` (one slot), and ``POST /v1/audio/transcriptions`` taking the upload's bytes and
+answering NDJSON lines (info, segments as they come, done). A transcription model serves no
+generation, tokens or KV snapshots: those calls are refused as the wrong kind of model.
+
+The memory estimate (:func:`estimate`) was measured with Whisper tiny.en (int8, 2 threads):
+the worker process holds 138 MiB once loaded (75 MB ``model.bin``), 265 MiB at its peak on a
+7.5 s file with word times, and a further 0.9 MiB per second of audio transcribed at once
+(faster-whisper's spectrogram of its input); the worker decodes and transcribes in windows
+of ``WINDOW_S`` seconds, so that part is bounded whatever the file's length.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from bunkhouse.defaults import CONNECT_TIMEOUT_S
+from bunkhouse.engines.contract import (
+    EngineRefused,
+    MemoryEstimate,
+    Messages,
+    SlotSnapshot,
+    SlotState,
+)
+from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
+
+if TYPE_CHECKING:
+    from bunkhouse.catalog import CatalogModel
+
+NAME = "whisper"
+WORKER_ENGINE = "bunkhouse.worker.engines.whisper:WhisperEngine"
+MIB = 1024 * 1024
+
+RUNTIME_BYTES = 160 * MIB
+"""The worker without its model: Python, CTranslate2, PyAV, their threads (measured 130 MiB
+for tiny.en's process less its weights, rounded up)."""
+
+WINDOW_S = 120  # worker/engines/whisper.py WINDOW_S: audio transcribed at once, seconds
+SPECTROGRAM_BYTES_PER_S = MIB  # measured 0.9 MiB per second of a window (see above)
+SAMPLE_BYTES_PER_S = 16_000 * 2  # the decoded audio: 16 kHz mono, 16-bit
+
+ROUTE = "/v1/audio/transcriptions"
+
+
+def wrong_kind(model_id: str) -> InvalidRequest:
+    return InvalidRequest(f"model {model_id!r} is a transcription model: send audio to "
+                          "POST /v1/audio/transcriptions", param="model")
+
+
+class WhisperClient:
+    """The worker contract over the Whisper worker's API; generation calls are refused."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, model_id: str = "") -> None:
+        self._model_id = model_id
+        self._http = httpx.AsyncClient(transport=transport, base_url="http://worker",
+                                       timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+
+    def _unreachable(self, e: Exception) -> EngineUnavailable:
+        return EngineUnavailable(f"model {self._model_id!r}: worker unreachable",
+                                 detail=repr(e))
+
+    async def _get(self, path: str, timeout_s: float | None) -> httpx.Response:
+        if self._http.is_closed:
+            raise EngineUnavailable(f"model {self._model_id!r}: its worker is gone")
+        try:
+            return await self._http.get(path, timeout=timeout_s)
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+
+    async def health(self, timeout_s: float) -> bool:
+        try:
+            return (await self._get("/health", timeout_s)).status_code == 200
+        except EngineUnavailable:
+            return False
+
+    async def probe(self, timeout_s: float) -> bool:
+        # the HTTP server's own thread answers; a transcription runs on another
+        return await self.health(timeout_s)
+
+    async def count_tokens(self, prompt: str | Messages) -> int:
+        raise wrong_kind(self._model_id)
+
+    async def tokenize(self, prompt: str | Messages | dict[str, Any]) -> list[int]:
+        raise wrong_kind(self._model_id)
+
+    async def generate(self, route: str, body: bytes) -> httpx.Response:
+        raise wrong_kind(self._model_id)
+
+    def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
+        return error_object(status, body)
+
+    async def slots(self) -> list[SlotState]:
+        resp = await self._get("/slots", None)
+        try:
+            return [SlotState(int(s["id"]), bool(s.get("is_processing"))) for s in resp.json()]
+        except (ValueError, TypeError, KeyError) as e:
+            raise EngineUnavailable(f"model {self._model_id!r}: /slots answered "
+                                    f"{resp.text[:200]!r}") from e
+
+    async def save_slot(self, slot_id: int, filename: str) -> SlotSnapshot:
+        raise wrong_kind(self._model_id)
+
+    async def restore_slot(self, slot_id: int, filename: str) -> SlotSnapshot:
+        raise wrong_kind(self._model_id)
+
+    async def transcribe(self, audio: AsyncIterator[bytes], size: int,
+                         options: dict[str, Any]) -> httpx.Response:
+        """Send ``size`` bytes of an upload; the open NDJSON answer (the caller reads and
+        closes it). A refusal of the file (not audio, too long) is EngineRefused naming
+        ``file``; a worker that cannot be reached, EngineUnavailable."""
+        if self._http.is_closed:
+            raise EngineUnavailable(f"model {self._model_id!r}: its worker is gone")
+        request = self._http.build_request(
+            "POST", ROUTE, params={"options": json.dumps(options)}, content=audio,
+            headers={"content-length": str(size), "content-type": "application/octet-stream"})
+        try:
+            resp = await self._http.send(request, stream=True)
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        if resp.status_code != 200:
+            try:
+                body = await resp.aread()
+            except httpx.TransportError as e:
+                raise self._unreachable(e) from e
+            finally:
+                await resp.aclose()
+            status, err = error_object(resp.status_code, body)
+            if status < 500:
+                raise EngineRefused(err["error"]["message"], param=err["error"]["param"])
+            raise EngineUnavailable(f"model {self._model_id!r}: {err['error']['message']}")
+        return resp
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def error_object(status: int, body: bytes) -> tuple[int, dict[str, Any]]:
+    """The worker's error answer as (status, OpenAI error envelope)."""
+    message, param = body.decode("utf-8", errors="replace")[:2000], None
+    try:
+        err: Any = json.loads(body)["error"]
+        message, param = str(err.get("message", message)), err.get("param")
+    except (ValueError, AttributeError, TypeError, KeyError):
+        pass
+    if 400 <= status < 500:
+        return status, envelope(message, "invalid_request_error", "invalid_request",
+                                param if isinstance(param, str) else None)
+    return status, envelope(message, "server_error", "engine_error")
+
+
+def estimate(model: CatalogModel) -> MemoryEstimate:
+    """The worker's worst case: its runtime, the weights (the directory's files as stored;
+    int8 on CPU never takes more), the encoder's and decoder's buffers (half the weights,
+    rounded up from tiny.en's), a window's spectrogram and its samples (the upload itself
+    is spooled to disk)."""
+    return MemoryEstimate(
+        weights=model.size_bytes, kv_cache=0, prompt_cache=0, runtime=RUNTIME_BYTES,
+        compute=WINDOW_S * SPECTROGRAM_BYTES_PER_S + model.size_bytes // 2,
+        outputs=2 * WINDOW_S * SAMPLE_BYTES_PER_S)
+
+
+class Whisper:
+    """The Whisper engine adapter (engines/contract.py ``EngineAdapter``)."""
+
+    name = NAME
+    worker_engine = WORKER_ENGINE
+    build = "faster-whisper"
+
+    def worker_args(self, model: CatalogModel) -> list[str]:
+        return ["--parallel", "1", "--threads", str(model.options.threads)]
+
+    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+        return estimate(model)
+
+    def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> WhisperClient:
+        return WhisperClient(transport, model_id)
+
+    def check_request(self, route: str, body: dict[str, Any]) -> None:
+        return None
+
+    def forwarded_fields(self) -> frozenset[str]:
+        return frozenset()
+
+    def embedding_limit(self, model: CatalogModel) -> int:
+        return 0
+
+    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+        return 0
+
+    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+        return None
+
+    def sliding_window(self, model: CatalogModel) -> bool:
+        return False
+
+    def saved_tokens(self, path: Path) -> list[int]:
+        raise ValueError("a transcription model saves no slots")

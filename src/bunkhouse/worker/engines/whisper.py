@@ -1,0 +1,269 @@
+"""The Whisper engine: faster-whisper (CTranslate2) in the worker, behind a small HTTP API on
+the worker's socket.
+
+Audio is not streamed per token, so Python in this path costs nothing that matters; the API
+has the shape of every worker's (engines/whisper.py is its front side):
+
+- ``GET /health``: 200 once the model is loaded.
+- ``GET /slots``: one slot, ``is_processing`` while a transcription runs.
+- ``POST /v1/audio/transcriptions?options=JSON``: the body is the uploaded file's bytes, as
+  the client sent them. The answer is NDJSON, one object per line: ``{"type": "info",
+  "language", "duration"}``, then a ``{"type": "segment", ...}`` per segment as it is
+  transcribed, then ``{"type": "done"}``; an error after the first line is ``{"type":
+  "error", "message"}``. Input that is not audio is a 400 before any line, with an OpenAI
+  error object naming the field ``file``.
+
+Decoding runs here, not in the front: a decoder that crashes on a hostile file takes this
+worker down (the supervisor restarts it), never the endpoint. Audio is decoded with PyAV, as
+faster-whisper decodes it, to 16 kHz mono, as the upload (spooled to a temporary file) is
+read, and transcribed in windows of :data:`WINDOW_S` seconds: faster-whisper builds its whole
+input's spectrogram at once (about 0.9 MiB per second of audio, measured with tiny.en), so the
+window bounds the worker's memory whatever the file's length. Each window is conditioned on
+the text of the one before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import socketserver
+import tempfile
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
+from typing import Any, BinaryIO
+from urllib.parse import parse_qs, urlsplit
+
+from bunkhouse.worker.engine import EngineLoadError, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 16_000
+"""Whisper's input rate, Hz (every Whisper model's feature extractor)."""
+
+WINDOW_S = 120
+"""Seconds of audio transcribed at once (a multiple of Whisper's 30 s window)."""
+
+MAX_BODY_BYTES = 1 << 30
+"""The largest body the worker reads (the front bounds uploads far lower: --max-audio)."""
+
+COMPUTE_TYPE = "int8"
+"""CTranslate2's weights on CPU: int8 (faster-whisper's advice for CPU, a quarter of float32)."""
+
+
+class AudioError(Exception):
+    """The upload is not audio this worker can decode, or too long; the message says which."""
+
+
+def windows(upload: BinaryIO, window_s: float = WINDOW_S) -> Iterator[Any]:
+    """The audio of ``upload`` (any container and codec FFmpeg knows), decoded as it is
+    read, as 16 kHz mono int16 numpy arrays of ``window_s`` seconds (the last one shorter).
+    Frames FFmpeg cannot decode are skipped, as faster-whisper's own decoder skips them.
+    Raises AudioError: no audio stream, nothing decodable."""
+    import av
+    import numpy as np
+
+    size = int(window_s * SAMPLE_RATE)
+    chunks: list[Any] = []
+    held = 0
+    sent = False
+    try:
+        with av.open(upload, mode="r", metadata_errors="ignore") as container:
+            stream = next((s for s in container.streams if s.type == "audio"), None)
+            if stream is None:
+                raise AudioError("the file has no audio stream")
+            resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
+            for frame in itertools.chain(_frames(container, stream), [None]):
+                for out in resampler.resample(frame):
+                    samples = out.to_ndarray().reshape(-1)
+                    chunks.append(samples)
+                    held += len(samples)
+                    while held >= size:
+                        audio = np.concatenate(chunks)
+                        yield audio[:size]
+                        sent = True
+                        chunks, held = [audio[size:]], len(audio) - size
+    except (av.error.FFmpegError, ValueError, IndexError, OSError) as e:
+        raise AudioError(f"the file is not audio that can be decoded ({e})") from e
+    if held:
+        yield np.concatenate(chunks)
+    elif not sent:
+        raise AudioError("the file holds no audio that can be decoded")
+
+
+def _frames(container: Any, stream: Any) -> Iterator[Any]:
+    import av
+
+    for packet in container.demux(stream):
+        try:
+            yield from packet.decode()
+        except av.error.InvalidDataError:
+            continue  # a damaged frame: the rest may decode
+
+
+def transcribe(model: Any, audio: Iterator[Any], options: dict[str, Any]
+               ) -> Iterator[dict[str, Any]]:
+    """Lines of the answer for the int16 windows of ``audio``: info first, then segments as
+    they are transcribed, window by window (times from the audio's start), then done with
+    the audio's duration."""
+    import numpy as np
+
+    prompt = options.get("prompt") or None
+    words = bool(options.get("words"))
+    temperature = options.get("temperature")
+    # OpenAI: 0 (or unset) lets the model raise the temperature when decoding fails
+    temperatures: Any = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0) if not temperature else float(temperature)
+    seg_id = 0
+    start = 0  # samples before this window
+    for window in audio:
+        offset = start / SAMPLE_RATE
+        segments, info = model.transcribe(
+            window.astype(np.float32) / 32768.0, language=options.get("language") or None,
+            initial_prompt=prompt, temperature=temperatures, word_timestamps=words,
+            vad_filter=False, condition_on_previous_text=True)
+        if start == 0:
+            yield {"type": "info", "language": info.language}
+        texts = []
+        for s in segments:
+            texts.append(s.text)
+            yield {"type": "segment", "id": seg_id, "seek": s.seek + start // 160,
+                   "start": round(s.start + offset, 3), "end": round(s.end + offset, 3),
+                   "text": s.text, "tokens": list(s.tokens),
+                   "temperature": s.temperature, "avg_logprob": s.avg_logprob,
+                   "compression_ratio": s.compression_ratio,
+                   "no_speech_prob": s.no_speech_prob,
+                   "words": [{"word": w.word, "start": round(w.start + offset, 3),
+                              "end": round(w.end + offset, 3),
+                              "probability": w.probability} for w in s.words or ()]
+                   if words else None}
+            seg_id += 1
+        if texts:  # the next window goes on from what was said
+            prompt = "".join(texts)[-800:]
+        start += len(window)
+    yield {"type": "done", "duration": round(start / SAMPLE_RATE, 3)}
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, path: str, engine: WhisperEngine) -> None:
+        self.engine = engine
+        super().__init__(path, _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.0"  # the answer ends when the connection closes: a stream
+
+    def address_string(self) -> str:  # a Unix socket's peer has no address
+        return "front"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug(format, *args)
+
+    def _json(self, status: int, value: Any) -> None:
+        body = json.dumps(value).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str, param: str | None = None) -> None:
+        self._json(status, {"error": {"message": message, "type": "invalid_request_error"
+                                      if status < 500 else "server_error",
+                                      "param": param, "code": None}})
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path == "/health":
+            self._json(200, {"status": "ok"})
+        elif path == "/slots":
+            self._json(200, [{"id": 0, "is_processing": self.server.engine.busy.locked()}])
+        else:
+            self._error(404, f"no route {path}")
+
+    def do_POST(self) -> None:
+        url = urlsplit(self.path)
+        if url.path != "/v1/audio/transcriptions":
+            self._error(404, f"no route {url.path}")
+            return
+        try:
+            options = json.loads(parse_qs(url.query).get("options", ["{}"])[0])
+            length = int(self.headers.get("content-length", ""))
+            if not isinstance(options, dict) or not 0 <= length <= MAX_BODY_BYTES:
+                raise ValueError
+        except ValueError:
+            self._error(400, "options must be a JSON object and the body's length given")
+            return
+        engine = self.server.engine
+        with engine.busy, tempfile.TemporaryFile() as upload:
+            left = length
+            while left:  # spooled to disk: the worker's memory does not grow with uploads
+                block = self.rfile.read(min(left, 1 << 20))
+                if not block:
+                    return  # the front went away
+                upload.write(block)
+                left -= len(block)
+            upload.seek(0)
+            audio = windows(upload)
+            try:
+                first = next(audio)  # a file that is not audio is refused before the 200
+            except AudioError as e:
+                self._error(400, str(e), "file")
+                return
+            self.send_response(200)
+            self.send_header("content-type", "application/x-ndjson")
+            self.end_headers()
+            try:
+                for line in transcribe(engine.model, itertools.chain([first], audio),
+                                       options):
+                    self.wfile.write(json.dumps(line).encode() + b"\n")
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                log.info("transcription stopped: the front went away")
+            except Exception as e:  # the engine's failure: said in the stream, then ended
+                log.exception("transcription failed")
+                with contextlib.suppress(OSError):
+                    self.wfile.write(json.dumps({"type": "error",
+                                                 "message": str(e)[:500]}).encode() + b"\n")
+
+
+class WhisperEngine:
+    """A CTranslate2 Whisper model directory (``model.bin``, ``config.json``,
+    ``tokenizer.json``) served on ``config.socket``; one transcription at a time."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.model: Any = None
+        self.busy = threading.Lock()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        try:
+            from faster_whisper import WhisperModel
+        except ImportError as e:
+            raise EngineLoadError("faster-whisper is not installed: pip install -e "
+                                  "'.[models]' (or pip install faster-whisper)") from e
+        path = self.config.model_path
+        if not (path / "model.bin").is_file():
+            raise EngineLoadError(f"no CTranslate2 Whisper model at {path} (no model.bin)")
+        try:
+            self.model = WhisperModel(str(path), device="cpu", compute_type=COMPUTE_TYPE,
+                                      cpu_threads=self.config.threads, num_workers=1)
+        except Exception as e:
+            raise EngineLoadError(f"faster-whisper failed to load {path}: {e}") from e
+        self._server = _Server(str(self.config.socket), self)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="whisper-http")
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        self.model = None
