@@ -27,6 +27,7 @@ from bunkhouse.api.schemas import (
 )
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.errors import BunkhouseError, InvalidRequest
+from bunkhouse.front.edge import check_generates
 from bunkhouse.front.protocols import InfillShape, OllamaEmbedShape, OllamaShape
 from bunkhouse.front.proxy import Shape
 
@@ -65,7 +66,9 @@ class OllamaRoutes:
         """The catalog model an Ollama name means (``name:latest`` is ``name``)."""
         if not isinstance(name, str) or not name:
             raise InvalidRequest("model is required: a model name", param="model")
-        return self.front.catalog.get(name)
+        model = self.front.catalog.get(name)
+        check_generates(model)  # Ollama's API serves language models only
+        return model
 
     async def _load_only(self, model: CatalogModel, name: str, chat: bool,
                          keep: float | None) -> Response:
@@ -144,7 +147,7 @@ class OllamaRoutes:
         return JSONResponse({"models": [
             {"name": m.id, "model": m.id, "modified_at": _time(m.modified),
              "size": m.size_bytes, "digest": _digest(m), "details": _details(m)}
-            for m in self.front.catalog]})
+            for m in self.front.catalog if not m.transcribes]})  # Ollama's are all LLMs
 
     async def ps(self, request: Request) -> Response:
         running = []

@@ -1,0 +1,334 @@
+"""Transcription end to end: `bunkhouse serve` with the packaged Whisper tiny.en in its own
+worker, the real `openai` SDK, a WAV file of speech (tests/fixtures/speech.wav: espeak-ng,
+16 kHz mono, 7.5 s, "The quick brown fox jumps over the lazy dog. Bunkhouse serves every
+local model behind one endpoint."), every response format, hostile uploads, the memory
+budget shared with a chat model, and the operator's pause."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.e2e.server import Server, serve
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.slow
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "speech.wav"
+DURATION_S = 7.55
+WHISPER = "whisper-tiny.en"
+QWEN = "qwen2.5-coder-0.5b-instruct"
+ADMIN = {"authorization": "Bearer admin-secret"}
+SPOKEN = {"quick", "fox", "lazy", "dog", "serves", "every", "local", "model"}
+MAX_AUDIO = 1_000_000  # --max-audio below: the fixture (242 KB) fits, 2 MB does not
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", text.lower()))
+
+
+def _heard(text: str) -> None:
+    """Most of the spoken words came back (tiny.en hears "round fox", "bunk house")."""
+    found = SPOKEN & _words(text)
+    assert len(found) >= len(SPOKEN) - 2, (text, SPOKEN - found)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serve(tmp_path_factory.mktemp("transcribe"), "--admin-key", "admin-secret",
+               "--max-audio", str(MAX_AUDIO), "--admission-wait", "60") as running:
+        yield running
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                         timeout=300)
+
+
+def test_the_openai_sdk_transcribes_speech_in_every_format(server: Server) -> None:
+    listed = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert listed[WHISPER]["kind"] == "transcription"
+    assert "whisper-1" in listed[WHISPER]["aliases"]
+    assert listed[QWEN]["kind"] == "chat"
+    client = _client(server)
+
+    with FIXTURE.open("rb") as f:
+        plain = client.audio.transcriptions.create(model="whisper-1", file=f)
+    _heard(plain.text)
+    assert server.model(WHISPER)["state"] == "ready"
+
+    with FIXTURE.open("rb") as f:
+        srt = client.audio.transcriptions.create(model=WHISPER, file=f, response_format="srt")
+    cues = re.findall(r"(\d+)\n(\d\d:\d\d:\d\d,\d{3}) --> (\d\d:\d\d:\d\d,\d{3})\n(.+)\n\n",
+                      str(srt))
+    assert cues and [int(c[0]) for c in cues] == list(range(1, len(cues) + 1)), srt
+    assert "".join(str(srt).split("\n\n")[len(cues):]).strip() == "", srt
+    _heard(" ".join(c[3] for c in cues))
+
+    with FIXTURE.open("rb") as f:
+        vtt = str(client.audio.transcriptions.create(model=WHISPER, file=f,
+                                                     response_format="vtt"))
+    assert vtt.startswith("WEBVTT\n\n"), vtt
+    vtt_cues = re.findall(r"(\d\d:\d\d:\d\d\.\d{3}) --> (\d\d:\d\d:\d\d\.\d{3})\n(.+)\n",
+                          vtt)
+    assert len(vtt_cues) == len(cues), vtt
+
+    with FIXTURE.open("rb") as f:
+        verbose = client.audio.transcriptions.create(
+            model=WHISPER, file=f, response_format="verbose_json",
+            timestamp_granularities=["segment", "word"], language="en", temperature=0)
+    assert abs(verbose.duration - DURATION_S) < 0.1, verbose.duration
+    assert verbose.language == "en"
+    segments = verbose.segments or []
+    assert segments
+    for s in segments:
+        assert 0 <= s.start < s.end <= verbose.duration + 0.05, s
+    words = verbose.words or []
+    assert len(words) >= 10
+    assert all(0 <= w.start <= w.end <= verbose.duration + 0.05 for w in words)
+    _heard(" ".join(w.word for w in words))
+
+    with FIXTURE.open("rb") as f:
+        text = client.audio.transcriptions.create(model=WHISPER, file=f,
+                                                  response_format="text")
+    _heard(str(text))
+
+    with FIXTURE.open("rb") as f:
+        events = list(client.audio.transcriptions.create(model=WHISPER, file=f, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "transcript.text.done" and kinds[:-1], kinds
+    assert set(kinds[:-1]) == {"transcript.text.delta"}, kinds
+    deltas = "".join(e.delta for e in events[:-1])  # type: ignore[union-attr]
+    assert deltas.strip() == events[-1].text  # type: ignore[union-attr]
+    _heard(deltas)
+
+
+def _raw_upload(server: Server, head: bytes, body: Iterator[bytes]) -> tuple[bytes, int]:
+    """Send ``head`` then ``body``'s chunks on a raw socket until the server answers;
+    returns (the answer's first bytes, the body bytes sent by then)."""
+    url = urlsplit(server.url)
+    sent = 0
+    with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
+        sock.sendall(head)
+        sock.setblocking(False)
+        answer = b""
+        for chunk in body:
+            try:
+                answer = sock.recv(4096)
+            except BlockingIOError:
+                pass
+            if answer:
+                break
+            try:
+                sock.sendall(chunk)
+            except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+                time.sleep(0.01)
+                continue
+            sent += len(chunk)
+            time.sleep(0.002)
+        sock.setblocking(True)
+        if not answer:
+            answer = sock.recv(4096)
+    return answer, sent
+
+
+def _multipart_head(server: Server, boundary: str, length: str | None) -> bytes:
+    netloc = urlsplit(server.url).netloc
+    size = f"content-length: {length}\r\n" if length else "transfer-encoding: chunked\r\n"
+    return (f"POST /v1/audio/transcriptions HTTP/1.1\r\nhost: {netloc}\r\n"
+            f"content-type: multipart/form-data; boundary={boundary}\r\n{size}\r\n").encode()
+
+
+def test_bad_uploads_get_4xx_without_touching_the_worker(server: Server,
+                                                         tmp_path: Path) -> None:
+    url = f"{server.url}/v1/audio/transcriptions"
+    # the worker is up (and its pid noted) before the hostile uploads
+    ok = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())}, timeout=300)
+    assert ok.status_code == 200, ok.text
+    pid = server.model(WHISPER)["pid"]
+    assert pid
+
+    text = httpx.post(url, files={"file": ("notes.wav", b"these are my notes\n" * 50)},
+                      data={"model": "whisper-1"}, timeout=60)
+    assert text.status_code == 400 and text.json()["error"]["param"] == "file", text.text
+    # looks like a WAV (its first bytes), is not one: the worker's decoder refuses it
+    fake = b"RIFF\x24\x00\x00\x00WAVEgarbage" + bytes(range(256)) * 40
+    forged = httpx.post(url, files={"file": ("x.wav", fake)}, timeout=120)
+    assert forged.status_code == 400 and forged.json()["error"]["param"] == "file", \
+        forged.text
+    empty = httpx.post(url, files={"file": ("empty.wav", b"")}, timeout=60)
+    assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
+    none = httpx.post(url, data={"model": "whisper-1"}, timeout=60)
+    assert none.status_code == 400 and none.json()["error"]["param"] == "file", none.text
+    not_form = httpx.post(url, json={"file": "x"}, timeout=60)
+    assert not_form.status_code == 400
+    bad_format = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())},
+                            data={"response_format": "mp3"}, timeout=60)
+    assert bad_format.json()["error"]["param"] == "response_format"
+    chat_model = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())},
+                            data={"model": QWEN}, timeout=60)
+    assert chat_model.status_code == 400 and chat_model.json()["error"]["param"] == "model"
+    assert server.model(QWEN)["state"] == "absent"  # refused before any load
+    as_chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "whisper-1", "messages": [{"role": "user", "content": "hi"}]})
+    assert as_chat.status_code == 400 and as_chat.json()["error"]["param"] == "model"
+
+    # 413 before it is all read: declared too large, and streamed past the bound
+    boundary = "b0undary"
+    part = (f"--{boundary}\r\ncontent-disposition: form-data; name=\"file\"; "
+            f"filename=\"big.wav\"\r\ncontent-type: audio/wav\r\n\r\n").encode()
+    chunk = b"RIFF" + b"\x00" * 65532
+    total = 50_000_000
+    answer, sent = _raw_upload(server, _multipart_head(server, boundary, str(total)),
+                               iter([part, *([chunk] * (total // len(chunk)))]))
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert sent < total // 10, sent
+
+    def chunked() -> Iterator[bytes]:
+        yield f"{len(part):x}\r\n".encode() + part + b"\r\n"
+        for _ in range(total // len(chunk)):
+            yield f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+
+    answer, sent = _raw_upload(server, _multipart_head(server, boundary, None), chunked())
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert sent < 4 * MAX_AUDIO, sent
+
+    # none of it touched the worker: same process, no crash, and it still transcribes
+    assert server.model(WHISPER)["pid"] == pid
+    assert psutil.pid_exists(pid)
+    counts = server.stats()["event_counts"]
+    assert not counts.get("crashed"), counts
+    again = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())}, timeout=300)
+    assert again.status_code == 200
+    _heard(again.json()["text"])
+
+
+def _chat(server: Server, max_tokens: int = 8, stream: bool = False,
+          timeout: float = 300) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", timeout=timeout, json={
+        "model": QWEN, "max_tokens": max_tokens, "stream": stream,
+        "messages": [{"role": "user", "content": "Count from one to one hundred."}]})
+
+
+def test_the_pause_lets_in_flight_finish_and_holds_new_requests(server: Server) -> None:
+    assert _chat(server).status_code == 200  # loaded
+    streamed: dict[str, Any] = {}
+
+    def long_stream() -> None:
+        body = {"model": QWEN, "max_tokens": 120, "stream": True, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Count from one to one hundred."}]}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                          timeout=300) as resp:
+            streamed["status"] = resp.status_code
+            streamed["lines"] = [line for line in resp.iter_lines() if line.startswith("data:")]
+
+    runner = threading.Thread(target=long_stream)
+    runner.start()
+    wait_for(lambda: server.model(QWEN)["running"] >= 1, 120, "the long stream to run")
+    paused = httpx.post(f"{server.url}/admin/pause", headers=ADMIN, json={"max_s": 120},
+                        timeout=300)
+    at_return = server.model(QWEN)  # the stream's engine work ended before the answer
+    runner.join(300)
+    assert paused.status_code == 200, paused.text
+    assert paused.json()["paused"] is True and paused.json()["in_flight"] == 0
+    assert at_return["leases"] == 0 and at_return["running"] == 0, at_return
+    assert streamed["status"] == 200 and streamed["lines"][-1] == "data: [DONE]"
+    tokens = [line for line in streamed["lines"] if '"content"' in line]
+    assert len(tokens) >= 100, len(tokens)  # it ran to its end, not cut by the pause
+
+    waiting: dict[str, Any] = {}
+
+    def chat_meanwhile() -> None:
+        waiting["response"] = _chat(server)
+
+    sender = threading.Thread(target=chat_meanwhile)
+    sender.start()
+    wait_for(lambda: server.model(QWEN)["waiting"] >= 1, 60, "the chat to wait")
+    sender.join(2.0)
+    assert sender.is_alive() and "response" not in waiting  # held by the pause
+    resumed = httpx.post(f"{server.url}/admin/resume", headers=ADMIN, timeout=60)
+    assert resumed.json() == {"paused": False, "resumed": True}
+    sender.join(300)
+    assert waiting["response"].status_code == 200, waiting["response"].text
+    kinds = [e["kind"] for e in server.stats()["events"] if e["model"] == "*"]
+    assert "paused" in kinds and "resumed" in kinds
+
+    # without the admin key: refused; a pause nobody resumes ends by itself
+    assert httpx.post(f"{server.url}/admin/pause", timeout=60).status_code in (401, 403)
+    bounded = httpx.post(f"{server.url}/admin/pause", headers=ADMIN, json={"max_s": 1},
+                         timeout=60)
+    assert bounded.json()["paused"] is True
+    assert _chat(server).status_code == 200  # waited at most the pause's second
+    assert httpx.post(f"{server.url}/admin/resume", headers=ADMIN,
+                      timeout=60).json()["resumed"] is False
+    bad = httpx.post(f"{server.url}/admin/pause", headers=ADMIN, json={"max_s": -1},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_s"
+
+
+def test_a_paused_request_gets_503_with_retry_after_past_the_admission_wait(
+        tmp_path: Path) -> None:
+    with serve(tmp_path, "--admin-key", "admin-secret", "--admission-wait", "1") as server:
+        assert httpx.post(f"{server.url}/admin/pause", headers=ADMIN,
+                          timeout=60).json()["paused"] is True
+        refused = _chat(server)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "paused"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert server.model(QWEN)["state"] == "absent"  # nothing loads while paused
+        httpx.post(f"{server.url}/admin/resume", headers=ADMIN, timeout=60)
+        assert _chat(server).status_code == 200
+
+
+def test_chat_and_transcription_take_turns_in_a_budget_for_one(tmp_path: Path) -> None:
+    # the budget fits Qwen (its estimate) or Whisper, never both
+    with serve(tmp_path / "sizes", "--context", "2048") as probe:
+        listed = {m["id"]: m for m in httpx.get(f"{probe.url}/v1/models").json()["data"]}
+    qwen, whisper = listed[QWEN]["estimated_bytes"], listed[WHISPER]["estimated_bytes"]
+    budget = max(qwen, whisper) + 64 * 2**20
+    assert budget < qwen + whisper
+    with serve(tmp_path / "budget", "--context", "2048", "--budget", str(budget)) as server:
+        peak = {"measured": 0}
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                total = 0
+                for w in server.workers():
+                    try:
+                        total += w.memory_info().rss
+                    except psutil.Error:
+                        pass
+                peak["measured"] = max(peak["measured"], total)
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            assert _chat(server).status_code == 200
+            with FIXTURE.open("rb") as f:
+                text = _client(server).audio.transcriptions.create(model="whisper-1", file=f)
+            _heard(text.text)
+            assert server.model(QWEN)["state"] == "absent"
+            assert _chat(server).status_code == 200
+            assert server.model(WHISPER)["state"] == "absent"
+        finally:
+            stop.set()
+            watcher.join()
+        stats = server.stats()
+        evicted = [(e["model"], e["data"].get("cause")) for e in stats["events"]
+                   if e["kind"] == "draining"]
+        assert evicted == [(QWEN, "room"), (WHISPER, "room")], evicted
+        assert stats["peak_used_bytes"] <= budget
+        assert 0 < peak["measured"] <= budget, (peak, budget)
