@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -235,14 +235,37 @@ def parser() -> argparse.ArgumentParser:
         if verb == "load":
             cmd.add_argument("--path", help="a GGUF file inside the server's allowed roots")
     for verb, what in (("reload", "re-read the config file and model folders"),
-                       ("default", "make a model the default one")):
+                       ("default", "make a model the default one"),
+                       ("pause", "hold every model paused once its requests in flight "
+                                 "finish (new ones wait)"),
+                       ("resume", "end a pause: waiting requests go on")):
         cmd = sub.add_parser(verb, help=f"{what} on a running server (admin key)")
         if verb == "default":
             cmd.add_argument("model", metavar="ID")
+        if verb == "pause":
+            cmd.add_argument("--max", type=_positive, default=300.0, metavar="S",
+                             help="resume by itself after S seconds (%(default)s; at most "
+                                  "3600)")
         cmd.add_argument("--url", default="http://127.0.0.1:8080",
                          help="the server's address (%(default)s)")
         cmd.add_argument("--admin-key", default=os.environ.get("BUNKHOUSE_ADMIN_KEY"),
                          help="default: $BUNKHOUSE_ADMIN_KEY")
+    transcribe = sub.add_parser(
+        "transcribe", help="transcribe an audio file with a running server's Whisper model",
+        description="Send FILE (wav, mp3, m4a, flac, ogg, webm, ...) to POST "
+                    "/v1/audio/transcriptions and print the text as it comes.")
+    transcribe.add_argument("file", type=Path, metavar="FILE")
+    transcribe.add_argument("--url", default="http://127.0.0.1:8080",
+                            help="the server's address (%(default)s)")
+    transcribe.add_argument("--api-key", default=os.environ.get("BUNKHOUSE_API_KEY"),
+                            help="a client key, if the server needs one "
+                                 "(default: $BUNKHOUSE_API_KEY)")
+    transcribe.add_argument("--model", default="whisper-1",
+                            help="the transcription model (%(default)s: the first one)")
+    transcribe.add_argument("--language", help="the spoken language, ISO-639-1 (en, de, ...)")
+    transcribe.add_argument("--format", default="text",
+                            choices=["text", "json", "srt", "vtt", "verbose_json"],
+                            help="what to print (%(default)s: the text, streamed)")
     cache = sub.add_parser(
         "cache", help="list or remove saved KV snapshots (conversations' KV state on disk)",
         description="Work on the KV snapshot directory itself. Stop the server first, or use "
@@ -843,19 +866,92 @@ def control(verb: str, model: str, url: str, key: str | None, path: str | None) 
     return 0
 
 
-def server_call(verb: str, model: str | None, url: str, key: str | None) -> int:
-    """``bunkhouse reload`` and ``bunkhouse default ID`` against a running server."""
-    body = {"model": model} if verb == "default" else {}
+def server_call(verb: str, model: str | None, url: str, key: str | None,
+                max_s: float | None = None) -> int:
+    """``bunkhouse reload``, ``default ID``, ``pause`` and ``resume`` against a running
+    server."""
+    body: dict[str, Any] = {"model": model} if verb == "default" else {}
+    if verb == "pause" and max_s is not None:
+        body["max_s"] = max_s
     resp = _admin_post(url.rstrip("/"), f"/admin/{verb}", key, body)
     if resp is None:
         return 1
     data = resp.json()
     if verb == "default":
         print(f"default model: {data['id']}")
+    elif verb == "pause":
+        if not data["paused"]:
+            print("the pause ended before the requests in flight finished")
+            return 1
+        until = time.strftime("%H:%M:%S", time.localtime(data["resumes_at"]))
+        print(f"paused: no request in flight; resumes by itself at {until} "
+              "(bunkhouse resume ends it)")
+    elif verb == "resume":
+        print("resumed" if data["resumed"] else "no pause was held")
     else:
         for change in ("added", "removed", "changed"):
             print(f"{change}: {', '.join(data[change]) or 'none'}")
     return 0
+
+
+def transcribe(path: Path, url: str, key: str | None, model: str, language: str | None,
+               fmt: str) -> int:
+    """``bunkhouse transcribe FILE``: the text streamed as it is transcribed, or the answer
+    in another format printed whole."""
+    import httpx
+
+    try:
+        audio = path.expanduser().open("rb")
+    except OSError as e:
+        print(f"bunkhouse: error: cannot read {path}: {e.strerror}", file=sys.stderr)
+        return 2
+    fields = {"model": model, "response_format": "json" if fmt == "text" else fmt,
+              **({"language": language} if language else {}),
+              **({"stream": "true"} if fmt == "text" else {})}
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    base = url.rstrip("/")
+    try:
+        with audio, httpx.stream("POST", f"{base}/v1/audio/transcriptions", data=fields,
+                                 files={"file": (path.name, audio)}, headers=headers,
+                                 timeout=httpx.Timeout(600, connect=10)) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                print(f"bunkhouse: error: {resp.status_code}: {_message(resp)}",
+                      file=sys.stderr)
+                return 1
+            if fmt != "text":
+                print(resp.read().decode("utf-8", errors="replace").rstrip("\n"))
+                return 0
+            return _print_deltas(resp.iter_lines())
+    except httpx.HTTPError as e:
+        print(f"bunkhouse: error: cannot reach {base}: {e}; is `bunkhouse serve` running "
+              "there? (--url sets the address)", file=sys.stderr)
+        return 1
+
+
+def _print_deltas(lines: Iterator[str]) -> int:
+    """Print a transcription stream's deltas as they come; 1 on its error event."""
+    started = False
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        try:
+            event = json.loads(line[5:])
+        except ValueError:
+            continue
+        if event.get("type") == "transcript.text.delta":
+            delta = printable(str(event.get("delta", "")))
+            print(delta if started else delta.lstrip(), end="", flush=True)
+            started = True
+        elif event.get("type") == "transcript.text.done":
+            print()
+            return 0
+        elif event.get("type") == "error":
+            print(f"\nbunkhouse: error: {event.get('error', {}).get('message')}",
+                  file=sys.stderr)
+            return 1
+    print()
+    return 1
 
 
 def cache(action: str, model: str | None, root: Path | None) -> int:
@@ -949,9 +1045,12 @@ def main(argv: list[str] | None = None) -> int:
         return ps(args.url, args.api_key, args.watch)
     if args.command == "events":
         return follow_events(args.url, args.api_key, args.since, args.json)
-    if args.command in ("reload", "default"):
+    if args.command in ("reload", "default", "pause", "resume"):
         return server_call(args.command, getattr(args, "model", None), args.url,
-                           args.admin_key)
+                           args.admin_key, getattr(args, "max", None))
+    if args.command == "transcribe":
+        return transcribe(args.file, args.url, args.api_key, args.model, args.language,
+                          args.format)
     if args.command in ("load", "unload", "pin", "unpin"):
         return control(args.command, args.model, args.url, args.admin_key,
                        getattr(args, "path", None))

@@ -6,6 +6,7 @@ budget shared with a chat model, and the operator's pause."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import threading
@@ -114,6 +115,73 @@ def test_the_openai_sdk_transcribes_speech_in_every_format(server: Server) -> No
     _heard(deltas)
 
 
+def _encoded(fmt: str, codec: str, rate: int) -> bytes:
+    """The fixture re-encoded with PyAV (faster-whisper's decoder, installed with it)."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(str(FIXTURE)) as source, av.open(out, "w", format=fmt) as target:
+        stream = target.add_stream(codec, rate=rate, layout="mono")
+        resample = av.AudioResampler(format=stream.codec_context.format or "s16",
+                                     layout="mono", rate=rate)
+        for frame in source.decode(audio=0):
+            for part in resample.resample(frame):
+                for packet in stream.encode(part):
+                    target.mux(packet)
+        for packet in stream.encode(None):
+            target.mux(packet)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(("name", "fmt", "codec", "rate"), [
+    ("speech.mp3", "mp3", "libmp3lame", 16000), ("speech.flac", "flac", "flac", 16000),
+    ("speech.ogg", "ogg", "libopus", 48000), ("speech.m4a", "ipod", "aac", 16000),
+    ("speech.webm", "webm", "libopus", 48000)])
+def test_every_common_audio_format_is_transcribed(server: Server, name: str, fmt: str,
+                                                  codec: str, rate: int) -> None:
+    resp = httpx.post(f"{server.url}/v1/audio/transcriptions", timeout=300,
+                      files={"file": (name, _encoded(fmt, codec, rate))})
+    assert resp.status_code == 200, resp.text
+    _heard(resp.json()["text"])
+
+
+def _compute_waits(server: Server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=60).text
+    return next(s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "bunkhouse_compute_gate_waits_total")
+
+
+def test_a_transcription_takes_its_compute_turn_after_a_running_generation(
+        server: Server) -> None:
+    assert _chat(server).status_code == 200  # Qwen ready
+    done: list[str] = []
+
+    def long_stream() -> None:
+        body = {"model": QWEN, "max_tokens": 150, "stream": True, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Count from one to one hundred."}]}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                          timeout=300) as resp:
+            for _ in resp.iter_lines():
+                pass
+        done.append("generation")
+
+    waits = _compute_waits(server)
+    runner = threading.Thread(target=long_stream)
+    runner.start()
+    wait_for(lambda: server.model(QWEN)["running"] >= 1, 120, "the generation to run")
+    resp = httpx.post(f"{server.url}/v1/audio/transcriptions", timeout=300,
+                      files={"file": ("a.wav", FIXTURE.read_bytes())})
+    done.append("transcription")
+    runner.join(300)
+    assert resp.status_code == 200
+    assert _compute_waits(server) >= waits + 1  # it waited for the generation's turn
+    assert done[0] == "generation" or server.model(QWEN)["running"] == 0, done
+
+
 def _raw_upload(server: Server, head: bytes, body: Iterator[bytes]) -> tuple[bytes, int]:
     """Send ``head`` then ``body``'s chunks on a raw socket until the server answers;
     returns (the answer's first bytes, the body bytes sent by then)."""
@@ -124,10 +192,8 @@ def _raw_upload(server: Server, head: bytes, body: Iterator[bytes]) -> tuple[byt
         sock.setblocking(False)
         answer = b""
         for chunk in body:
-            try:
+            with contextlib.suppress(BlockingIOError):
                 answer = sock.recv(4096)
-            except BlockingIOError:
-                pass
             if answer:
                 break
             try:
@@ -176,10 +242,13 @@ def test_bad_uploads_get_4xx_without_touching_the_worker(server: Server,
     bad_format = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())},
                             data={"response_format": "mp3"}, timeout=60)
     assert bad_format.json()["error"]["param"] == "response_format"
+    qwen_before = server.model(QWEN)
     chat_model = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())},
                             data={"model": QWEN}, timeout=60)
     assert chat_model.status_code == 400 and chat_model.json()["error"]["param"] == "model"
-    assert server.model(QWEN)["state"] == "absent"  # refused before any load
+    qwen_after = server.model(QWEN)  # refused before any load or use
+    assert (qwen_after["state"], qwen_after["last_used"]) == \
+        (qwen_before["state"], qwen_before["last_used"])
     as_chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "model": "whisper-1", "messages": [{"role": "user", "content": "hi"}]})
     assert as_chat.status_code == 400 and as_chat.json()["error"]["param"] == "model"
@@ -306,10 +375,8 @@ def test_chat_and_transcription_take_turns_in_a_budget_for_one(tmp_path: Path) -
             while not stop.is_set():
                 total = 0
                 for w in server.workers():
-                    try:
+                    with contextlib.suppress(psutil.Error):
                         total += w.memory_info().rss
-                    except psutil.Error:
-                        pass
                 peak["measured"] = max(peak["measured"], total)
                 time.sleep(0.02)
 

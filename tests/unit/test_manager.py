@@ -558,3 +558,50 @@ def test_once_stopping_no_model_is_loaded_and_ready_ones_still_serve() -> None:
         assert (h.state("a"), h.state("b")) == ("ready", "absent") and h.starts == ["a"]
 
     run(go())
+
+
+def test_an_operators_pause_holds_new_leases_loads_nothing_and_resumes_together() -> None:
+    async def go() -> None:
+        h = Host([model("a", 1), model("b", 1)], admission_wait_s=5)
+        await h.use("a")
+        held = await h.manager.acquire(h.models["a"])
+        h.manager.operator_pause(60)
+        assert h.manager.paused
+        quiet = asyncio.create_task(h.manager.paused_quiet())
+        waiting = [asyncio.create_task(h.use("a")), asyncio.create_task(h.use("b"))]
+        await asyncio.sleep(0.05)
+        assert not quiet.done()  # a's lease is still in flight
+        held.release()
+        assert await quiet is True
+        assert not any(t.done() for t in waiting)
+        assert h.starts == ["a"]  # b is not loaded while paused
+        assert h.manager.status("b").waiting == 1
+        assert h.manager.operator_resume() is True
+        await asyncio.gather(*waiting)
+        assert h.starts == ["a", "b"]
+        assert h.manager.operator_resume() is False  # none held any more
+        kinds = [e.kind for e in h.manager.events.recent(50) if e.model == "*"]
+        assert kinds == ["paused", "resumed"]
+
+    run(go())
+
+
+def test_a_paused_request_gives_up_after_the_admission_wait_and_a_pause_ends_by_itself(
+        ) -> None:
+    from bunkhouse.errors import Paused
+
+    async def go() -> None:
+        h = Host([model("a", 1)], admission_wait_s=0.05)
+        await h.use("a")
+        h.manager.operator_pause(0.3)
+        with pytest.raises(Paused) as refused:
+            await h.use("a")
+        assert refused.value.headers()["Retry-After"]
+        assert h.manager.status("a").waiting == 0  # its place was given up
+        await asyncio.sleep(0.5)  # the pause's 0.3 s passed: nobody resumed it
+        assert not h.manager.paused
+        await h.use("a")
+        reasons = [e.reason for e in h.manager.events.recent(50) if e.kind == "resumed"]
+        assert reasons == ["not resumed within 0.3 s"]
+
+    run(go())

@@ -368,7 +368,7 @@ class ResidencyManager:
                     self._abandon(entry, ticket)
                     raise Paused(
                         f"model {model.id!r}: every model is paused (POST /admin/pause) and "
-                        f"was not resumed within {self.options.admission_wait_s:.0f} s; retry",
+                        f"was not resumed within {self.options.admission_wait_s:g} s; retry",
                         retry_after_s=self.options.retry_after_s)
                 lease = ticket.result()
                 if lease is not None:
@@ -623,7 +623,7 @@ class ResidencyManager:
         else:
             self._pause_timer.cancel()
         self._pause_timer = asyncio.get_running_loop().call_later(
-            max_s, self.operator_resume, f"not resumed within {max_s:.0f} s")
+            max_s, self.operator_resume, f"not resumed within {max_s:g} s")
         self._pause_ends = self._clock() + max_s
         return self._pause_ends + self._wall_offset
 

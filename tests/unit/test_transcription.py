@@ -1,0 +1,151 @@
+"""The transcription route's pure parts: upload sniffing, option fields, subtitle formats;
+and Whisper model directories in the catalog."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from starlette.datastructures import FormData, Headers, UploadFile
+
+from bunkhouse.catalog import build_catalog
+from bunkhouse.config import Settings, load_config_file
+from bunkhouse.errors import ConfigError, InvalidRequest
+from bunkhouse.front.audio import looks_like_audio, parse_fields, srt, timestamp, vtt
+from bunkhouse.residency.estimate import estimate
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "speech.wav"
+
+
+@pytest.mark.parametrize("head", [
+    FIXTURE.read_bytes()[:16], b"ID3\x04\x00", b"\xff\xfb\x90\x00", b"\xff\xf1\x50\x80",
+    b"fLaC\x00\x00", b"OggS\x00\x02", b"\x00\x00\x00\x1cftypM4A ", b"\x1a\x45\xdf\xa3\x9f",
+    b"FORM\x00\x00\x00\x00AIFF", b"#!AMR\n"])
+def test_audio_containers_are_recognized(head: bytes) -> None:
+    assert looks_like_audio(head)
+
+
+@pytest.mark.parametrize("head", [b"these are my notes", b"{\"a\": 1}", b"%PDF-1.7",
+                                  b"\x89PNG\r\n\x1a\n", b"", b"\xff", b"PK\x03\x04"])
+def test_other_files_are_not_audio(head: bytes) -> None:
+    assert not looks_like_audio(head)
+
+
+def _form(**fields: str | list[str]) -> FormData:
+    items: list[tuple[str, str | UploadFile]] = []
+    for name, value in fields.items():
+        for v in value if isinstance(value, list) else [value]:
+            items.append((name.replace("__", "[]"), v))
+    return FormData(items)
+
+
+def test_option_fields_are_read_as_openai_defines_them() -> None:
+    options = parse_fields(_form(model="whisper-1", language="en", prompt="Bunkhouse",
+                                 temperature="0.2", response_format="verbose_json",
+                                 timestamp_granularities__=["word", "segment"],
+                                 stream="false", chunking_strategy="auto"))
+    assert (options.model, options.language, options.prompt, options.temperature) == \
+        ("whisper-1", "en", "Bunkhouse", 0.2)
+    assert options.granularities == ("word", "segment") and not options.stream
+    assert options.worker_options()["words"] is True
+    defaults = parse_fields(_form())
+    assert (defaults.response_format, defaults.temperature, defaults.stream) == ("json", 0, False)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"response_format": "mp3"}, "response_format"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": "1.5"}, "temperature"),
+    ({"temperature": "nan"}, "temperature"),
+    ({"language": "english"}, "language"),
+    ({"language": "e\nn"}, "language"),
+    ({"stream": "yes"}, "stream"),
+    ({"timestamp_granularities__": "char", "response_format": "verbose_json"},
+     "timestamp_granularities"),
+    ({"timestamp_granularities__": "word"}, "timestamp_granularities"),  # json: refused
+    ({"model": ["a", "b"]}, "model"),
+])
+def test_bad_option_fields_get_400_naming_the_field(fields: dict[str, str | list[str]],
+                                                    param: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        parse_fields(_form(**fields))
+    assert refused.value.param == param
+
+
+def test_a_file_given_where_text_is_expected_is_refused() -> None:
+    import io
+    upload = UploadFile(io.BytesIO(b"x"), filename="m.txt", headers=Headers())
+    with pytest.raises(InvalidRequest) as refused:
+        parse_fields(FormData([("model", upload)]))
+    assert refused.value.param == "model"
+
+
+SEGMENTS = [{"start": 0.0, "end": 2.5, "text": " Hello there."},
+            {"start": 3661.2, "end": 3662.0049, "text": " Line one\n\nline --> two"}]
+
+
+def test_srt_and_vtt_are_well_formed() -> None:
+    assert timestamp(3661.2, ",") == "01:01:01,200"
+    assert timestamp(-0.1, ".") == "00:00:00.000"
+    assert srt(SEGMENTS) == ("1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n"
+                             "2\n01:01:01,200 --> 01:01:02,005\nLine one line -> two\n\n")
+    assert vtt(SEGMENTS) == ("WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n"
+                             "01:01:01.200 --> 01:01:02.005\nLine one line -> two\n\n")
+    assert srt([]) == "" and vtt([]) == "WEBVTT\n\n"
+
+
+def _whisper_dir(root: Path, name: str = "my-whisper", tokenizer: bool = True) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "model.bin").write_bytes(b"\0" * 1000)
+    (path / "config.json").write_text(json.dumps({"suppress_ids": []}))
+    (path / "vocabulary.txt").write_text("a\nb\n")
+    if tokenizer:
+        (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_the_packaged_whisper_is_a_transcription_model_named_whisper_1(
+        tmp_path: Path) -> None:
+    catalog = build_catalog(Settings(cache_dir=tmp_path))
+    whisper = catalog.get("whisper-1")
+    assert whisper.id == "whisper-tiny.en" and whisper.kind == "transcription"
+    assert whisper.engine == "whisper" and whisper.options.parallel == 1
+    assert catalog.default_id != whisper.id
+    assert catalog.get("qwen2.5-coder-0.5b-instruct").kind == "chat"
+    assert catalog.get("gemma-3-270m").kind == "completion"
+    need = estimate(whisper)
+    assert need.weights == whisper.size_bytes > 70_000_000
+    # measured with tiny.en: 265 MiB at its peak on the fixture; the estimate is a worst case
+    assert 265 * 2**20 < need.total < 600 * 2**20
+
+
+def test_a_configured_whisper_directory_is_served_and_takes_whisper_1(tmp_path: Path) -> None:
+    own = _whisper_dir(tmp_path)
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n'
+                      f'aliases = ["dictation"]\n\n'
+                      f'[[models]]\nid = "whisper-tiny.en"\nttl = 600\n')
+    settings = load_config_file(config, Settings(cache_dir=tmp_path))
+    catalog = build_catalog(settings)
+    mine = catalog.get("dictation")
+    assert mine.id == "mine" and mine.transcribes and mine.size_bytes == sum(
+        f.stat().st_size for f in own.iterdir())
+    assert catalog.get("whisper-1").id == "mine"  # a configured one comes first
+    packaged = catalog.get("whisper-tiny.en")  # configured by the overlay, still Whisper
+    assert packaged.engine == "whisper" and packaged.ttl_s == 600
+    assert packaged.options.parallel == 1
+    assert catalog.default_id == "qwen2.5-coder-0.5b-instruct"
+
+
+def test_a_whisper_directory_without_its_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
+    own = _whisper_dir(tmp_path, tokenizer=False)
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n')
+    with pytest.raises(ConfigError, match=r"tokenizer\.json"):
+        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)))
+    shutil.rmtree(own)
+    with pytest.raises(ConfigError, match="no Whisper model directory"):
+        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)))
