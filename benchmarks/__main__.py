@@ -8,7 +8,8 @@ throughput (1/4/8 concurrent; two models at once; memory estimate vs measured), 
 (llama.cpp's router vs bunkhouse, two models alternating with room for one), kv (a
 conversation's follow-up after its model was evicted: restored KV state vs the router's
 prefill again, at 1K, 4K and 8K tokens), reliability
-(chaos, a 1,000-request flood, schemathesis). A full run takes about 20 minutes on 2 cores,
+(chaos, a 1,000-request flood, schemathesis), transcribe (the Whisper worker vs faster-whisper
+called directly: time and memory). A full run takes about 20 minutes on 2 cores,
 --quick under 10. Every process's log goes to benchmarks/results/.
 """
 
@@ -30,10 +31,18 @@ from typing import Any
 
 import psutil
 
-from benchmarks import kv_restore, overhead, reliability, report, swap, throughput
+from benchmarks import (
+    kv_restore,
+    overhead,
+    reliability,
+    report,
+    swap,
+    throughput,
+    transcribe,
+)
 from benchmarks.common import PROFILES, Profile
 
-SECTIONS = ("overhead", "throughput", "swap", "kv", "reliability")
+SECTIONS = ("overhead", "throughput", "swap", "kv", "reliability", "transcribe")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -82,6 +91,7 @@ def run_sections(profile: Profile, sections: list[str], llama_server: str | None
         "swap": lambda: swap.measure(profile, llama_server),
         "kv": lambda: kv_restore.measure(profile, llama_server),
         "reliability": lambda: reliability.measure(profile),
+        "transcribe": lambda: transcribe.measure(profile),
     }
     for name in sections:
         print(f"== {name} ({profile.name})", file=sys.stderr, flush=True)

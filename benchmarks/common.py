@@ -50,6 +50,8 @@ class Profile:
     fuzz_examples: int
     fuzz_seconds: int
     kv_lengths: tuple[int, ...] = ()  # conversation tokens before a follow-up after eviction
+    transcribe_rounds: int = 5  # the fixture on each target, alternating
+    transcribe_long_s: int = 600  # a long file once on each, for memory; 0: none
 
 
 PROFILES = {
@@ -62,13 +64,13 @@ PROFILES = {
                      throughput_tokens=16, gate_off=True, swap_runs=3, swap_requests=5,
                      chaos_runs=1, chaos_seconds=30, flood_runs=1, flood_requests=1000,
                      flood_concurrency=64, fuzz_examples=10, fuzz_seconds=45,
-                     kv_lengths=(1000, 4000)),
+                     kv_lengths=(1000, 4000), transcribe_rounds=3),
     # Only for the test suite: checks that every section runs end to end, measures nothing.
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
                     chaos_runs=1, chaos_seconds=5, flood_runs=1, flood_requests=100,
                     flood_concurrency=16, fuzz_examples=2, fuzz_seconds=20,
-                    kv_lengths=(300,)),
+                    kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0),
 }
 
 

@@ -468,6 +468,64 @@ def _kv(k: dict[str, Any], goals: list[list[str]]) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- transcription
+
+
+def _transcribe(t: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    runs = t["runs"]
+    b, d = Spread.of(runs["bunkhouse"]), Spread.of(runs["direct"])
+    lines = [
+        "## 7. Transcription: the Whisper worker against faster-whisper called directly",
+        "",
+        f"tests/fixtures/speech.wav ({t['fixture_s']:.1f} s of espeak-ng speech, 16 kHz mono) "
+        f"transcribed by whisper-tiny.en (CTranslate2, int8, {t['threads']} threads) "
+        f"{t['rounds']} times on each target, alternating, after one warm-up each: "
+        "faster-whisper in one Python process, timed from the call to its last segment "
+        "(decoding included), against `bunkhouse serve` timed by an HTTP client from the "
+        "upload's first byte to the answer's last (multipart, the front, the worker).",
+        "",
+    ]
+    measured = t.get("measured")
+    if measured:
+        lines += [f"Measured on its own on {measured['started'][:10]} at commit "
+                  f"{measured['commit']} (`python -m benchmarks run --only transcribe`, merged "
+                  "into this page's results).", ""]
+    lines += _table(["target", "seconds (median, min-max)", "ratio"], [
+        ["faster-whisper directly", _f(d, 2), "1"],
+        ["bunkhouse", _f(b, 2), f"**{b.median / d.median:.3f}**"]])
+    lines += [f"bunkhouse's first request, which also started its worker: "
+              f"{t['bunkhouse_cold_s']:.2f} s (faster-whisper's own load: "
+              f"{t['direct_load_s']:.2f} s). Texts: bunkhouse \"{t['texts']['bunkhouse']}\"; "
+              f"directly \"{t['texts'].get('direct', '')}\".", ""]
+    mem_rows = [["the fixture", f"{t['direct_peak_bytes'] / MIB:.0f}",
+                 f"{t['bunkhouse_peak_bytes'] / MIB:.0f}",
+                 f"{t['bunkhouse_estimate_bytes'] / MIB:.0f}"]]
+    long = t.get("long")
+    if long:
+        mem_rows.append([f"{long['audio_s'] / 60:.0f} min ({long['bytes'] / 1e6:.0f} MB WAV)",
+                         f"{long['direct_peak_bytes'] / MIB:.0f}",
+                         f"{long['bunkhouse_peak_bytes'] / MIB:.0f}",
+                         f"{long['bunkhouse_estimate_bytes'] / MIB:.0f}"])
+    lines += ["Memory, peak resident set in MiB: the direct process (`ru_maxrss`), the "
+              "bunkhouse worker (its measured peak) and the estimate residency counts it at.",
+              ""]
+    lines += _table(["audio", "directly", "bunkhouse worker", "estimate"], mem_rows)
+    if long:
+        lines += [f"The long file took {long['direct_s']:.0f} s directly and "
+                  f"{long['bunkhouse_s']:.0f} s through bunkhouse, which transcribes in 120 s "
+                  "windows (each conditioned on the text before it), so its worker's memory "
+                  "does not grow with the file's length; faster-whisper builds its whole "
+                  "input's spectrogram at once.", ""]
+    ratio = b.median / d.median
+    goals.append(["transcription time within 1.10x of faster-whisper called directly",
+                  f"ratio {ratio:.3f}", _yes(ratio <= 1.10)])
+    peak = max(t["bunkhouse_peak_bytes"], long["bunkhouse_peak_bytes"] if long else 0)
+    goals.append(["Whisper worker's peak within its estimate", f"{peak / MIB:.0f} MiB of "
+                  f"{t['bunkhouse_estimate_bytes'] / MIB:.0f} MiB",
+                  _yes(peak <= t["bunkhouse_estimate_bytes"])])
+    return lines
+
+
 # ---------------------------------------------------------------- whole page
 
 
@@ -487,6 +545,8 @@ def render(results: dict[str, Any]) -> str:
         body += _reliability(sec["reliability"], goals)
     if "kv" in sec:
         body += _kv(sec["kv"], goals)
+    if "transcribe" in sec:
+        body += _transcribe(sec["transcribe"], goals)
     for name, err in results.get("errors", {}).items():
         body += [f"## Section `{name}` failed", "", "```", err.strip()[-2000:], "```", ""]
     cmd = "python -m benchmarks run" + ("" if results["profile"] == "full"
@@ -505,7 +565,8 @@ def render(results: dict[str, Any]) -> str:
         f"- Versions: bunkhouse {env['bunkhouse']} (commit {env['commit']}), xllamacpp "
         f"{env['xllamacpp']}, Python {env['python']}, schemathesis {env['schemathesis']}"
         + (f", llama-server `{env['llama_server']}`" if env.get("llama_server") else "") + ".",
-        f"- Models: {QWEN} (Q4_K_M) and {GEMMA} (Q4_K_M), the packaged ones.",
+        f"- Models: {QWEN} (Q4_K_M), {GEMMA} (Q4_K_M) and whisper-tiny.en (CTranslate2), "
+        "the packaged ones.",
         "",
         "Rerun: `pip install -e \".[bench]\"`, then `python -m benchmarks run` (about 20 "
         "minutes on 2 cores) or `python -m benchmarks run --quick` (under 10); add "

@@ -29,16 +29,20 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
 
     results = json.loads((tmp_path / "docs" / "benchmarks" / "results.json").read_text())
     assert results["errors"] == {}
-    assert set(results["sections"]) == {"overhead", "throughput", "swap", "kv", "reliability"}
+    assert set(results["sections"]) == {"overhead", "throughput", "swap", "kv", "reliability",
+                                      "transcribe"}
     kv = results["sections"]["kv"]["lengths"]["300"]["bunkhouse"]
     assert kv["restored"] == 1 and kv["follow_up_prompt_n"] < kv["first_prompt_n"]
+    heard = results["sections"]["transcribe"]["texts"]["bunkhouse"].lower()
+    assert "fox" in heard and "lazy" in heard
     flood = results["sections"]["reliability"]["flood"][0]
     assert sum(flood["statuses"].values()) == flood["requests"]
 
     page = (tmp_path / "docs" / "benchmarks.md").read_text()
     for heading in ("## Goals", "## 1. Front overhead", "## 2. Aggregate throughput",
                     "## 3. Swapping models", "## 4. Memory", "## 5. Reliability",
-                    "## 6. A conversation's follow-up after eviction"):
+                    "## 6. A conversation's follow-up after eviction",
+                    "## 7. Transcription"):
         assert heading in page
     assert "xllamacpp disabled the router" in page  # the reason the wheel cannot be the peer
     for png in ("throughput.png", "swap-timeline.png"):

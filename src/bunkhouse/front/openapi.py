@@ -120,6 +120,27 @@ def _ollama_body(chat: bool) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
+def _transcription_body() -> dict[str, Any]:
+    """OpenAI's transcription form, as its API reference describes the fields served."""
+    props: dict[str, Any] = {
+        "file": {"type": "string", "contentMediaType": "application/octet-stream"},
+        "model": {"type": "string"}, "language": {"type": "string"},
+        "prompt": {"type": "string"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "response_format": {"enum": ["json", "text", "srt", "verbose_json", "vtt"]},
+        "timestamp_granularities[]": {"type": "array",
+                                      "items": {"enum": ["segment", "word"]}},
+        "stream": {"type": "boolean"}}
+    return {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file"], "properties": props}}}}
+
+
+def _pause_body() -> dict[str, Any]:
+    return {"required": False, "content": {"application/json": {"schema": {
+        "type": "object", "properties": {
+            "max_s": {"type": "number", "minimum": 1, "maximum": 3600}}}}}}
+
+
 def openapi(version: str) -> dict[str, Any]:
     schemas: dict[str, Any] = {"Error": {
         "type": "object", "required": ["error"],
@@ -154,6 +175,9 @@ def openapi(version: str) -> dict[str, Any]:
         "/v1/responses/{response_id}/input_items": {"get": _op(
             "a stored response's input items (limit, order, after)", "200",
             params=_RESPONSE_ID)},
+        "/v1/audio/transcriptions": {"post": _op(
+            "OpenAI transcription of an audio file by a Whisper model (SSE with stream)",
+            "200", _transcription_body())},
         "/api/chat": {"post": _op("Ollama chat (newline-delimited JSON unless stream is "
                                   "false); errors as {\"error\": ...}", "200",
                                   _ollama_body(True))},
@@ -176,6 +200,10 @@ def openapi(version: str) -> dict[str, Any]:
                                       "the ids added, removed and changed", "200")},
         "/admin/default": {"post": _op("switch the default model: {\"model\": ID} (admin)",
                                        "200")},
+        "/admin/pause": {"post": _op("hold every model paused once the requests in flight "
+                                     "finished, for max_s seconds at most (admin)", "200",
+                                     _pause_body())},
+        "/admin/resume": {"post": _op("end a pause: waiting requests go on (admin)", "200")},
         "/admin/cache": {"delete": _op("remove every KV snapshot (admin)", "200")},
         "/admin/cache/{model_id}": {"delete": _op("remove a model's KV snapshots (admin)",
                                                   "200", params=_MODEL_ID)},
