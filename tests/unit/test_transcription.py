@@ -118,8 +118,8 @@ def test_the_packaged_whisper_is_a_transcription_model_named_whisper_1(
     assert catalog.get("gemma-3-270m").kind == "completion"
     need = estimate(whisper)
     assert need.weights == whisper.size_bytes > 70_000_000
-    # measured with tiny.en: 265 MiB at its peak on the fixture; the estimate is a worst case
-    assert 265 * 2**20 < need.total < 600 * 2**20
+    # measured with tiny.en: 507 MiB at its peak on a 10-minute file (docs/benchmarks.md)
+    assert 507 * 2**20 < need.total < 700 * 2**20
 
 
 def test_a_configured_whisper_directory_is_served_and_takes_whisper_1(tmp_path: Path) -> None:

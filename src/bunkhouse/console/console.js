@@ -148,7 +148,7 @@ function render() {
 
   const select = $("#chat-model");
   const chosen = select.value;
-  const usable = state.models.filter((m) => !m.embeddings);
+  const usable = state.models.filter((m) => !m.embeddings && m.kind !== "transcription");
   if (select.options.length !== usable.length) {
     select.replaceChildren(...usable.map((m) => el("option", { value: m.id }, m.id)));
     const fallback = usable.find((m) => m.default) || usable[0];

@@ -5,11 +5,12 @@ Its worker (``bunkhouse.worker.engines.whisper``) speaks the worker API's shape:
 answering NDJSON lines (info, segments as they come, done). A transcription model serves no
 generation, tokens or KV snapshots: those calls are refused as the wrong kind of model.
 
-The memory estimate (:func:`estimate`) was measured with Whisper tiny.en (int8, 2 threads):
-the worker process holds 138 MiB once loaded (75 MB ``model.bin``), 265 MiB at its peak on a
-7.5 s file with word times, and a further 0.9 MiB per second of audio transcribed at once
-(faster-whisper's spectrogram of its input); the worker decodes and transcribes in windows
-of ``WINDOW_S`` seconds, so that part is bounded whatever the file's length.
+The memory estimate (:func:`estimate`) was measured with Whisper tiny.en (int8, 2 threads,
+`python -m benchmarks run --only transcribe`, docs/benchmarks.md section 7): the worker holds
+138 MiB once loaded (75 MB ``model.bin``) and peaks at 275 MiB on a 7.5 s file; on a
+10-minute file, transcribed in windows of ``WINDOW_S`` seconds, at 507 MiB (faster-whisper
+called directly on the whole file: 679 MiB). A window's spectrogram, decoder buffers and the
+allocator's retained pages come to about 3 MiB per second of window, counted in full.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ RUNTIME_BYTES = 160 * MIB
 for tiny.en's process less its weights, rounded up)."""
 
 WINDOW_S = 120  # worker/engines/whisper.py WINDOW_S: audio transcribed at once, seconds
-SPECTROGRAM_BYTES_PER_S = MIB  # measured 0.9 MiB per second of a window (see above)
+WINDOW_BYTES_PER_S = 3 * MIB
+"""A window's working set per second of audio: (507 - 138) MiB over a 120 s window, measured
+on a 10-minute file (see above), rounded up."""
 SAMPLE_BYTES_PER_S = 16_000 * 2  # the decoded audio: 16 kHz mono, 16-bit
 
 ROUTE = "/v1/audio/transcriptions"
@@ -157,12 +160,12 @@ def error_object(status: int, body: bytes) -> tuple[int, dict[str, Any]]:
 
 def estimate(model: CatalogModel) -> MemoryEstimate:
     """The worker's worst case: its runtime, the weights (the directory's files as stored;
-    int8 on CPU never takes more), the encoder's and decoder's buffers (half the weights,
-    rounded up from tiny.en's), a window's spectrogram and its samples (the upload itself
-    is spooled to disk)."""
+    int8 on CPU never takes more), a window's working set and, for larger models, encoder
+    and decoder buffers of half the weights; the window's samples (the upload itself is
+    spooled to disk)."""
     return MemoryEstimate(
         weights=model.size_bytes, kv_cache=0, prompt_cache=0, runtime=RUNTIME_BYTES,
-        compute=WINDOW_S * SPECTROGRAM_BYTES_PER_S + model.size_bytes // 2,
+        compute=WINDOW_S * WINDOW_BYTES_PER_S + model.size_bytes // 2,
         outputs=2 * WINDOW_S * SAMPLE_BYTES_PER_S)
 
 

@@ -284,7 +284,7 @@ class Transcriptions:
             await lines.close()
             raise
         if options.stream:
-            return EventSourceResponse(_events(lines, answer, request), ping=15,
+            return EventSourceResponse(_events(lines, answer), ping=15,
                                        headers={"cache-control": "no-cache"})
         try:
             transcript = await _unless_gone(request, _collect(lines, answer))
@@ -428,8 +428,8 @@ def _take(transcript: Transcript, line: dict[str, Any]) -> None:
         transcript.duration = float(line.get("duration") or 0.0)
 
 
-async def _events(lines: _Lines, answer: AsyncIterator[dict[str, Any]],
-                  request: Request) -> AsyncIterator[dict[str, str]]:
+async def _events(lines: _Lines, answer: AsyncIterator[dict[str, Any]]
+                  ) -> AsyncIterator[dict[str, str]]:
     """SSE events: a ``transcript.text.delta`` per segment, then ``transcript.text.done``;
     an error after the first event is an ``error`` event, as OpenAI streams say them."""
     transcript = Transcript()
@@ -437,8 +437,6 @@ async def _events(lines: _Lines, answer: AsyncIterator[dict[str, Any]],
         async for line in answer:
             _take(transcript, line)
             if line.get("type") == "segment" and line.get("text"):
-                if request.state.__dict__.get("first_token_ns") is None:
-                    request.state.first_token_ns = time.monotonic_ns()
                 yield {"data": json.dumps({"type": "transcript.text.delta",
                                            "delta": line["text"]})}
         yield {"data": json.dumps({"type": "transcript.text.done", "text": transcript.text,
