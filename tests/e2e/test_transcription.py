@@ -242,6 +242,10 @@ def test_bad_uploads_get_4xx_without_touching_the_worker(server: Server,
     bad_format = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())},
                             data={"response_format": "mp3"}, timeout=60)
     assert bad_format.json()["error"]["param"] == "response_format"
+    german = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())},
+                        data={"language": "de"}, timeout=120)  # tiny.en knows English only
+    assert german.status_code == 400 and german.json()["error"]["param"] == "language", \
+        german.text
     qwen_before = server.model(QWEN)
     chat_model = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())},
                             data={"model": QWEN}, timeout=60)

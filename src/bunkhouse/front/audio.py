@@ -32,6 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from sse_starlette import EventSourceResponse
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -167,13 +168,13 @@ def parse_fields(form: FormData) -> Options:
 
 @dataclass(slots=True)
 class Upload:
-    """A received form: its file part (on disk past 1 MiB) and its size, bytes."""
+    """A received form: its file part (on disk past 1 MiB) and its size, bytes;
+    ``release`` gives its bytes back to the uploads' budget."""
 
     form: FormData
-    file: UploadFile
-    size: int
-    held: int = 0  # upload bytes counted against the budget until released
-    release: Callable[[], None] = field(default=lambda: None)
+    release: Callable[[], None]
+    file: UploadFile | None = None
+    size: int = 0
 
 
 async def read_upload(request: Request, limit: int, budget: BodyBudget) -> Upload:
@@ -217,7 +218,7 @@ async def read_upload(request: Request, limit: int, budget: BodyBudget) -> Uploa
     except BaseException:
         budget.give(taken)
         raise
-    upload = Upload(form, None, 0, taken, lambda: budget.give(taken))  # type: ignore[arg-type]
+    upload = Upload(form, lambda: budget.give(taken))
     try:
         files = [v for v in form.getlist("file") if isinstance(v, UploadFile)]
         if len(form.getlist("file")) != 1 or len(files) != 1:
@@ -352,6 +353,7 @@ class _Lines:
         return self._read()
 
     async def _file(self) -> AsyncIterator[bytes]:
+        assert self.upload.file is not None  # read_upload checked it
         while block := await self.upload.file.read(_CHUNK):
             yield block
 
@@ -444,7 +446,10 @@ async def _events(lines: _Lines, answer: AsyncIterator[dict[str, Any]]
     except BunkhouseError as e:
         yield {"data": json.dumps({"type": "error", **error_body(e)})}
     finally:
-        await lines.close()
+        # a client that left cancels this stream's scope: the worker's answer is still
+        # closed (so the worker stops) and everything held given back
+        with anyio.CancelScope(shield=True):
+            await lines.close()
 
 
 def _usage(transcript: Transcript) -> dict[str, Any]:

@@ -86,7 +86,8 @@ def windows(upload: BinaryIO, window_s: float = WINDOW_S) -> Iterator[Any]:
                         sent = True
                         chunks, held = [audio[size:]], len(audio) - size
     except (av.error.FFmpegError, ValueError, IndexError, OSError) as e:
-        raise AudioError(f"the file is not audio that can be decoded ({e})") from e
+        why = getattr(e, "strerror", None) or str(e)
+        raise AudioError(f"the file is not audio that can be decoded ({why})") from e
     if held:
         yield np.concatenate(chunks)
     elif not sent:
@@ -209,6 +210,14 @@ class _Handler(BaseHTTPRequestHandler):
                 upload.write(block)
                 left -= len(block)
             upload.seek(0)
+            language = options.get("language")
+            supported = getattr(engine.model, "supported_languages", None) or ()
+            if language and supported and language not in supported:
+                only = f"only {', '.join(supported)}" if len(supported) < 5 else \
+                    "the languages Whisper knows (ISO-639-1 codes)"
+                self._error(400, f"language {language!r}: this model transcribes {only}",
+                            "language")
+                return
             audio = windows(upload)
             try:
                 first = next(audio)  # a file that is not audio is refused before the 200
