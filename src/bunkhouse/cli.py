@@ -426,7 +426,7 @@ def _flags_win(settings: Settings, args: argparse.Namespace) -> Settings:
 
 
 def print_catalog(catalog: Catalog) -> None:
-    header = ("ID", "SIZE", "ARCH", "CONTEXT", "CHAT", "SOURCE", "PATH")
+    header = ("ID", "SIZE", "ARCH", "CONTEXT", "KIND", "SOURCE", "PATH")
     rows = [header]
     for m in catalog:
         marker = " *" if m.id == catalog.default_id else ""
@@ -435,9 +435,10 @@ def print_catalog(catalog: Catalog) -> None:
                 m.id + marker,
                 f"{m.size_bytes / 2**20:.0f} MiB",
                 m.info.architecture,
+                "-" if m.transcribes else
                 f"{m.options.parallel}x{m.options.context // m.options.parallel}"
                 f"/{m.info.context_length or '?'}",
-                "yes" if m.has_chat_template else "no",
+                m.kind,
                 m.source,
                 str(m.path),
             )
@@ -452,7 +453,9 @@ def print_catalog(catalog: Catalog) -> None:
             file=sys.stderr,
         )
     else:
-        print("\n* default model; CONTEXT is slots x tokens a slot / trained tokens")
+        print("\n* default model; CONTEXT is slots x tokens a slot / trained tokens; KIND: "
+              "chat (has a chat template), completion (raw prompts), embedding, "
+              "transcription (POST /v1/audio/transcriptions)")
         for m in catalog:
             if m.projector is not None:
                 print(f"{m.id}: a vision projector beside it, {m.projector} (noted; images "

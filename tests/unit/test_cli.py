@@ -14,11 +14,11 @@ def test_models_prints_the_catalog(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["models", "--no-packaged", "--models-dir", str(tmp_path),
                  "--default-model", "chatty"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:6] == ["ID", "SIZE", "ARCH", "CONTEXT", "CHAT", "SOURCE"]
+    assert lines[0].split()[:6] == ["ID", "SIZE", "ARCH", "CONTEXT", "KIND", "SOURCE"]
     rows = {line.split()[0]: line.split() for line in lines[1:3]}
     assert rows["chatty"][1] == "*"
-    assert "4x4096/4096" in rows["chatty"] and "yes" in rows["chatty"]
-    assert "no" in rows["base"] and str(tmp_path / "base.gguf") in rows["base"]
+    assert "4x4096/4096" in rows["chatty"] and "chat" in rows["chatty"]
+    assert "completion" in rows["base"] and str(tmp_path / "base.gguf") in rows["base"]
 
 
 def test_bad_config_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
