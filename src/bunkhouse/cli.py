@@ -127,7 +127,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--admission-wait", type=float, default=defaults.ADMISSION_WAIT_S,
                        metavar="S",
                        help="how long a load waits for models in use to make room before "
-                            "503 insufficient_memory (%(default)s)")
+                            "503 insufficient_memory, and a request waits out an operator's "
+                            "pause before 503 paused (%(default)s)")
     serve.add_argument("--probe-interval", type=float, default=defaults.PROBE_INTERVAL_S,
                        metavar="S",
                        help="liveness: a worker whose engine does not answer two probes in a "
@@ -1039,6 +1040,11 @@ def format_ps(stats: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"budget {_mib(stats['budget_bytes'])}, used {_mib(stats['used_bytes'])}, "
                  f"free {_mib(stats['free_bytes'])}, peak {_mib(stats['peak_used_bytes'])}")
+    pause = stats.get("pause") or {}
+    if pause.get("paused"):
+        until = time.strftime("%H:%M:%S", time.localtime(pause["resumes_at"]))
+        lines.append(f"PAUSED by an operator until {until} at the latest (bunkhouse resume); "
+                     f"{pause.get('in_flight', 0)} request(s) in flight")
     return "\n".join(lines)
 
 

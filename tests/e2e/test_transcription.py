@@ -48,7 +48,8 @@ def _heard(text: str) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with serve(tmp_path_factory.mktemp("transcribe"), "--admin-key", "admin-secret",
-               "--max-audio", str(MAX_AUDIO), "--admission-wait", "60") as running:
+               "--max-audio", str(MAX_AUDIO), "--admission-wait", "60",
+               "--log-level", "debug") as running:  # debug: the workers' own lines
         yield running
 
 
@@ -60,6 +61,7 @@ def _client(server: Server) -> openai.OpenAI:
 def test_the_openai_sdk_transcribes_speech_in_every_format(server: Server) -> None:
     listed = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
     assert listed[WHISPER]["kind"] == "transcription"
+    assert listed[WHISPER]["context"] is None and listed[WHISPER]["parallel"] == 1
     assert "whisper-1" in listed[WHISPER]["aliases"]
     assert listed[QWEN]["kind"] == "chat"
     client = _client(server)
@@ -145,6 +147,38 @@ def test_every_common_audio_format_is_transcribed(server: Server, name: str, fmt
                       files={"file": (name, _encoded(fmt, codec, rate))})
     assert resp.status_code == 200, resp.text
     _heard(resp.json()["text"])
+
+
+def test_a_client_that_leaves_stops_its_transcription(server: Server, tmp_path: Path) -> None:
+    import wave
+
+    with wave.open(str(FIXTURE)) as src:
+        params, frames = src.getparams(), src.readframes(src.getnframes())
+    long = tmp_path / "long.wav"
+    with wave.open(str(long), "wb") as dst:  # about 60 s: well under --max-audio's 1 MB
+        dst.setparams(params)
+        for _ in range(4):
+            dst.writeframes(frames)
+    stopped = "transcription stopped: the front went away"
+    before = server.log.read_text(errors="replace").count(stopped)
+    for stream in (False, True):
+        data = {"stream": "true"} if stream else {}
+        # the client gives up, mid-transcription
+        with pytest.raises(httpx.ReadTimeout), httpx.stream(
+                "POST", f"{server.url}/v1/audio/transcriptions", data=data,
+                files={"file": ("long.wav", long.read_bytes())},
+                timeout=httpx.Timeout(60, read=0.5)) as resp:
+            for _ in resp.iter_lines():
+                pass
+        before += 1
+        wait_for(lambda n=before: server.log.read_text(errors="replace").count(stopped) >= n,
+                 120, "the worker to stop the abandoned transcription")
+    ok = httpx.post(f"{server.url}/v1/audio/transcriptions", timeout=300,
+                    files={"file": ("a.wav", FIXTURE.read_bytes())})
+    assert ok.status_code == 200
+    _heard(ok.json()["text"])
+    model = server.model(WHISPER)
+    assert model["leases"] == 0 and model["running"] == 0
 
 
 def _compute_waits(server: Server) -> float:
@@ -239,6 +273,15 @@ def test_bad_uploads_get_4xx_without_touching_the_worker(server: Server,
     assert none.status_code == 400 and none.json()["error"]["param"] == "file", none.text
     not_form = httpx.post(url, json={"file": "x"}, timeout=60)
     assert not_form.status_code == 400
+    as_text = httpx.post(url, files={"file": (None, "RIFF" * 10)}, timeout=60)  # a text part
+    assert as_text.status_code == 400 and "file part" in as_text.json()["error"]["message"]
+    file_as_model = httpx.post(url, timeout=60, files={
+        "file": ("a.wav", FIXTURE.read_bytes()), "model": ("m.wav", b"RIFF")})
+    assert file_as_model.status_code == 400
+    assert file_as_model.json()["error"]["param"] == "model"
+    many = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())}, timeout=60,
+                      data={f"x{i}": "1" for i in range(20)})
+    assert many.status_code == 400 and "fields" in many.json()["error"]["message"]
     bad_format = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())},
                             data={"response_format": "mp3"}, timeout=60)
     assert bad_format.json()["error"]["param"] == "response_format"
@@ -339,9 +382,18 @@ def test_the_pause_lets_in_flight_finish_and_holds_new_requests(server: Server) 
 
     # without the admin key: refused; a pause nobody resumes ends by itself
     assert httpx.post(f"{server.url}/admin/pause", timeout=60).status_code in (401, 403)
+    held = httpx.post(f"{server.url}/admin/pause", headers=ADMIN, json={"max_s": 100},
+                      timeout=60)
+    assert held.json()["paused"] is True
+    shown = server.stats()["pause"]
+    assert shown["paused"] is True and shown["resumes_at"] == held.json()["resumes_at"]
+    gauges = httpx.get(f"{server.url}/metrics", timeout=60).text
+    assert "bunkhouse_paused 1.0" in gauges
     bounded = httpx.post(f"{server.url}/admin/pause", headers=ADMIN, json={"max_s": 1},
-                         timeout=60)
+                         timeout=60)  # renewed: its bound is now 1 s
     assert bounded.json()["paused"] is True
+    renewals = [e["data"] for e in server.stats()["events"] if e["kind"] == "paused"]
+    assert renewals[-1]["renewed"] is True and renewals[-1]["max_s"] == 1
     assert _chat(server).status_code == 200  # waited at most the pause's second
     assert httpx.post(f"{server.url}/admin/resume", headers=ADMIN,
                       timeout=60).json()["resumed"] is False
@@ -358,7 +410,9 @@ def test_a_paused_request_gets_503_with_retry_after_past_the_admission_wait(
         refused = _chat(server)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "paused"
-        assert int(refused.headers["retry-after"]) >= 1
+        assert 200 <= int(refused.headers["retry-after"]) <= 300  # when the pause ends
+        assert "--admission-wait" in refused.json()["error"]["message"]
+        assert "ERROR" not in server.log.read_text()  # an operator's pause is no error
         assert server.model(QWEN)["state"] == "absent"  # nothing loads while paused
         httpx.post(f"{server.url}/admin/resume", headers=ADMIN, timeout=60)
         assert _chat(server).status_code == 200

@@ -41,6 +41,7 @@ from bunkhouse.errors import (
     GGUFError,
     MethodNotAllowed,
     NotFound,
+    Paused,
     ShuttingDown,
 )
 from bunkhouse.front.access import AccessLog
@@ -339,9 +340,10 @@ class Front:
             "architecture": model.info.architecture,
             "size_bytes": model.size_bytes,
             "aliases": list(model.aliases),
-            "context": model.options.context,
+            "context": None if model.transcribes else model.options.context,
             "parallel": model.options.parallel,
-            "slot_context": model.options.context // model.options.parallel,
+            "slot_context": None if model.transcribes else
+            model.options.context // model.options.parallel,
             "trained_context": model.info.context_length,
             "chat_template": model.has_chat_template,
             "engine": model.engine,
@@ -398,6 +400,7 @@ class Front:
             "peak_used_bytes": r.peak_bytes,
             "models": [self.model_object(m, detail=detail) for m in self.catalog],
             "kv_cache": self.keeper.report(detail) if self.keeper else None,
+            "pause": r.pause_status(),  # an operator's pause (POST /admin/pause)
             "event_counts": r.events.counts,
             "events": [e.as_dict() for e in r.events.recent(100)],
         })
@@ -543,7 +546,8 @@ def _error_handlers(keys: Keys) -> dict[Any, Handler]:
 
     async def bunkhouse_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, BunkhouseError)
-        if exc.status >= 500 and not isinstance(exc, ShuttingDown):  # a stop is no error
+        # a stop, and a pause an operator asked for, are no errors
+        if exc.status >= 500 and not isinstance(exc, ShuttingDown | Paused):
             log.error("%s %s: %s", request.method, request.url.path[:200], exc.full_message())
         elif exc.detail:
             log.info("%s %s: %s", request.method, request.url.path[:200], exc.full_message())

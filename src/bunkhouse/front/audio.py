@@ -69,6 +69,13 @@ FORM_OVERHEAD_BYTES = 64 * 1024
 MAX_FIELD_BYTES = 16 * 1024
 """The largest option field (a prompt: OpenAI takes 224 tokens of it)."""
 
+MAX_FIELDS = 16
+"""Text fields in a form (OpenAI defines 9)."""
+
+MAX_FILES = 4
+"""File parts a form may carry: one is served; the others are refused by name (all of them
+count against ``--max-audio``)."""
+
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 GRANULARITIES = ("segment", "word")
 _LANGUAGE = re.compile(r"[a-z]{2,3}")
@@ -204,14 +211,13 @@ async def read_upload(request: Request, limit: int, budget: BodyBudget) -> Uploa
             taken += len(chunk)
             yield chunk
 
-    parser = MultiPartParser(request.headers, body(), max_files=1, max_fields=16,
-                             max_part_size=MAX_FIELD_BYTES)
+    parser = MultiPartParser(request.headers, body(), max_files=MAX_FILES,
+                             max_fields=MAX_FIELDS, max_part_size=MAX_FIELD_BYTES)
     try:
         form = await parser.parse()
     except MultiPartException as e:
         budget.give(taken)
-        raise InvalidRequest(f"the multipart body is malformed: {e.message}",
-                             param="file") from e
+        raise _form_error(e.message) from e
     except ClientDisconnect as e:
         budget.give(taken)
         raise ClientGone("the client disconnected before its upload was read") from e
@@ -220,10 +226,16 @@ async def read_upload(request: Request, limit: int, budget: BodyBudget) -> Uploa
         raise
     upload = Upload(form, lambda: budget.give(taken))
     try:
+        for name, value in form.multi_items():
+            if name != "file" and isinstance(value, UploadFile):
+                raise InvalidRequest(f"{name[:64]} must be a text field, not a file; the "
+                                     "audio goes in the field 'file'", param=name[:64])
         files = [v for v in form.getlist("file") if isinstance(v, UploadFile)]
-        if len(form.getlist("file")) != 1 or len(files) != 1:
-            raise InvalidRequest("the form needs one audio file in the field 'file'",
-                                 param="file")
+        if len(form.getlist("file")) > 1:
+            raise InvalidRequest("send one audio file, in the field 'file'", param="file")
+        if len(files) != 1:
+            raise InvalidRequest("the form needs an audio file in the field 'file', sent as "
+                                 "a file part (curl -F file=@talk.mp3)", param="file")
         upload.file = files[0]
         upload.size = files[0].size or 0
         if upload.size > limit:
@@ -239,6 +251,18 @@ async def read_upload(request: Request, limit: int, budget: BodyBudget) -> Uploa
         await close_upload(upload)
         raise
     return upload
+
+
+def _form_error(message: str) -> InvalidRequest:
+    """A multipart parser's refusal, said for this form (Starlette names no field)."""
+    if message.startswith("Too many fields"):
+        return InvalidRequest(f"the form has more than {MAX_FIELDS} fields")
+    if message.startswith("Too many files"):
+        return InvalidRequest("send one audio file, in the field 'file'", param="file")
+    if message.startswith("Part exceeded"):
+        return InvalidRequest(f"a text field is over {MAX_FIELD_BYTES // 1024} KiB; the audio "
+                              "goes in a file part (curl -F file=@talk.mp3)")
+    return InvalidRequest(f"the multipart body is malformed: {message}")
 
 
 async def close_upload(upload: Upload) -> None:

@@ -6,7 +6,7 @@ Two kinds of figures:
   :class:`StateCollector`: each model's state, estimated and measured bytes, leases,
   running and queued requests, residency events by kind (loads are ``loading``, crashes
   ``crashed``, restarts ``respawning``), evictions by cause, KV snapshots kept and their
-  bytes; the budget, used and peak bytes; the compute gate's waits.
+  bytes; the budget, used and peak bytes; the compute gate's waits; an operator's pause.
 * **Observed as they happen**, by :class:`Metrics`: requests by route, protocol and status
   (from the access log's record of each request, front/access.py); time to first token of
   streamed generations and the wait for a load, a slot and a compute turn; tokens in and
@@ -135,6 +135,12 @@ class StateCollector(Collector):
         yield CounterMetricFamily("bunkhouse_compute_gate_wait_seconds",
                                   "seconds they waited, all together",
                                   value=self.compute.wait_s)
+        left = r.pause_left_s()
+        yield GaugeMetricFamily("bunkhouse_paused", "1 while an operator's pause holds every "
+                                "model (POST /admin/pause), else 0",
+                                value=0 if left is None else 1)
+        yield GaugeMetricFamily("bunkhouse_pause_remaining_seconds", "seconds until the "
+                                "pause ends by itself (0 when none is held)", value=left or 0)
 
 
 class Metrics:

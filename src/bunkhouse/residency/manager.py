@@ -366,10 +366,7 @@ class ResidencyManager:
                     raise
                 if not ticket.done():  # still paused past its wait
                     self._abandon(entry, ticket)
-                    raise Paused(
-                        f"model {model.id!r}: every model is paused (POST /admin/pause) and "
-                        f"was not resumed within {self.options.admission_wait_s:g} s; retry",
-                        retry_after_s=self.options.retry_after_s)
+                    raise self._paused_error(model.id)
                 lease = ticket.result()
                 if lease is not None:
                     return lease
@@ -611,17 +608,44 @@ class ResidencyManager:
     def paused(self) -> bool:
         return bool(self._paused)
 
+    def _paused_error(self, model_id: str) -> Paused:
+        """What a request that waited out its admission wait under a pause is told: when
+        the pause ends by itself at the latest (its Retry-After)."""
+        left = self.pause_left_s()
+        ends = f"; it ends by itself in {left:.0f} s unless resumed sooner" if left else ""
+        return Paused(
+            f"model {model_id!r}: every model is paused by an operator (POST /admin/pause)"
+            f"{ends}; this request waited {self.options.admission_wait_s:g} s "
+            "(--admission-wait); retry later",
+            retry_after_s=max(1, math.ceil(left)) if left else self.options.retry_after_s)
+
+    def pause_left_s(self) -> float | None:
+        """Seconds until the operator's pause ends by itself; None when none is held."""
+        if self._pause_timer is None:
+            return None
+        return max(0.0, self._pause_ends - self._clock())
+
+    def pause_status(self) -> dict[str, Any]:
+        """The operator's pause, as /stats shows it."""
+        left = self.pause_left_s()
+        return {"paused": left is not None,
+                "resumes_at": None if left is None else self._pause_ends + self._wall_offset,
+                "in_flight": self.in_flight()}
+
     def operator_pause(self, max_s: float, reason: str = "operator") -> float:
         """Hold every model paused (:meth:`pause_all`'s hold, kept across calls) until
         :meth:`operator_resume` or for ``max_s`` seconds at most, whichever comes first;
         a second call while paused restarts the bound. New leases wait (at most
         ``admission_wait_s``, then Paused, a 503 with Retry-After); leases held go on and
-        no model is loaded meanwhile. Returns the wall-clock time it ends by itself."""
-        if self._pause_timer is None:
-            self._set_paused(+1)
-            self.events.emit("*", "paused", reason, max_s=max_s, in_flight=self.in_flight())
-        else:
+        no model is loaded meanwhile (a request still waiting for its model's load is held
+        like a new one: it holds no lease). Returns the wall-clock time it ends by itself."""
+        renewed = self._pause_timer is not None
+        if self._pause_timer is not None:
             self._pause_timer.cancel()
+        else:
+            self._set_paused(+1)
+        self.events.emit("*", "paused", f"{reason}{', renewed' if renewed else ''}",
+                         max_s=max_s, in_flight=self.in_flight(), renewed=renewed)
         self._pause_timer = asyncio.get_running_loop().call_later(
             max_s, self.operator_resume, f"not resumed within {max_s:g} s")
         self._pause_ends = self._clock() + max_s

@@ -28,6 +28,8 @@ import contextlib
 import itertools
 import json
 import logging
+import select
+import socket
 import socketserver
 import tempfile
 import threading
@@ -146,6 +148,16 @@ def transcribe(model: Any, audio: Iterator[Any], options: dict[str, Any]
     yield {"type": "done", "duration": round(start / SAMPLE_RATE, 3)}
 
 
+def _peer_gone(sock: socket.socket) -> bool:
+    """Whether the front closed this connection: it sends nothing after its request, so a
+    readable socket is one at its end (or reset)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -230,6 +242,9 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 for line in transcribe(engine.model, itertools.chain([first], audio),
                                        options):
+                    if _peer_gone(self.connection):  # a write to a closed peer may succeed
+                        log.info("transcription stopped: the front went away")
+                        return
                     self.wfile.write(json.dumps(line).encode() + b"\n")
                     self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
