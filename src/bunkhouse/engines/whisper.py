@@ -9,8 +9,9 @@ The memory estimate (:func:`estimate`) was measured with Whisper tiny.en (int8, 
 `python -m benchmarks run --only transcribe`, docs/benchmarks.md section 7): the worker holds
 138 MiB once loaded (75 MB ``model.bin``) and peaks at 275 MiB on a 7.5 s file; on a
 10-minute file, transcribed in windows of ``WINDOW_S`` seconds, at 507 and 460 MiB in two
-runs (faster-whisper called directly on the whole file: 679 MiB). A window's spectrogram, decoder buffers and the
-allocator's retained pages come to about 3 MiB per second of window, counted in full.
+runs (faster-whisper called directly on the whole file: 679 MiB). A window's spectrogram,
+decoder buffers and the allocator's retained pages come to about 3 MiB per second of
+window, counted in full.
 """
 
 from __future__ import annotations

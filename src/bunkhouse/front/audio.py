@@ -312,7 +312,7 @@ class Transcriptions:
             return EventSourceResponse(_events(lines, answer), ping=15,
                                        headers={"cache-control": "no-cache"})
         try:
-            transcript = await _unless_gone(request, _collect(lines, answer))
+            transcript = await _unless_gone(request, _collect(answer))
         finally:
             await lines.close()
         return _render(transcript, options)
@@ -437,7 +437,7 @@ class Transcript:
         return "".join(s["text"] for s in self.segments).strip()
 
 
-async def _collect(lines: _Lines, answer: AsyncIterator[dict[str, Any]]) -> Transcript:
+async def _collect(answer: AsyncIterator[dict[str, Any]]) -> Transcript:
     transcript = Transcript()
     async for line in answer:
         _take(transcript, line)
