@@ -913,7 +913,9 @@ def transcribe(path: Path, url: str, key: str | None, model: str, language: str 
               **({"language": language} if language else {}),
               **({"stream": "true"} if fmt == "text" else {})}
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    base = url.rstrip("/")
+    base = url.strip().rstrip("/").removesuffix("/v1")  # an OpenAI client's base URL too
+    if "://" not in base:
+        base = f"http://{base}"
     try:
         with audio, httpx.stream("POST", f"{base}/v1/audio/transcriptions", data=fields,
                                  files={"file": (path.name, audio)}, headers=headers,
@@ -926,7 +928,12 @@ def transcribe(path: Path, url: str, key: str | None, model: str, language: str 
             if fmt != "text":
                 print(resp.read().decode("utf-8", errors="replace").rstrip("\n"))
                 return 0
-            return _print_deltas(resp.iter_lines())
+            try:
+                return _print_deltas(resp.iter_lines())
+            except httpx.HTTPError:
+                print("\nbunkhouse: error: the server closed the stream before the "
+                      "transcription ended", file=sys.stderr)
+                return 1
     except httpx.HTTPError as e:
         print(f"bunkhouse: error: cannot reach {base}: {e}; is `bunkhouse serve` running "
               "there? (--url sets the address)", file=sys.stderr)

@@ -605,3 +605,28 @@ def test_a_paused_request_gives_up_after_the_admission_wait_and_a_pause_ends_by_
         assert reasons == ["not resumed within 0.3 s"]
 
     run(go())
+
+
+def test_a_pause_holds_a_load_that_waits_for_memory_and_a_stop_ends_paused_waits() -> None:
+    async def go() -> None:
+        h = Host([model("a", 1), model("b", 1)], budget_gib=1.5, admission_wait_s=5)
+        held = await h.manager.acquire(h.models["a"])
+        waiting = asyncio.create_task(h.use("b"))  # b waits for a's memory
+        await asyncio.sleep(0.05)
+        h.manager.operator_pause(60)
+        held.release()  # a is idle now: without the pause, b's load would evict it
+        await asyncio.sleep(0.1)
+        assert h.state("a") == "ready" and h.starts == ["a"]  # nothing evicted or loaded
+        h.manager.operator_resume()
+        await waiting
+        assert h.starts == ["a", "b"] and h.state("a") == "absent"
+
+        h.manager.operator_pause(60)
+        paused = asyncio.create_task(h.use("b"))  # b is ready: it waits for the resume
+        await asyncio.sleep(0.05)
+        assert not paused.done()
+        h.manager.stop_loads()  # the front begins to stop: the pause is never resumed
+        with pytest.raises(ShuttingDown):
+            await asyncio.wait_for(paused, 1)
+
+    run(go())

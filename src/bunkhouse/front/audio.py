@@ -13,7 +13,8 @@ front.
 A transcription is admitted like a generation: a lease on the model (loading it, evicting
 least recently used models to make room), its one slot, and a compute turn (front/admission.py
 ``ComputeGate``: on a CPU host a transcription and a decoding model take turns). A client that
-leaves while it waits or while it is transcribed gives everything back, and the worker stops.
+leaves while it waits gives its place up; one that leaves while it is transcribed stops the
+worker at its next segment, and what it held is given back once the worker is idle.
 
 Answers (``response_format``): ``json`` ``{"text", "usage"}``, ``text``, ``srt``, ``vtt``,
 ``verbose_json`` (language, duration, segments, and ``words`` when
@@ -75,6 +76,11 @@ MAX_FIELDS = 16
 MAX_FILES = 4
 """File parts a form may carry: one is served; the others are refused by name (all of them
 count against ``--max-audio``)."""
+
+SETTLE_S = 120.0
+"""How long an abandoned transcription's lease is held at most while its worker finishes the
+stretch of audio it is on (measured: up to 17 s on 2 busy cores)."""
+SETTLE_POLL_S = 0.25
 
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 GRANULARITIES = ("segment", "word")
@@ -235,7 +241,8 @@ async def read_upload(request: Request, limit: int, budget: BodyBudget) -> Uploa
             raise InvalidRequest("send one audio file, in the field 'file'", param="file")
         if len(files) != 1:
             raise InvalidRequest("the form needs an audio file in the field 'file', sent as "
-                                 "a file part (curl -F file=@talk.mp3)", param="file")
+                                 "a file part (curl -F file=@talk.mp3), and the whole body "
+                                 "(a cut-short body loses its last part)", param="file")
         upload.file = files[0]
         upload.size = files[0].size or 0
         if upload.size > limit:
@@ -259,9 +266,10 @@ def _form_error(message: str) -> InvalidRequest:
         return InvalidRequest(f"the form has more than {MAX_FIELDS} fields")
     if message.startswith("Too many files"):
         return InvalidRequest("send one audio file, in the field 'file'", param="file")
-    if message.startswith("Part exceeded"):
+    if message.startswith("Part exceeded"):  # most often the audio sent as a text field
         return InvalidRequest(f"a text field is over {MAX_FIELD_BYTES // 1024} KiB; the audio "
-                              "goes in a file part (curl -F file=@talk.mp3)")
+                              "goes in the field 'file' as a file part (curl -F "
+                              "file=@talk.mp3)", param="file")
     return InvalidRequest(f"the multipart body is malformed: {message}")
 
 
@@ -278,6 +286,7 @@ class Transcriptions:
         self.front = front
         self.max_audio_bytes = max_audio_bytes
         self._uploads = BodyBudget(UPLOADS_IN_FLIGHT_BYTES)
+        self._settling: set[asyncio.Task[None]] = set()  # abandoned ones, until idle
 
     def model(self, name: str | None) -> CatalogModel:
         """The transcription model ``name`` means (``whisper-1`` when not given); 400 for a
@@ -302,7 +311,7 @@ class Transcriptions:
         except BaseException:
             await close_upload(upload)
             raise
-        lines = _Lines(held, upload, model.id, self.front)
+        lines = _Lines(held, upload, model.id, self.front, self._settling)
         try:
             answer = await lines.open(options)
         except BaseException:
@@ -354,12 +363,15 @@ class _Lines:
     """The worker's answer, line by line; closing it gives back the lease, slot and turn
     and the upload (once)."""
 
-    def __init__(self, held: _Held, upload: Upload, model_id: str, front: Front) -> None:
+    def __init__(self, held: _Held, upload: Upload, model_id: str, front: Front,
+                 settling: set[asyncio.Task[None]]) -> None:
         self.held = held
         self.upload = upload
         self.model_id = model_id
         self.front = front
         self.response: Any = None
+        self.finished = False  # the worker's answer ended (done, or an error line)
+        self._settling = settling
         self._closed = False
 
     async def open(self, options: Options) -> AsyncIterator[dict[str, Any]]:
@@ -393,6 +405,8 @@ class _Lines:
                 if not isinstance(line, dict):
                     raise EngineUnavailable(f"model {self.model_id!r}: its worker answered "
                                             f"{raw[:200]!r}")
+                if line.get("type") in ("error", "done"):
+                    self.finished = True
                 if line.get("type") == "error":
                     raise EngineUnavailable(f"model {self.model_id!r}: transcription failed: "
                                             f"{str(line.get('message'))[:500]}")
@@ -415,15 +429,43 @@ class _Lines:
         self.held.lease.report(False)
 
     async def close(self) -> None:
+        """Close the worker's answer and give everything back. An answer cut short (the
+        client left) stops the worker only at its next segment, one 30 s stretch of audio
+        later (seconds of compute): until its slot is idle the lease, slot and compute
+        turn stay held, so that nothing else computes beside it or queues behind it
+        unseen."""
         if self._closed:
             return
         self._closed = True
+        cut = self.response is not None and not self.finished
         try:
             if self.response is not None:
                 await self.response.aclose()
         finally:
-            self.held.close()
+            if cut:
+                task = asyncio.ensure_future(self._settle())
+                self._settling.add(task)
+                task.add_done_callback(self._settling.discard)
+            else:
+                self.held.close()
             await close_upload(self.upload)
+
+    async def _settle(self) -> None:
+        engine = self.held.lease.worker.engine
+        deadline = time.monotonic() + SETTLE_S
+        try:
+            while time.monotonic() < deadline and self.held.lease.worker.alive \
+                    and not self.front.residency.closing:
+                try:
+                    if not any(s.busy for s in await engine.slots()):
+                        return
+                except BunkhouseError:
+                    return
+                await asyncio.sleep(SETTLE_POLL_S)
+            log.warning("model %s: its worker still transcribes %.0f s after its client left",
+                        self.model_id, SETTLE_S)
+        finally:
+            self.held.close()
 
 
 @dataclass(slots=True)

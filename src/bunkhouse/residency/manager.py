@@ -432,7 +432,8 @@ class ResidencyManager:
     async def _make_room(self, entry: _Entry, deadline: float) -> None:
         """Evict what the plan says until the model fits. Before each step: a load nobody
         waits for any more (its requests all left) is given up, and so is every load once
-        the front has begun to stop: neither evicts a model for nothing."""
+        the front has begun to stop: neither evicts a model for nothing; under a pause, it
+        waits for the resume (a load whose worker is starting already goes on)."""
         while True:
             if self.closing or self.no_new_loads:
                 raise ShuttingDown(entry.model.id)
@@ -440,6 +441,10 @@ class ResidencyManager:
                 log.info("model %s: load given up: no request waits for it any more",
                          entry.model.id)
                 raise BunkhouseError(f"model {entry.model.id!r}: nobody waits for its load")
+            if self._paused:  # nothing is evicted or loaded while paused: on, once resumed
+                await self._wait_changed(None)
+                deadline = max(deadline, self._clock() + self.options.admission_wait_s)
+                continue
             decision = policy.plan(self._residents(), self.options.budget_bytes,
                                    entry.model.id, entry.estimate.total)
             if isinstance(decision, policy.NeverFits):
@@ -674,7 +679,8 @@ class ResidencyManager:
         waiting for a load get ShuttingDown."""
         self.no_new_loads = True
         for entry in self._entries.values():
-            if entry.state is not State.READY and entry.state is not State.LOADING:
+            if self._paused or (entry.state is not State.READY
+                                and entry.state is not State.LOADING):
                 self._wake(entry)  # they look again, and are told
         self._notify()
 
@@ -718,9 +724,10 @@ class ResidencyManager:
             raise ShuttingDown(entry.model.id)
         if entry.state is State.READY and entry.worker is not None and not entry.worker.alive:
             self._worker_died(entry, entry.worker)
-        if self.no_new_loads and entry.state is not State.READY \
-                and entry.state is not State.LOADING:
-            raise ShuttingDown(entry.model.id)  # stopping: no model is loaded any more
+        if self.no_new_loads and (self._paused or (entry.state is not State.READY
+                                                   and entry.state is not State.LOADING)):
+            # stopping: no model is loaded any more, and a pause is never resumed
+            raise ShuttingDown(entry.model.id)
         if entry.state is State.READY and entry.worker is not None and not self._paused:
             return self._lease(entry, entry.worker)
         if entry.state is State.FAILED and entry.failed_until is not None:
