@@ -457,3 +457,29 @@ def test_chat_and_transcription_take_turns_in_a_budget_for_one(tmp_path: Path) -
         assert evicted == [(QWEN, "room"), (WHISPER, "room")], evicted
         assert stats["peak_used_bytes"] <= budget
         assert 0 < peak["measured"] <= budget, (peak, budget)
+
+
+def test_a_configured_whisper_directory_is_served_end_to_end(tmp_path: Path) -> None:
+    import shutil
+
+    from bunkhouse.catalog.packaged import WHISPER_TINY_EN, directory_path
+
+    packaged = directory_path(WHISPER_TINY_EN)
+    assert packaged is not None
+    own = tmp_path / "models" / "my-whisper"
+    shutil.copytree(packaged, own)  # a user's own CTranslate2 directory
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text(f'[[models]]\nid = "dictation"\npath = "{own}"\nengine = "whisper"\n'
+                      "threads = 1\nttl = 600\n")
+    with serve(tmp_path / "run", "--no-packaged", "--config", str(config)) as server:
+        listed = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        assert list(listed) == ["dictation"]
+        assert listed["dictation"]["kind"] == "transcription"
+        assert listed["dictation"]["aliases"] == ["whisper-1"]
+        with FIXTURE.open("rb") as f:
+            text = _client(server).audio.transcriptions.create(model="whisper-1", file=f)
+        _heard(text.text)
+        assert server.model("dictation")["state"] == "ready"
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}]})  # no default chat model
+        assert chat.status_code in (400, 404), chat.text
