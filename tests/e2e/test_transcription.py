@@ -58,13 +58,21 @@ def _client(server: Server) -> openai.OpenAI:
                          timeout=300)
 
 
-def test_the_openai_sdk_transcribes_speech_in_every_format(server: Server) -> None:
+def _transcribe(server: Server, **options: Any) -> Any:
+    """One transcription of the fixture through the openai SDK (its client closed after)."""
+    with _client(server) as client, FIXTURE.open("rb") as f:
+        return client.audio.transcriptions.create(file=f, **options)
+
+
+def test_the_openai_sdk_transcribes_speech_in_every_format(
+        server: Server, request: pytest.FixtureRequest) -> None:
     listed = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
     assert listed[WHISPER]["kind"] == "transcription"
     assert listed[WHISPER]["context"] is None and listed[WHISPER]["parallel"] == 1
     assert "whisper-1" in listed[WHISPER]["aliases"]
     assert listed[QWEN]["kind"] == "chat"
     client = _client(server)
+    request.addfinalizer(client.close)
 
     with FIXTURE.open("rb") as f:
         plain = client.audio.transcriptions.create(model="whisper-1", file=f)
@@ -442,8 +450,7 @@ def test_chat_and_transcription_take_turns_in_a_budget_for_one(tmp_path: Path) -
         watcher.start()
         try:
             assert _chat(server).status_code == 200
-            with FIXTURE.open("rb") as f:
-                text = _client(server).audio.transcriptions.create(model="whisper-1", file=f)
+            text = _transcribe(server, model="whisper-1")
             _heard(text.text)
             assert server.model(QWEN)["state"] == "absent"
             assert _chat(server).status_code == 200
@@ -476,8 +483,7 @@ def test_a_configured_whisper_directory_is_served_end_to_end(tmp_path: Path) -> 
         assert list(listed) == ["dictation"]
         assert listed["dictation"]["kind"] == "transcription"
         assert listed["dictation"]["aliases"] == ["whisper-1"]
-        with FIXTURE.open("rb") as f:
-            text = _client(server).audio.transcriptions.create(model="whisper-1", file=f)
+        text = _transcribe(server, model="whisper-1")
         _heard(text.text)
         assert server.model("dictation")["state"] == "ready"
         chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={

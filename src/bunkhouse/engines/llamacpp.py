@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from bunkhouse.defaults import CONNECT_TIMEOUT_S
 from bunkhouse.engines import grammar_cost
 from bunkhouse.engines.contract import (
     EngineRefused,
@@ -34,6 +33,7 @@ from bunkhouse.engines.contract import (
     SlotSnapshot,
     SlotState,
 )
+from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
 
 if TYPE_CHECKING:
@@ -176,30 +176,8 @@ def error_object(status: int, body: bytes, route: str) -> tuple[int, dict[str, A
     return status, envelope(message, type_, "engine_error")
 
 
-class LlamaCppClient:
+class LlamaCppClient(WorkerHTTP):
     """The worker contract (engines/contract.py) over llama.cpp's server API."""
-
-    def __init__(self, transport: httpx.AsyncBaseTransport, model_id: str = "") -> None:
-        self._model_id = model_id
-        self._http = httpx.AsyncClient(transport=transport, base_url="http://worker",
-                                       timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
-
-    def _unreachable(self, e: Exception) -> EngineUnavailable:
-        return EngineUnavailable(f"model {self._model_id!r}: worker unreachable",
-                                 detail=repr(e))
-
-    def _check_open(self) -> None:
-        """EngineUnavailable once the client is closed (its worker is gone), rather than
-        httpx's RuntimeError for a task that still held it."""
-        if self._http.is_closed:
-            raise EngineUnavailable(f"model {self._model_id!r}: its worker is gone")
-
-    async def _get(self, path: str, timeout_s: float | None) -> httpx.Response:
-        self._check_open()
-        try:
-            return await self._http.get(path, timeout=timeout_s)
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
 
     async def _post(self, path: str, payload: dict[str, Any],
                     timeout_s: float | None = None) -> Any:
@@ -221,12 +199,6 @@ class LlamaCppClient:
         except ValueError as e:
             raise EngineUnavailable(f"model {self._model_id!r}: {path} answered "
                                     f"{resp.text[:200]!r}, not JSON") from e
-
-    async def health(self, timeout_s: float) -> bool:
-        try:
-            return (await self._get("/health", timeout_s)).status_code == 200
-        except EngineUnavailable:
-            return False
 
     async def probe(self, timeout_s: float) -> bool:
         # /slots is served by the engine's scheduling loop; /health by the HTTP thread alone.
@@ -257,13 +229,8 @@ class LlamaCppClient:
         return tokens
 
     async def generate(self, route: str, body: bytes) -> httpx.Response:
-        request = self._http.build_request("POST", route, content=body,
-                                           headers={"content-type": "application/json"})
-        self._check_open()
-        try:
-            return await self._http.send(request, stream=True)
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
+        return await self._send(self._http.build_request(
+            "POST", route, content=body, headers={"content-type": "application/json"}))
 
     def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
         return error_object(status, body, route)
@@ -286,9 +253,6 @@ class LlamaCppClient:
         reply = await self._post(f"/slots/{slot_id}?action=restore", {"filename": filename})
         return SlotSnapshot(slot_id, filename, int(reply.get("n_restored", 0)),
                             int(reply.get("n_read", 0)))
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
 
 
 STATE_MAGIC = 0x67677371  # "ggsq": llama.cpp's sequence-state file

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from bunkhouse.defaults import CONNECT_TIMEOUT_S
 from bunkhouse.engines.contract import (
     EngineRefused,
     MemoryEstimate,
@@ -31,6 +30,7 @@ from bunkhouse.engines.contract import (
     SlotSnapshot,
     SlotState,
 )
+from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
 
 if TYPE_CHECKING:
@@ -58,31 +58,8 @@ def wrong_kind(model_id: str) -> InvalidRequest:
                           "POST /v1/audio/transcriptions", param="model")
 
 
-class WhisperClient:
+class WhisperClient(WorkerHTTP):
     """The worker contract over the Whisper worker's API; generation calls are refused."""
-
-    def __init__(self, transport: httpx.AsyncBaseTransport, model_id: str = "") -> None:
-        self._model_id = model_id
-        self._http = httpx.AsyncClient(transport=transport, base_url="http://worker",
-                                       timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
-
-    def _unreachable(self, e: Exception) -> EngineUnavailable:
-        return EngineUnavailable(f"model {self._model_id!r}: worker unreachable",
-                                 detail=repr(e))
-
-    async def _get(self, path: str, timeout_s: float | None) -> httpx.Response:
-        if self._http.is_closed:
-            raise EngineUnavailable(f"model {self._model_id!r}: its worker is gone")
-        try:
-            return await self._http.get(path, timeout=timeout_s)
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
-
-    async def health(self, timeout_s: float) -> bool:
-        try:
-            return (await self._get("/health", timeout_s)).status_code == 200
-        except EngineUnavailable:
-            return False
 
     async def probe(self, timeout_s: float) -> bool:
         # the HTTP server's own thread answers; a transcription runs on another
@@ -119,15 +96,9 @@ class WhisperClient:
         """Send ``size`` bytes of an upload; the open NDJSON answer (the caller reads and
         closes it). A refusal of the file (not audio, too long) is EngineRefused naming
         ``file``; a worker that cannot be reached, EngineUnavailable."""
-        if self._http.is_closed:
-            raise EngineUnavailable(f"model {self._model_id!r}: its worker is gone")
-        request = self._http.build_request(
+        resp = await self._send(self._http.build_request(
             "POST", ROUTE, params={"options": json.dumps(options)}, content=audio,
-            headers={"content-length": str(size), "content-type": "application/octet-stream"})
-        try:
-            resp = await self._http.send(request, stream=True)
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
+            headers={"content-length": str(size), "content-type": "application/octet-stream"}))
         if resp.status_code != 200:
             try:
                 body = await resp.aread()
@@ -140,9 +111,6 @@ class WhisperClient:
                 raise EngineRefused(err["error"]["message"], param=err["error"]["param"])
             raise EngineUnavailable(f"model {self._model_id!r}: {err['error']['message']}")
         return resp
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
 
 
 def error_object(status: int, body: bytes) -> tuple[int, dict[str, Any]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bunkhouse.api.schemas import text_bytes
 from bunkhouse.catalog import CatalogModel
@@ -32,6 +32,9 @@ from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import Messages
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest
 
+if TYPE_CHECKING:
+    from bunkhouse.residency.manager import Lease
+
 
 class _Turn:
     """One model's place in the compute gate's line: released to all its waiters at once."""
@@ -39,6 +42,22 @@ class _Turn:
     def __init__(self, future: asyncio.Future[None]) -> None:
         self.future = future
         self.waiting = 0  # requests of the model awaiting this turn, cancelled ones not counted
+
+
+class Held:
+    """What a request holds (its lease, then its slot and compute turn), released once, in
+    reverse order."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self._releases: list[Callable[[], None]] = [lease.release]
+
+    def push(self, release: Callable[[], None]) -> None:
+        self._releases.append(release)
+
+    def close(self) -> None:
+        while self._releases:
+            self._releases.pop()()
 
 
 class ComputeGate:

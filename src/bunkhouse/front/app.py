@@ -46,7 +46,7 @@ from bunkhouse.errors import (
 )
 from bunkhouse.front.access import AccessLog
 from bunkhouse.front.admin import Admin, AdminOptions
-from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
+from bunkhouse.front.admission import ComputeGate, Held, check_fits, refuse_before_load
 from bunkhouse.front.auth import Keys, Level, access
 from bunkhouse.front.cors import Cors
 from bunkhouse.front.edge import prepare
@@ -221,7 +221,7 @@ class Front:
         queued = time.monotonic()
         lease = await self.residency.acquire(model)
         request.state.load_s = time.monotonic() - queued  # its model's load, if it waited
-        held = _Held(lease.release)
+        held = Held(lease)
         with self._releasing(lease, held, model.id):
             engine = lease.worker.engine
             keeper = self.keeper if self.keeper and self.keeper.active(model) else None
@@ -271,7 +271,7 @@ class Front:
         return response
 
     @contextlib.contextmanager
-    def _releasing(self, lease: Lease, held: _Held, model_id: str) -> Iterator[None]:
+    def _releasing(self, lease: Lease, held: Held, model_id: str) -> Iterator[None]:
         """On any error, give back what the request holds (``held.close`` is idempotent);
         a worker that could not be reached counts against its health, unless the front's
         own shutdown cut it."""
@@ -478,7 +478,7 @@ class _Admitted:
     """A request let in: what it holds and what its sending needs."""
 
     lease: Lease
-    held: _Held
+    held: Held
     engine: EngineClient
     keeper: SnapshotKeeper | None
     pinned: bool
@@ -521,20 +521,6 @@ async def drop_admission(task: asyncio.Future[_Admitted | None]) -> None:
 async def _cancel(task: asyncio.Future[Any]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-
-
-class _Held:
-    """What a request holds (lease, slot, compute turn), released once, in reverse order."""
-
-    def __init__(self, first: Callable[[], None]) -> None:
-        self._releases = [first]
-
-    def push(self, release: Callable[[], None]) -> None:
-        self._releases.append(release)
-
-    def close(self) -> None:
-        while self._releases:
-            self._releases.pop()()
 
 
 Handler = Callable[[Request, Exception], Awaitable[Response]]

@@ -54,6 +54,7 @@ from bunkhouse.errors import (
     ShuttingDown,
     error_body,
 )
+from bunkhouse.front.admission import Held
 from bunkhouse.front.proxy import client_gone
 
 if TYPE_CHECKING:
@@ -326,16 +327,16 @@ class Transcriptions:
             await lines.close()
         return _render(transcript, options)
 
-    async def _admit(self, model: CatalogModel) -> _Held:
+    async def _admit(self, model: CatalogModel) -> Held:
         """A lease, the model's slot and a compute turn, or what was taken given back."""
         lease = await self.front.residency.acquire(model)
-        held = _Held(lease, [lease.release])
+        held = Held(lease)
         try:
             slots = lease.slots
             slot = await slots.enter()
-            held.releases.append(lambda: slots.leave(slot))
+            held.push(lambda: slots.leave(slot))
             await self.front.compute.enter(model.id)
-            held.releases.append(lambda: self.front.compute.leave(model.id))
+            held.push(lambda: self.front.compute.leave(model.id))
             if self.front.residency.closing:
                 raise ShuttingDown(model.id)
             if not lease.worker.alive:
@@ -347,23 +348,11 @@ class Transcriptions:
         return held
 
 
-class _Held:
-    """A lease and what was taken under it, given back once, in reverse order."""
-
-    def __init__(self, lease: Any, releases: list[Callable[[], None]]) -> None:
-        self.lease = lease
-        self.releases = releases
-
-    def close(self) -> None:
-        while self.releases:
-            self.releases.pop()()
-
-
 class _Lines:
     """The worker's answer, line by line; closing it gives back the lease, slot and turn
     and the upload (once)."""
 
-    def __init__(self, held: _Held, upload: Upload, model_id: str, front: Front,
+    def __init__(self, held: Held, upload: Upload, model_id: str, front: Front,
                  settling: set[asyncio.Task[None]]) -> None:
         self.held = held
         self.upload = upload
@@ -591,7 +580,7 @@ async def _unless_gone(request: Request, work: Any) -> Any:
         if not task.done():
             task.cancel()
             results = await asyncio.gather(task, return_exceptions=True)
-            if isinstance(results[0], _Held):  # admitted as the cancel came
+            if isinstance(results[0], Held):  # admitted as the cancel came
                 results[0].close()
     if task.cancelled():
         raise ClientGone("the client disconnected while its transcription waited or ran")

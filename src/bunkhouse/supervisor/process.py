@@ -147,19 +147,8 @@ def open_model_file(model: CatalogModel, link_dir: Path | None = None) -> Opened
 
 
 def _open_directory(model: CatalogModel) -> OpenedModel:
+    fd = _open_checked(model, model.path, model.path, directory=True)
     try:
-        fd = os.open(model.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise WorkerLoadFailed(f"model {model.id!r}: its directory cannot be opened "
-                               f"({e.strerror}); the server log has the path",
-                               detail=f"{model.path}: {e}") from e
-    try:
-        real = os.readlink(f"/proc/self/fd/{fd}")
-        if real != str(model.path):
-            raise WorkerLoadFailed(
-                f"model {model.id!r}: its directory is no longer the one checked when the "
-                "model was registered (it, or a directory above it, now leads elsewhere); "
-                "refused", detail=f"{model.path} now opens {real}")
         size = 0
         for name in os.listdir(fd):
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -180,29 +169,33 @@ def _open_directory(model: CatalogModel) -> OpenedModel:
     return OpenedModel((fd,), f"/proc/self/fd/{fd}")
 
 
-def _open_checked(model: CatalogModel, path: Path, real_path: Path) -> int:
-    """``path`` opened for reading, if it is still the regular file registered (at
-    ``real_path``)."""
+def _open_checked(model: CatalogModel, path: Path, real_path: Path,
+                  directory: bool = False) -> int:
+    """``path`` opened for reading, if it is still the regular file (or, with
+    ``directory``, the directory) registered (at ``real_path``)."""
+    what = "directory" if directory else "file"
+    # O_NONBLOCK: a FIFO swapped in must not block the front; cleared below for a file
+    kind = os.O_DIRECTORY if directory else os.O_NONBLOCK
     try:
-        # O_NONBLOCK: a FIFO swapped in must not block the front; cleared below for a file
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | kind | os.O_CLOEXEC)
     except OSError as e:
-        raise WorkerLoadFailed(f"model {model.id!r}: its file cannot be opened "
+        raise WorkerLoadFailed(f"model {model.id!r}: its {what} cannot be opened "
                                f"({e.strerror}); the server log has the path",
                                detail=f"{path}: {e}") from e
     try:
         real = os.readlink(f"/proc/self/fd/{fd}")
         if real != str(real_path):
             raise WorkerLoadFailed(
-                f"model {model.id!r}: its file is no longer the file that was checked when "
-                "the model was registered (it, or a directory above it, now leads elsewhere); "
-                "refused", detail=f"{path} now opens {real}")
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise WorkerLoadFailed(
-                f"model {model.id!r}: its file is no longer the file that was checked when "
-                "the model was registered (it is no longer a regular file); refused",
-                detail=f"{path} is not a regular file")
-        os.set_blocking(fd, True)
+                f"model {model.id!r}: its {what} is no longer the {what} that was checked "
+                "when the model was registered (it, or a directory above it, now leads "
+                f"elsewhere); refused", detail=f"{path} now opens {real}")
+        if not directory:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise WorkerLoadFailed(
+                    f"model {model.id!r}: its file is no longer the file that was checked "
+                    "when the model was registered (it is no longer a regular file); refused",
+                    detail=f"{path} is not a regular file")
+            os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
