@@ -198,6 +198,13 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--compute-gate", choices=["on", "off"], default="on",
                        help="on: one model computes at a time, so that workers never "
                             "oversubscribe the CPU; off: for GPU hosts (%(default)s)")
+    serve.add_argument("--compute-turn", type=_non_negative, default=defaults.COMPUTE_TURN_S,
+                       metavar="S",
+                       help="with the gate on, a model that has computed for S seconds while "
+                            "another model waits is suspended (SIGSTOP) and the other goes; "
+                            "it continues where it stopped on its next turn, so a short "
+                            "request never waits out another model's long generation "
+                            "(%(default)g; 0: a turn lasts until its requests end)")
     serve.add_argument("--worker-engine", default=None, metavar="MODULE:CLASS",
                        help="load this worker engine class for every model instead of each "
                             "model's own (for tests and experiments; models pick their engine "
@@ -334,6 +341,16 @@ def _ping_interval(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, 0 or more")
+    return value
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -377,6 +394,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         probe_interval_s=getattr(args, "probe_interval", defaults.PROBE_INTERVAL_S),
         worker_engine=getattr(args, "worker_engine", None),
         compute_gate=getattr(args, "compute_gate", "on") == "on",
+        compute_turn_s=getattr(args, "compute_turn", defaults.COMPUTE_TURN_S),
     )
     if args.command == "serve":
         settings = dataclasses.replace(
@@ -501,7 +519,9 @@ def serve(settings: Settings, catalog: Catalog,
     )
     app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close,
                     keeper=keeper, responses=_response_store(settings),
-                    compute=ComputeGate(enabled=settings.compute_gate),
+                    compute=ComputeGate(enabled=settings.compute_gate,
+                                        turn_s=settings.compute_turn_s,
+                                        suspend=residency.suspend, resume=residency.resume),
                     keys=Keys(settings.api_keys, settings.admin_keys),
                     max_body_bytes=settings.max_body_bytes,
                     max_audio_bytes=settings.max_audio_bytes,

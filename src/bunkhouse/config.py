@@ -186,6 +186,7 @@ class Settings:
     probe_interval_s: float = d.PROBE_INTERVAL_S  # liveness probes of each ready worker
     worker_engine: str | None = None  # module:Class overriding every worker's engine (tests)
     compute_gate: bool = True  # one model computes at a time (CPU hosts)
+    compute_turn_s: float = d.COMPUTE_TURN_S  # a turn's time slice while another model waits
     api_keys: tuple[str, ...] = ()  # client keys; none: inference is open
     admin_keys: tuple[str, ...] = ()
     max_body_bytes: int = d.MAX_BODY_BYTES

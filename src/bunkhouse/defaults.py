@@ -23,6 +23,11 @@ ADMISSION_WAIT_S = 30.0
 RETRY_AFTER_S = 5
 """The ``Retry-After`` of a 503 ``insufficient_memory``."""
 
+COMPUTE_TURN_S = 0.5
+"""Seconds a model computes, while another model waits, before the compute gate suspends it
+and passes the turn on (a short request's wait behind a long generation, at most about this
+much; measured in docs/benchmarks.md, "Head-of-line blocking across models")."""
+
 PROBE_INTERVAL_S = 5.0
 """Seconds between liveness probes of each ready worker (also each probe's timeout)."""
 

@@ -270,3 +270,78 @@ def test_the_vocabulary_is_read_only_for_prompts_that_might_not_fit(tmp_path: Pa
             await refuse_before_load(model, "/v1/embeddings", {"input": "tok " * 3000}, pairs)
 
     run(go())
+
+
+def test_compute_gate_time_slice_suspends_the_owner_and_resumes_it_in_turn() -> None:
+    async def go() -> None:
+        calls: list[str] = []
+        gate = ComputeGate(batch_window_s=0, turn_s=0.05, suspend=lambda m: calls.append(f"-{m}"),
+                           resume=lambda m: calls.append(f"+{m}"))
+        await gate.enter("a")  # a long generation
+        b = asyncio.create_task(gate.enter("b"))  # a short request to another model
+        await asyncio.wait_for(b, 5)  # a's slice ended: b runs while a is stopped
+        assert calls == ["-a"] and gate.owner == "b" and gate.suspended == {"a"}
+        assert gate.preemptions == 1
+        late_a = asyncio.create_task(gate.enter("a"))  # a's new request joins a's turn
+        await asyncio.sleep(0)
+        gate.leave("b")  # b is done: a continues, with its new request
+        await asyncio.wait_for(late_a, 5)
+        assert calls == ["-a", "+a"] and gate.owner == "a" and not gate.suspended
+        assert gate.active == 2
+        gate.leave("a")
+        gate.leave("a")
+        assert gate.owner is None
+
+    run(go())
+
+
+def test_compute_gate_time_slices_two_busy_models_in_turn() -> None:
+    async def go() -> None:
+        calls: list[str] = []
+        gate = ComputeGate(batch_window_s=0, turn_s=0.02, suspend=lambda m: calls.append(f"-{m}"),
+                           resume=lambda m: calls.append(f"+{m}"))
+        await gate.enter("a")
+        await asyncio.wait_for(gate.enter("b"), 5)
+        for _ in range(100):  # both keep computing: the slices alternate
+            await asyncio.sleep(0.01)
+            if len(calls) >= 4:
+                break
+        assert calls[:5] == ["-a", "-b", "+a", "-a", "+b"][:len(calls[:5])]
+        assert len(gate.suspended) == 1 and gate.owner not in gate.suspended
+        gate.leave("a")
+        gate.leave("b")
+        assert not gate.suspended and gate.owner is None and gate.active == 0
+        assert calls.count("-a") == calls.count("+a") and calls.count("-b") == calls.count("+b")
+
+    run(go())
+
+
+def test_compute_gate_resumes_a_suspended_model_whose_requests_all_left() -> None:
+    async def go() -> None:
+        calls: list[str] = []
+        gate = ComputeGate(batch_window_s=0, turn_s=0.02, suspend=lambda m: calls.append(f"-{m}"),
+                           resume=lambda m: calls.append(f"+{m}"))
+        await gate.enter("a")
+        await asyncio.wait_for(gate.enter("b"), 5)
+        assert gate.suspended == {"a"}
+        gate.leave("a")  # a's client went away while a was stopped
+        assert calls == ["-a", "+a"] and not gate.suspended
+        await asyncio.sleep(0.1)  # nobody waits: b's slice never ends
+        assert gate.owner == "b" and calls == ["-a", "+a"]
+        gate.leave("b")
+        assert gate.owner is None
+
+    run(go())
+
+
+def test_compute_gate_without_hooks_never_slices() -> None:
+    async def go() -> None:
+        gate = ComputeGate(batch_window_s=0, turn_s=0.01)
+        await gate.enter("a")
+        b = asyncio.create_task(gate.enter("b"))
+        await asyncio.sleep(0.1)
+        assert not b.done()
+        gate.leave("a")
+        await asyncio.wait_for(b, 5)
+
+    run(go())

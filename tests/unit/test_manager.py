@@ -54,6 +54,13 @@ class FakeWorker:
         self.exit_cause: str | None = None
         self.exit_detail: str | None = None
         self.answers = True  # to probes
+        self.suspended = False
+
+    def suspend(self) -> None:
+        self.suspended = True
+
+    def resume(self) -> None:
+        self.suspended = False
 
     def _slots(self, request: httpx.Request) -> httpx.Response:
         return httpx.Response(200 if self.answers else 503, json=[])

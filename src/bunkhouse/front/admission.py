@@ -63,36 +63,60 @@ class Held:
 class ComputeGate:
     """One model computes at a time; the others wait their turn (FIFO by model).
 
+    With ``turn_s`` set (and ``suspend``/``resume`` given), a turn is also a time slice: once
+    the owner has held the gate for ``turn_s`` while another model waits, its worker is
+    suspended (``suspend(model_id)``: SIGSTOP, its generations frozen mid-token with their KV
+    cache in place) and the gate passes on; the suspended model joins the end of the line and
+    ``resume(model_id)`` (SIGCONT) continues it when its turn comes back. So a short request
+    to one model waits at most about ``turn_s`` behind another model's long generation, and
+    still no two models compute at once. A suspended model whose every request ended (its
+    clients left) is resumed at once, so a worker is never left stopped with nothing to do.
+
     A waiter cancelled at any moment (before or after its turn came) leaves the gate as if it
     had never asked: a turn whose every waiter is gone is dropped, or passed on at once if it
     had already come, so the gate is never left with an owner that nobody will hand over.
     """
 
-    def __init__(self, enabled: bool = True, batch_window_s: float = 0.25) -> None:
+    def __init__(self, enabled: bool = True, batch_window_s: float = 0.25,
+                 turn_s: float = 0.0, suspend: Callable[[str], None] | None = None,
+                 resume: Callable[[str], None] | None = None) -> None:
         self.enabled = enabled
         self.batch_window_s = batch_window_s
+        self.turn_s = turn_s if suspend is not None and resume is not None else 0.0
+        self._suspend = suspend or (lambda _model_id: None)
+        self._resume = resume or (lambda _model_id: None)
         self.owner: str | None = None
-        self.active = 0
+        self._active: dict[str, int] = {}  # requests inside the gate, by model
+        self.suspended: set[str] = set()  # models whose worker is stopped (each has requests)
         self._turn_started = 0.0
         self._turns: collections.OrderedDict[str, _Turn] = collections.OrderedDict()
+        self._timer: asyncio.TimerHandle | None = None
         self.waits = 0  # requests that waited for another model's turn to end
         self.wait_s = 0.0  # the seconds they waited, all together
+        self.preemptions = 0  # turns ended by their time slice, a model suspended
+
+    @property
+    def active(self) -> int:
+        """Requests inside the gate (computing, or suspended with their model)."""
+        return sum(self._active.values())
 
     async def enter(self, model_id: str) -> None:
         if not self.enabled:
             return
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         if self.owner is None:
             self.owner, self._turn_started = model_id, now
         if self.owner == model_id and (
                 not self._turns or now - self._turn_started < self.batch_window_s):
-            self.active += 1
+            self._active[model_id] = self._active.get(model_id, 0) + 1
             return
         turn = self._turns.get(model_id)
         if turn is None:
-            turn = self._turns[model_id] = _Turn(asyncio.get_running_loop().create_future())
+            turn = self._turns[model_id] = _Turn(loop.create_future())
         turn.waiting += 1
         self.waits += 1
+        self._arm()
         try:
             await asyncio.shield(turn.future)
         except asyncio.CancelledError:
@@ -100,33 +124,77 @@ class ComputeGate:
             self._abandoned(model_id, turn)
             raise
         finally:
-            self.wait_s += asyncio.get_running_loop().time() - now
+            self.wait_s += loop.time() - now
         turn.waiting -= 1
-        self.active += 1
+        self._active[model_id] = self._active.get(model_id, 0) + 1
 
     def _abandoned(self, model_id: str, turn: _Turn) -> None:
         if turn.waiting:
             return
         if not turn.future.done():  # still in line: nobody wants it any more
-            if self._turns.get(model_id) is turn:
+            if self._turns.get(model_id) is turn and model_id not in self.suspended:
                 del self._turns[model_id]
-        elif self.owner == model_id and self.active == 0:  # it came, and nobody took it
+        elif self.owner == model_id and not self._active.get(model_id):  # nobody took it
             self._pass_on()
 
     def leave(self, model_id: str) -> None:
         if not self.enabled:
             return
-        self.active -= 1
-        if self.active == 0:
+        left = self._active[model_id] - 1
+        if left:
+            self._active[model_id] = left
+            return
+        del self._active[model_id]
+        if model_id in self.suspended:  # its clients left while it was stopped
+            self.suspended.discard(model_id)
+            self._resume(model_id)
+            turn = self._turns.get(model_id)
+            if turn is not None and not turn.waiting:
+                del self._turns[model_id]
+        elif model_id == self.owner:
             self._pass_on()
 
+    def _arm(self) -> None:
+        """Time the owner's slice, now that someone waits."""
+        if not self.turn_s or self._timer is not None or self.owner is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(self._turn_started + self.turn_s, self._slice_over)
+
+    def _slice_over(self) -> None:
+        self._timer = None
+        owner = self.owner
+        if owner is None or not self._turns:
+            return
+        if not self._active.get(owner):  # its turn came, nobody has entered yet
+            self._arm_again()
+            return
+        self.preemptions += 1
+        self._suspend(owner)
+        self.suspended.add(owner)
+        if owner not in self._turns:
+            self._turns[owner] = _Turn(asyncio.get_running_loop().create_future())
+        self._pass_on()
+
+    def _arm_again(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.turn_s, self._slice_over)
+
     def _pass_on(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if not self._turns:
             self.owner = None
             return
         model_id, turn = self._turns.popitem(last=False)
         self.owner, self._turn_started = model_id, asyncio.get_running_loop().time()
-        turn.future.set_result(None)  # every request of that model that waited goes in together
+        if model_id in self.suspended:
+            self.suspended.discard(model_id)
+            self._resume(model_id)
+        if not turn.future.done():
+            turn.future.set_result(None)  # every request of that model that waited goes in
+        if self._turns:
+            self._arm()
 
 
 

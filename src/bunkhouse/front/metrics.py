@@ -135,6 +135,13 @@ class StateCollector(Collector):
         yield CounterMetricFamily("bunkhouse_compute_gate_wait_seconds",
                                   "seconds they waited, all together",
                                   value=self.compute.wait_s)
+        yield CounterMetricFamily("bunkhouse_compute_gate_preemptions",
+                                  "turns ended by their time slice (--compute-turn): the model "
+                                  "suspended while another model computed",
+                                  value=self.compute.preemptions)
+        yield GaugeMetricFamily("bunkhouse_compute_gate_suspended",
+                                "models whose worker is suspended now, waiting for its turn",
+                                value=len(self.compute.suspended))
         left = r.pause_left_s()
         yield GaugeMetricFamily("bunkhouse_paused", "1 while an operator's pause holds every "
                                 "model (POST /admin/pause), else 0",

@@ -142,6 +142,8 @@ class _Entry:
         self.probe_failures = 0
         self.probing = False
         self.last_probe = 0.0
+        self.suspended = False  # its worker stopped by the compute gate's time slice
+        self.suspensions = 0  # how many times: a probe that overlapped one proves nothing
         self.failed_requests = 0
         self.keep_alive_s: float | None = None  # a client's keep_alive until it is unloaded
         self.pending: CatalogModel | None = None  # settings a reload changed: the next load's
@@ -517,16 +519,38 @@ class ResidencyManager:
         now = self._clock()
         for entry in self._entries.values():
             if (entry.state is State.READY and entry.worker is not None and not entry.probing
+                    and not entry.suspended
                     and now - entry.last_probe >= self.options.probe_interval_s):
                 entry.probing, entry.last_probe = True, now
                 self._spawn_task(self._probe(entry, entry.worker))
 
     async def _probe(self, entry: _Entry, worker: WorkerHandle) -> None:
+        suspensions = entry.suspensions
         try:
             ok = await worker.engine.probe(self.options.probe_timeout_s)
         finally:
             entry.probing = False
-        self._probed(entry, worker, ok)
+        if entry.suspensions == suspensions and not entry.suspended:
+            self._probed(entry, worker, ok)
+
+    def suspend(self, model_id: str) -> None:
+        """Stop the model's worker where it is (the compute gate's time slice); it is not
+        probed until resumed. Nothing if it has no worker."""
+        entry = self._entries.get(model_id)
+        if entry is None or entry.worker is None:
+            return
+        entry.suspended = True
+        entry.suspensions += 1
+        entry.worker.suspend()
+
+    def resume(self, model_id: str) -> None:
+        """Let a suspended model's worker go on."""
+        entry = self._entries.get(model_id)
+        if entry is None:
+            return
+        entry.suspended = False
+        if entry.worker is not None:
+            entry.worker.resume()
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
@@ -797,7 +821,7 @@ class ResidencyManager:
     def _loaded(self, entry: _Entry, worker: WorkerHandle) -> None:
         entry.loading = None
         worker.on_exit = lambda: self._worker_died(entry, worker)
-        entry.worker = worker
+        entry.worker, entry.suspended = worker, False
         entry.slots.reset()  # a new worker's slots hold nothing
         memory = worker.memory()
         entry.measured = memory.peak if memory else None

@@ -76,4 +76,10 @@ class WorkerHandle(Protocol):
 
     def kill(self) -> None: ...
 
+    def suspend(self) -> None:
+        """Stop its computing where it is (SIGSTOP): the compute gate's time slice."""
+
+    def resume(self) -> None:
+        """Let a suspended worker go on (SIGCONT); harmless on a running one."""
+
     async def stop(self) -> None: ...

@@ -397,6 +397,20 @@ class WorkerProcess:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
 
+    def suspend(self) -> None:
+        """SIGSTOP: every thread stops where it is (mid-token), its memory and KV cache stay;
+        the compute gate's time slice. A stopped worker answers nothing until resumed."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT: a suspended worker goes on where it stopped (harmless on a running one)."""
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(sig)
+
     async def stop(self) -> None:
         """SIGTERM, wait up to the grace period, then SIGKILL; returns once the process is
         reaped. Idempotent: every caller waits for the same stop."""
@@ -429,6 +443,7 @@ class WorkerProcess:
 async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, model_id: str) -> None:
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)  # a suspended worker handles SIGTERM only once going
     try:
         await asyncio.wait_for(proc.wait(), grace_s)
         return

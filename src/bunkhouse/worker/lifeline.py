@@ -30,7 +30,9 @@ def _set_parent_death_signal(sig: int) -> None:
 
 def hold(parent_pid: int, on_orphaned: Callable[[], None], interval_s: float = 0.5) -> None:
     """Call ``on_orphaned`` (once) as soon as ``parent_pid`` is no longer our parent."""
-    _set_parent_death_signal(signal.SIGTERM)
+    # SIGKILL, not SIGTERM: a worker the compute gate suspended (SIGSTOP) when its front died
+    # would hold a SIGTERM pending for ever; a dead front has nothing left to save.
+    _set_parent_death_signal(signal.SIGKILL)
     fired = threading.Event()
 
     def fire() -> None:
