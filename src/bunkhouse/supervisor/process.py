@@ -21,13 +21,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.catalog import model_files
 from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import EngineClient
+from bunkhouse.engines.transport import WorkerTransport
 from bunkhouse.errors import GGUFError, WorkerLoadFailed
 from bunkhouse.supervisor.handle import Placement, WorkerMemory, process_memory
 
@@ -257,14 +256,8 @@ class WorkerProcess:
         self._tasks: list[asyncio.Task[None]] = []
         self._model_links: Path | None = None  # a split model's links, until it has loaded
         self._stopping: asyncio.Future[None] | None = None
-        # A fresh connection per request: llama.cpp's server may close a kept-alive
-        # connection after a stream without saying so, and the next request on it fails
-        # ("Server disconnected without sending a response"). A Unix socket connect costs
-        # microseconds.
-        transport = httpx.AsyncHTTPTransport(
-            uds=str(launch.socket),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
-        self._engine = engine_for(model).client(transport, model.id)
+        # aiohttp under httpx's API, a fresh connection per request (engines/transport.py)
+        self._engine = engine_for(model).client(WorkerTransport(str(launch.socket)), model.id)
         self.started_at: float | None = None
         self.ready_at: float | None = None
 

@@ -1,0 +1,107 @@
+"""The front's HTTP transport to a worker's Unix socket: httpx's API over aiohttp's client.
+
+Every engine client speaks httpx (engines/worker_http.py), but httpx's own transport reads a
+stream through httpcore, h11 and anyio's socket wrapper, which costs about 0.3 ms of front CPU
+per streamed token more than aiohttp's (its parser is C, its socket an asyncio protocol),
+measured on 2 cores under uvloop: 0.42-0.52 ms against 0.20-0.22 ms per token
+(docs/benchmarks.md, "Where the front's CPU goes"). On a CPU host that time is taken from the
+engine's decode threads. So this transport hands httpx an aiohttp response as its stream;
+callers keep httpx's ``Response`` and its exceptions.
+
+A fresh connection per request (``force_close``): llama.cpp's server may close a kept-alive
+connection after a stream without saying so, and a Unix socket connect costs microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import httpx
+
+# Headers that httpx adds for any request and aiohttp sets itself (or that mean nothing on a
+# private socket).
+_SKIP = frozenset({"host", "connection", "accept-encoding", "user-agent", "transfer-encoding"})
+
+
+class WorkerTransport(httpx.AsyncBaseTransport):
+    """An httpx transport to the HTTP server on the Unix socket ``uds``.
+
+    Timeouts come from the request (httpx's ``timeout`` extension): ``connect`` bounds the
+    connection, ``read`` each read (the head, then every chunk of the body), as httpx's own.
+    Failures are raised as httpx's: ConnectError, ConnectTimeout, ReadTimeout, ReadError,
+    RemoteProtocolError (all TransportError).
+    """
+
+    def __init__(self, uds: str) -> None:
+        self.uds = uds
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made on first use, inside the running loop
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=self.uds, force_close=True, limit=0),
+                auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.get("connect"),
+                                        sock_read=timeouts.get("read"))
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
+        data: Any = (request.content if isinstance(request.stream, httpx.ByteStream)
+                     else _chunks(request.stream))
+        try:
+            resp = await self._client().request(
+                request.method, str(request.url), data=data, headers=headers, timeout=timeout,
+                allow_redirects=False, skip_auto_headers=("Content-Type",))
+        except Exception as e:
+            raise _httpx_error(e, request, connecting=True) from e
+        return httpx.Response(resp.status, headers=list(resp.raw_headers),
+                              stream=_Body(resp, request), request=request,
+                              extensions={"http_version": b"HTTP/1.1"})
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+async def _chunks(stream: Any) -> AsyncIterator[bytes]:
+    async for chunk in stream:
+        yield chunk
+
+
+class _Body(httpx.AsyncByteStream):
+    """An aiohttp response's body as httpx's stream: each chunk as it arrives."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._resp = resp
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except Exception as e:
+            raise _httpx_error(e, self._request, connecting=False) from e
+
+    async def aclose(self) -> None:
+        self._resp.close()
+
+
+def _httpx_error(e: Exception, request: httpx.Request, *, connecting: bool) -> Exception:
+    """aiohttp's (or the socket's) failure as the httpx exception its callers catch."""
+    if isinstance(e, httpx.HTTPError):
+        return e
+    if isinstance(e, TimeoutError):  # aiohttp's timeouts are asyncio's (TimeoutError)
+        if connecting and isinstance(e, aiohttp.ConnectionTimeoutError):
+            return httpx.ConnectTimeout(repr(e), request=request)
+        return httpx.ReadTimeout(repr(e), request=request)
+    if isinstance(e, aiohttp.ClientConnectorError | FileNotFoundError | ConnectionRefusedError):
+        return httpx.ConnectError(repr(e), request=request)
+    if isinstance(e, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        return httpx.RemoteProtocolError(repr(e), request=request)
+    if isinstance(e, aiohttp.ClientError | OSError):
+        return httpx.ReadError(repr(e), request=request)
+    return e
