@@ -4,7 +4,9 @@
     python -m benchmarks render [RESULTS.json]
 
 Sections, in order: overhead (front vs the engine's own server, 1 and 4 requests at once),
-throughput (1/4/8 concurrent; two models at once; memory estimate vs measured), swap
+throughput (1/4/8 concurrent; two models at once; memory estimate vs measured), hol (a short
+request to one model while another streams a long generation, with the compute gate's time
+slice and without), swap
 (llama.cpp's router vs bunkhouse, two models alternating with room for one), kv (a
 conversation's follow-up after its model was evicted: restored KV state vs the router's
 prefill again, at 1K, 4K and 8K tokens), reliability
@@ -32,6 +34,7 @@ from typing import Any
 import psutil
 
 from benchmarks import (
+    hol,
     kv_restore,
     overhead,
     reliability,
@@ -42,7 +45,7 @@ from benchmarks import (
 )
 from benchmarks.common import PROFILES, Profile
 
-SECTIONS = ("overhead", "throughput", "swap", "kv", "reliability", "transcribe")
+SECTIONS = ("overhead", "throughput", "hol", "swap", "kv", "reliability", "transcribe")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -88,6 +91,7 @@ def run_sections(profile: Profile, sections: list[str], llama_server: str | None
     runners = {
         "overhead": lambda: overhead.measure(profile),
         "throughput": lambda: throughput.measure(profile),
+        "hol": lambda: hol.measure(profile),
         "swap": lambda: swap.measure(profile, llama_server),
         "kv": lambda: kv_restore.measure(profile, llama_server),
         "reliability": lambda: reliability.measure(profile),

@@ -52,6 +52,10 @@ class Profile:
     kv_lengths: tuple[int, ...] = ()  # conversation tokens before a follow-up after eviction
     transcribe_rounds: int = 5  # the fixture on each target, alternating
     transcribe_long_s: int = 600  # a long file once on each, for memory; 0: none
+    marginal_rounds: int = 6  # front CPU: short and long generations, alternating
+    marginal_tokens: tuple[int, int] = (8, 128)
+    hol_runs: int = 2  # head-of-line: runs of each configuration
+    hol_tokens: int = 1000  # the long stream's tokens
 
 
 PROFILES = {
@@ -64,13 +68,15 @@ PROFILES = {
                      throughput_tokens=16, gate_off=True, swap_runs=3, swap_requests=5,
                      chaos_runs=1, chaos_seconds=30, flood_runs=1, flood_requests=1000,
                      flood_concurrency=64, fuzz_examples=10, fuzz_seconds=45,
-                     kv_lengths=(1000, 4000), transcribe_rounds=3),
+                     kv_lengths=(1000, 4000), transcribe_rounds=3, marginal_rounds=3,
+                     hol_runs=1, hol_tokens=400),
     # Only for the test suite: checks that every section runs end to end, measures nothing.
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
                     chaos_runs=1, chaos_seconds=5, flood_runs=1, flood_requests=100,
                     flood_concurrency=16, fuzz_examples=2, fuzz_seconds=20,
-                    kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0),
+                    kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0,
+                    marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=80),
 }
 
 

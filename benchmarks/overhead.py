@@ -107,9 +107,32 @@ def measure(profile: Profile) -> dict[str, Any]:
             print(f"overhead: round {r + 1}/{profile.overhead_rounds}", file=sys.stderr)
         front_cpu_s = sum(front_cpu.cpu_times()[:2]) - cpu_before
         protocols = _protocols(front_url, profile)
+        marginal = _marginal(front_url, front_cpu, profile)
     return {"model": QWEN, "tokens": tokens, "concurrency": list(CONCURRENCY),
             "rounds": rounds, "front_cpu_s": front_cpu_s, "front_tokens": front_tokens,
-            "protocols": protocols}
+            "protocols": protocols, "marginal": marginal}
+
+
+def _marginal(url: str, front: psutil.Process, profile: Profile) -> dict[str, Any]:
+    """The front's CPU per streamed token at the margin: per concurrency C, rounds of C short
+    and C long generations at once, alternating; per round [front CPU s, content chunks] of
+    each length. The slope between the two lengths leaves out what a request costs once
+    (parsing, routing, the lease), which a plain average spreads over its tokens."""
+    out: dict[str, Any] = {}
+    for c in CONCURRENCY:
+        rows: dict[str, list[list[float]]] = {"short": [], "long": []}
+        for r in range(profile.marginal_rounds):
+            for length, tokens in zip(("short", "long"), profile.marginal_tokens, strict=True):
+                prompts = [f"[m {c} {r} {length} {i}] Write a long list of fruits, one per line."
+                           for i in range(c)]
+                before = sum(front.cpu_times()[:2])
+                with ThreadPoolExecutor(c) as pool:
+                    done = list(pool.map(lambda p, n=tokens: stream_once(url, "", p, n), prompts))
+                rows[length].append([sum(front.cpu_times()[:2]) - before,
+                                     sum(n for _, _, n in done)])
+        out[str(c)] = rows
+        print(f"overhead: marginal front CPU at {c} done", file=sys.stderr)
+    return out
 
 
 def _protocols(url: str, profile: Profile) -> dict[str, list[list[float]]]:

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -102,6 +103,72 @@ def _ready_after(argv: list[str], url: str, name: str) -> float:
         return time.perf_counter() - start
 
 
+PHASE_MARKS = (
+    # (phase that ends at the first line holding this, the text): both engines print them
+    ("process start, interpreter and imports", "initializing"),
+    ("GGUF metadata, vocabulary and tensors", "threadpool init"),
+    ("context, KV cache and warm-up", "model loaded"),
+)
+
+
+def start_phases(argv: list[str], url: str) -> dict[str, float]:
+    """Seconds each phase of an engine's start took: spawn to its first log line, the model
+    load (with, where the engine says so, the vocabulary apart), the context, then from its
+    'model loaded' line to /health answering (polled every 5 ms). Each line is stamped as it
+    arrives on the pipe (the engines write their log unbuffered)."""
+    stamps: dict[str, float] = {}
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line, now = raw.decode(errors="replace"), time.perf_counter()
+            for _, mark in PHASE_MARKS:
+                if mark in line and mark not in stamps:
+                    stamps[mark] = now
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        with httpx.Client() as client:
+            wait_http(client, f"{url}/health", proc, poll_s=0.005)
+        ready = time.perf_counter()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+    out, last = {}, start
+    for phase, mark in PHASE_MARKS:
+        at = stamps.get(mark, last)
+        out[phase], last = at - last, at
+    out["to /health answering"] = ready - last
+    out["total"] = ready - start
+    return out
+
+
+def engine_phases(llama_server: str | None) -> dict[str, dict[str, dict[str, float]]]:
+    """start_phases of each engine build for each model: xllamacpp in a Python process (as a
+    bunkhouse worker is) and llama-server."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for model_id in (QWEN, GEMMA):
+        model = packaged(model_id)
+        port = free_port()
+        out.setdefault("xllamacpp", {})[model_id] = start_phases(
+            engine_server_argv(model_id, port), f"http://127.0.0.1:{port}")
+        if llama_server:
+            port = free_port()
+            argv = [llama_server, "-m", str(model.path), "--host", "127.0.0.1",
+                    "--port", str(port), *_engine_args(model)]
+            out.setdefault("llama-server", {})[model_id] = start_phases(
+                argv, f"http://127.0.0.1:{port}")
+    return out
+
+
 def engine_starts(llama_server: str | None) -> dict[str, dict[str, float]]:
     """How long each engine build takes to load a model and answer /health, with nothing
     around it: xllamacpp (a Python process, as a bunkhouse worker is) and llama-server."""
@@ -182,5 +249,6 @@ def measure(profile: Profile, llama_server: str | None) -> dict[str, Any]:
                     run = workload(url, children(proc.pid), profile.swap_requests)
             result["runs"].setdefault(target, []).append(run)
         result.setdefault("engine_starts", []).append(engine_starts(llama_server))
+        result.setdefault("engine_phases", []).append(engine_phases(llama_server))
         print(f"swap: run {r + 1}/{profile.swap_runs}", file=sys.stderr)
     return result

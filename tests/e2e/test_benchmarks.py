@@ -29,8 +29,12 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
 
     results = json.loads((tmp_path / "docs" / "benchmarks" / "results.json").read_text())
     assert results["errors"] == {}
-    assert set(results["sections"]) == {"overhead", "throughput", "swap", "kv", "reliability",
-                                      "transcribe"}
+    assert set(results["sections"]) == {"overhead", "throughput", "hol", "swap", "kv",
+                                        "reliability", "transcribe"}
+    assert results["sections"]["hol"]["runs"]["time slice"][0]["long_tokens"] == 80
+    phases = results["sections"]["swap"]["engine_phases"][0]["xllamacpp"]
+    assert all(p["total"] > 0 for p in phases.values())
+    assert set(results["sections"]["overhead"]["marginal"]) == {"1", "4"}
     kv = results["sections"]["kv"]["lengths"]["300"]["bunkhouse"]
     assert kv["restored"] == 1 and kv["follow_up_prompt_n"] < kv["first_prompt_n"]
     heard = results["sections"]["transcribe"]["texts"]["bunkhouse"].lower()
@@ -42,7 +46,8 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
     for heading in ("## Goals", "## 1. Front overhead", "## 2. Aggregate throughput",
                     "## 3. Swapping models", "## 4. Memory", "## 5. Reliability",
                     "## 6. A conversation's follow-up after eviction",
-                    "## 7. Transcription"):
+                    "## 7. Transcription", "## 8. Head-of-line blocking across models",
+                    "## 9. Where a cold load's time goes"):
         assert heading in page
     assert "xllamacpp disabled the router" in page  # the reason the wheel cannot be the peer
     for png in ("throughput.png", "swap-timeline.png"):

@@ -272,11 +272,18 @@ def test_the_vocabulary_is_read_only_for_prompts_that_might_not_fit(tmp_path: Pa
     run(go())
 
 
+def _sliced(turn_s: float) -> tuple[ComputeGate, list[str]]:
+    """A gate with a time slice whose suspensions (-model) and resumptions (+model) are
+    recorded in order."""
+    calls: list[str] = []
+    gate = ComputeGate(batch_window_s=0, turn_s=turn_s, suspend=lambda m: calls.append(f"-{m}"),
+                       resume=lambda m: calls.append(f"+{m}"))
+    return gate, calls
+
+
 def test_compute_gate_time_slice_suspends_the_owner_and_resumes_it_in_turn() -> None:
     async def go() -> None:
-        calls: list[str] = []
-        gate = ComputeGate(batch_window_s=0, turn_s=0.05, suspend=lambda m: calls.append(f"-{m}"),
-                           resume=lambda m: calls.append(f"+{m}"))
+        gate, calls = _sliced(0.05)
         await gate.enter("a")  # a long generation
         b = asyncio.create_task(gate.enter("b"))  # a short request to another model
         await asyncio.wait_for(b, 5)  # a's slice ended: b runs while a is stopped
@@ -297,9 +304,7 @@ def test_compute_gate_time_slice_suspends_the_owner_and_resumes_it_in_turn() -> 
 
 def test_compute_gate_time_slices_two_busy_models_in_turn() -> None:
     async def go() -> None:
-        calls: list[str] = []
-        gate = ComputeGate(batch_window_s=0, turn_s=0.02, suspend=lambda m: calls.append(f"-{m}"),
-                           resume=lambda m: calls.append(f"+{m}"))
+        gate, calls = _sliced(0.02)
         await gate.enter("a")
         await asyncio.wait_for(gate.enter("b"), 5)
         for _ in range(100):  # both keep computing: the slices alternate
@@ -318,9 +323,7 @@ def test_compute_gate_time_slices_two_busy_models_in_turn() -> None:
 
 def test_compute_gate_resumes_a_suspended_model_whose_requests_all_left() -> None:
     async def go() -> None:
-        calls: list[str] = []
-        gate = ComputeGate(batch_window_s=0, turn_s=0.02, suspend=lambda m: calls.append(f"-{m}"),
-                           resume=lambda m: calls.append(f"+{m}"))
+        gate, calls = _sliced(0.02)
         await gate.enter("a")
         await asyncio.wait_for(gate.enter("b"), 5)
         assert gate.suspended == {"a"}
