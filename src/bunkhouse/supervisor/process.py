@@ -29,6 +29,7 @@ from bunkhouse.engines.contract import EngineClient
 from bunkhouse.engines.transport import WorkerTransport
 from bunkhouse.errors import GGUFError, WorkerLoadFailed
 from bunkhouse.supervisor.handle import Placement, WorkerMemory, process_memory
+from bunkhouse.worker.main import READY_LINE
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class WorkerProcess:
         self._tasks: list[asyncio.Task[None]] = []
         self._model_links: Path | None = None  # a split model's links, until it has loaded
         self._stopping: asyncio.Future[None] | None = None
+        self._said_ready = asyncio.Event()  # the worker logged READY_LINE
         # aiohttp under httpx's API, a fresh connection per request (engines/transport.py)
         self._engine = engine_for(model).client(WorkerTransport(str(launch.socket)), model.id)
         self.started_at: float | None = None
@@ -334,8 +336,16 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if await self._healthy():
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), defaults.HEALTH_POLL_S)
+            # the next poll, or sooner: the worker exits, or says it serves (READY_LINE; once)
+            waits = [asyncio.ensure_future(proc.wait())]
+            if not self._said_ready.is_set():
+                waits.append(asyncio.ensure_future(self._said_ready.wait()))
+            try:
+                await asyncio.wait(waits, timeout=defaults.HEALTH_POLL_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
             if proc.returncode is not None:
                 await self._drain_output()
                 raise WorkerLoadFailed(
@@ -363,6 +373,8 @@ class WorkerProcess:
         async for raw in proc.stdout:
             line = raw.decode("utf-8", errors="replace").rstrip()
             self._stderr.append(line)
+            if READY_LINE in line:
+                self._said_ready.set()
             log.debug("model %s: worker: %s", self.model.id, line)
 
     async def _drain_output(self) -> None:

@@ -76,6 +76,11 @@ class _StopFlag:
         return self._set
 
 
+READY_LINE = "serving on"
+"""Said (in a log line) once the engine has loaded and listens: the front's health gate
+watches the worker's output for it (supervisor/process.py)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s"
@@ -95,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineLoadError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_LOAD_FAILED
-    log.info("model %s: serving on %s (pid %d)", config.model_id, config.socket, os.getpid())
+    # READY_LINE: the front's health gate checks at once instead of at its next poll
+    log.info("model %s: %s %s (pid %d)", config.model_id, READY_LINE, config.socket,
+             os.getpid())
     while not stop.is_set():
         time.sleep(0.2)
     log.info("model %s: stopping", config.model_id)
