@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import gguf
 import httpx
 import numpy as np
+import psutil
 
 T = TypeVar("T")
 
@@ -140,3 +141,12 @@ def split_gguf(src: Path, out: Path) -> list[Path]:
     writer.close()
     stem = out.name.removesuffix(".gguf")
     return [out.with_name(f"{stem}-{i:05d}-of-00002.gguf") for i in (1, 2)]
+
+
+def listening_socket(pid: int) -> str:
+    """The Unix socket a worker process listens on (a spare that became a worker keeps its
+    spare's command line, so it is found from the process's sockets, not its arguments)."""
+    for conn in psutil.Process(pid).net_connections(kind="unix"):
+        if isinstance(conn.laddr, str) and conn.laddr.endswith(".sock"):
+            return conn.laddr
+    raise AssertionError(f"worker pid {pid} listens on no socket")

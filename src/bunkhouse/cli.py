@@ -205,6 +205,10 @@ def parser() -> argparse.ArgumentParser:
                             "it continues where it stopped on its next turn, so a short "
                             "request never waits out another model's long generation "
                             "(%(default)g; 0: a turn lasts until its requests end)")
+    serve.add_argument("--spare-worker", choices=["on", "off"], default="on",
+                       help="on: while the host is idle, keep a worker process with the "
+                            "engine imported and no model (64 MiB of the budget), so that "
+                            "the next load pays only for its model (%(default)s)")
     serve.add_argument("--worker-engine", default=None, metavar="MODULE:CLASS",
                        help="load this worker engine class for every model instead of each "
                             "model's own (for tests and experiments; models pick their engine "
@@ -395,6 +399,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         worker_engine=getattr(args, "worker_engine", None),
         compute_gate=getattr(args, "compute_gate", "on") == "on",
         compute_turn_s=getattr(args, "compute_turn", defaults.COMPUTE_TURN_S),
+        spare_worker=getattr(args, "spare_worker", "on") == "on",
     )
     if args.command == "serve":
         settings = dataclasses.replace(
@@ -516,6 +521,7 @@ def serve(settings: Settings, catalog: Catalog,
                          probe_interval_s=settings.probe_interval_s,
                          probe_timeout_s=settings.probe_interval_s),
         launcher.start, events=events, flush=keeper.flush if keeper else None,
+        spare=launcher if settings.spare_worker else None,
     )
     app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close,
                     keeper=keeper, responses=_response_store(settings),

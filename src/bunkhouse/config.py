@@ -187,6 +187,7 @@ class Settings:
     worker_engine: str | None = None  # module:Class overriding every worker's engine (tests)
     compute_gate: bool = True  # one model computes at a time (CPU hosts)
     compute_turn_s: float = d.COMPUTE_TURN_S  # a turn's time slice while another model waits
+    spare_worker: bool = True  # keep a worker with the engine imported for the next load
     api_keys: tuple[str, ...] = ()  # client keys; none: inference is open
     admin_keys: tuple[str, ...] = ()
     max_body_bytes: int = d.MAX_BODY_BYTES

@@ -28,6 +28,11 @@ COMPUTE_TURN_S = 0.5
 and passes the turn on (a short request's wait behind a long generation, at most about this
 much; measured in docs/benchmarks.md, "Head-of-line blocking across models")."""
 
+SPARE_BYTES = 64 * 1024 * 1024
+"""What a spare worker (an engine imported, no model; supervisor/launcher.py) may hold,
+counted in the memory budget while it waits: one with llama.cpp's engine imported measured
+41 MiB resident (xllamacpp 2026.10.11549)."""
+
 PROBE_INTERVAL_S = 5.0
 """Seconds between liveness probes of each ready worker (also each probe's timeout)."""
 

@@ -34,10 +34,19 @@ class Server:
         return data
 
     def workers(self) -> list[psutil.Process]:
+        """Every child process: the models' workers and a spare worker, if any."""
         try:
             return psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+
+    def model_workers(self, key: str = "") -> list[psutil.Process]:
+        """The workers serving (or loading) a model: every child but the spare (``key``: a
+        client key, where the server asks for one)."""
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        stats = httpx.get(f"{self.url}/stats", headers=headers).json()
+        spare = stats.get("spare_worker") or {}
+        return [p for p in self.workers() if p.pid != spare.get("pid")]
 
 
 def _up(url: str, proc: subprocess.Popen[bytes]) -> bool:

@@ -8,12 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
-from tests.helpers import wait_for
+from tests.helpers import listening_socket, wait_for
 
 A = "qwen-2x4"  # 2 slots, queue 4
 B = "gemma-1"  # 1 slot
@@ -51,8 +50,7 @@ def _complete(server: Server, model: str, tokens: int, **extra: Any) -> httpx.Re
 
 
 def _metrics(server: Server, model: str) -> dict[str, float]:
-    cmd = psutil.Process(server.model(model)["pid"]).cmdline()
-    sock = cmd[cmd.index("--socket") + 1]
+    sock = listening_socket(server.model(model)["pid"])
     with httpx.Client(transport=httpx.HTTPTransport(uds=sock)) as c:
         text = c.get("http://worker/metrics").text
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
@@ -120,8 +118,7 @@ def test_models_show_slots_and_queue(host: Server) -> None:
 
 
 def _busy_slots(server: Server, model: str) -> int:
-    cmd = psutil.Process(server.model(model)["pid"]).cmdline()
-    sock = cmd[cmd.index("--socket") + 1]
+    sock = listening_socket(server.model(model)["pid"])
     with httpx.Client(transport=httpx.HTTPTransport(uds=sock)) as c:
         return sum(1 for s in c.get("http://worker/slots").json() if s["is_processing"])
 

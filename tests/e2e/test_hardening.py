@@ -66,7 +66,7 @@ def test_model_files_are_checked_at_every_load_and_clients_see_no_internals(
         os.symlink(outside / "secret.txt", path)
         resp = _load(server, "t")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "model_load_failed"
-        assert SECRET not in _maps_of_workers(server) and not server.workers()
+        assert SECRET not in _maps_of_workers(server) and not server.model_workers("client-k")
         client_view = httpx.get(f"{server.url}/v1/models/t", headers=CLIENT).json()
         assert client_view["state"] == "failed" and "last_error_detail" not in client_view
         _no_internals(json.dumps(client_view), tmp_path)
@@ -85,7 +85,7 @@ def test_model_files_are_checked_at_every_load_and_clients_see_no_internals(
         os.symlink(outside, root / "sub")
         resp = _load(server, "t")
         assert resp.status_code == 503, resp.text
-        assert str(gemma) not in _maps_of_workers(server) and not server.workers()
+        assert str(gemma) not in _maps_of_workers(server) and not server.model_workers("client-k")
 
         # A model whose worker fails: its output (with server paths) only for the admin key.
         resp = httpx.post(f"{server.url}/v1/completions", headers=CLIENT, timeout=120,
@@ -252,6 +252,6 @@ def test_every_part_of_a_split_model_is_checked_and_counted(
         os.symlink(outside / second.name, second)
         resp = _load(server, "sp")
         assert resp.status_code == 503, resp.text
-        assert str(outside) not in _maps_of_workers(server) and not server.workers()
+        assert str(outside) not in _maps_of_workers(server) and not server.model_workers("client-k")
         os.replace(root / "kept.gguf", second)
         assert _load(server, "sp").status_code == 200

@@ -10,11 +10,10 @@ from typing import Any
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from tests.e2e.server import Server, serve
-from tests.helpers import wait_for
+from tests.helpers import listening_socket, wait_for
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 GEMMA = "gemma-3-270m"
@@ -99,8 +98,7 @@ def test_embeddings_are_unit_vectors(server: Server, model: str) -> None:
 
 def _worker_slots(server: Server, model: str) -> list[dict[str, Any]]:
     """The engine's own /slots, read over the worker's socket (found from its command line)."""
-    cmd = psutil.Process(server.model(model)["pid"]).cmdline()
-    sock = cmd[cmd.index("--socket") + 1]
+    sock = listening_socket(server.model(model)["pid"])
     with httpx.Client(transport=httpx.HTTPTransport(uds=sock)) as c:
         slots: list[dict[str, Any]] = c.get("http://worker/slots").json()
         return slots

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
@@ -635,5 +637,82 @@ def test_a_pause_holds_a_load_that_waits_for_memory_and_a_stop_ends_paused_waits
         h.manager.stop_loads()  # the front begins to stop: the pause is never resumed
         with pytest.raises(ShuttingDown):
             await asyncio.wait_for(paused, 1)
+
+    run(go())
+
+
+class FakeSpares:
+    """A spare pool that records fills and drops; models whose id starts with 'w' run
+    another engine (as Whisper's do)."""
+
+    def __init__(self) -> None:
+        self.engine: str | None = None
+        self.log: list[str] = []
+
+    @property
+    def spare_bytes(self) -> int:
+        return defaults.SPARE_BYTES if self.engine else 0
+
+    @property
+    def spare_pid(self) -> int | None:
+        return 4242 if self.engine else None
+
+    def engine_of(self, m: CatalogModel) -> str:
+        return "whisper" if m.id.startswith("w") else "llama"
+
+    def spare_for(self, m: CatalogModel) -> bool:
+        return self.engine == self.engine_of(m)
+
+    async def fill_spare(self, engine: str) -> None:
+        if self.engine == engine:
+            return
+        self.engine = engine
+        self.log.append(f"+{engine}")
+
+    def drop_spare(self) -> None:
+        if self.engine:
+            self.log.append(f"-{self.engine}")
+        self.engine = None
+
+
+def _with_spares(h: Host, room: int) -> tuple[FakeSpares, int]:
+    """Spares on ``h``, whose budget becomes one model's estimate plus ``room`` bytes."""
+    spares = FakeSpares()
+    h.manager._spare = spares
+    budget = h.manager.status("a").estimated_bytes + room
+    h.manager.options = dataclasses.replace(h.manager.options, budget_bytes=budget)
+    return spares, budget
+
+
+def test_a_spare_is_kept_while_idle_counted_in_the_budget_and_taken_by_the_next_load() -> None:
+    async def go() -> None:
+        h = Host([model("a", 4), model("b", 4), model("whisper", 4)])
+        spares, budget = _with_spares(h, defaults.SPARE_BYTES + 1)
+        lease = await h.manager.acquire(h.models["a"])
+        await asyncio.sleep(0.05)
+        assert spares.log == []  # a request in flight: no spare yet
+        lease.release()
+        await asyncio.sleep(0.05)
+        assert spares.log == ["+llama"]  # idle: one spare for a's engine
+        assert h.manager.used_bytes() == budget - 1
+        await h.use("b")  # b's worker is the spare: a is evicted, the spare is not dropped
+        assert (h.state("a"), h.state("b")) == ("absent", "ready")
+        assert "-llama" not in spares.log
+        assert h.manager.used_bytes() <= budget
+        h.clock.now += 1
+        await h.use("whisper")  # another engine: room is needed, the spare goes first
+        assert spares.log[:2] == ["+llama", "-llama"]
+        assert h.state("whisper") == "ready" and h.manager.used_bytes() <= budget
+
+    run(go())
+
+
+def test_no_spare_without_room_for_it_besides_the_models() -> None:
+    async def go() -> None:
+        h = Host([model("a", 4)])
+        spares, _ = _with_spares(h, defaults.SPARE_BYTES - 1)
+        await h.use("a")
+        await asyncio.sleep(0.05)
+        assert spares.log == []
 
     run(go())

@@ -401,6 +401,7 @@ class Front:
             "models": [self.model_object(m, detail=detail) for m in self.catalog],
             "kv_cache": self.keeper.report(detail) if self.keeper else None,
             "pause": r.pause_status(),  # an operator's pause (POST /admin/pause)
+            "spare_worker": r.spare_status(),  # the worker kept for the next load, if any
             "event_counts": r.events.counts,
             "events": [e.as_dict() for e in r.events.recent(100)],
         })

@@ -56,7 +56,7 @@ from bunkhouse.residency.estimate import MemoryEstimate, estimate
 from bunkhouse.residency.events import EventLog
 from bunkhouse.residency.slots import SlotGate
 from bunkhouse.supervisor import restart
-from bunkhouse.supervisor.handle import WorkerHandle
+from bunkhouse.supervisor.handle import SparePool, WorkerHandle
 from bunkhouse.supervisor.restart import RestartPolicy
 
 log = logging.getLogger(__name__)
@@ -206,9 +206,12 @@ class Lease:
 class ResidencyManager:
     def __init__(self, catalog: Catalog | Iterable[CatalogModel], options: ResidencyOptions,
                  start_worker: StartWorker, clock: Callable[[], float] = time.monotonic,
-                 events: EventLog | None = None, flush: Flush | None = None) -> None:
+                 events: EventLog | None = None, flush: Flush | None = None,
+                 spare: SparePool | None = None) -> None:
         """``flush``: called once a drained worker's requests ended, before it is stopped
-        (not for a crashed one), to save its slots."""
+        (not for a crashed one), to save its slots. ``spare``: keeps a spare worker (an engine
+        imported, no model) for the next load while the host is idle and the budget has room
+        for it; it counts in the budget and is dropped first when room is needed."""
         self.catalog = catalog if isinstance(catalog, Catalog) else Catalog(catalog, None)
         self.options = options
         self._start_worker = start_worker
@@ -227,11 +230,25 @@ class ResidencyManager:
         self._closed: asyncio.Task[None] | None = None
         self.peak_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._spare = spare
+        self._spare_engine: str | None = None  # the engine of the last model loaded
 
     # -- queries ---------------------------------------------------------------------------
 
     def used_bytes(self) -> int:
-        return sum(e.bytes for e in self._entries.values() if e.state in _HOLDING)
+        """What the models hold of the budget (each its estimate, or its measured peak if
+        larger), and a spare worker's share while there is one."""
+        return (sum(e.bytes for e in self._entries.values() if e.state in _HOLDING)
+                + self._spare_bytes())
+
+    def spare_status(self) -> dict[str, Any] | None:
+        """The spare worker waiting for the next load: its pid and its share of the budget;
+        None if there is none."""
+        pid = self._spare.spare_pid if self._spare is not None else None
+        return None if pid is None else {"pid": pid, "bytes": self._spare_bytes()}
+
+    def _spare_bytes(self) -> int:
+        return self._spare.spare_bytes if self._spare is not None else 0
 
     def status(self, model_id: str) -> ModelStatus:
         e = self._entries[model_id]
@@ -447,8 +464,15 @@ class ResidencyManager:
                 await self._wait_changed(None)
                 deadline = max(deadline, self._clock() + self.options.admission_wait_s)
                 continue
-            decision = policy.plan(self._residents(), self.options.budget_bytes,
+            # the spare counts, unless it is the one this load's worker will be
+            spare = 0 if self._spare and self._spare.spare_for(entry.model) \
+                else self._spare_bytes()
+            decision = policy.plan(self._residents(), self.options.budget_bytes - spare,
                                    entry.model.id, entry.estimate.total)
+            if spare and not (isinstance(decision, policy.Fits) and not decision.evict):
+                assert self._spare is not None
+                self._spare.drop_spare()  # the spare goes first: it holds no model
+                continue
             if isinstance(decision, policy.NeverFits):
                 raise ModelTooLarge(_never_fits_message(entry.model.id, decision))
             if isinstance(decision, policy.Fits):
@@ -792,6 +816,19 @@ class ResidencyManager:
         if entry.keep_alive_s == 0 and not entry.leases:
             self._begin_drain(entry, "keep_alive 0: unloaded once idle")
         self._notify()
+        self._keep_spare()
+
+    def _keep_spare(self) -> None:
+        """Start a spare worker for the engine last loaded if the host is idle (no request
+        in flight, no load under way: it takes a core for about 0.3 s), nothing is paused or
+        stopping, and the budget has room for it besides the models."""
+        if (self._spare is None or self._spare_engine is None or self.closing
+                or self.no_new_loads or self._paused or self.in_flight()
+                or self._cold_start.locked()
+                or self.options.budget_bytes - self.used_bytes() + self._spare_bytes()
+                < defaults.SPARE_BYTES):
+            return
+        self._spawn_task(self._spare.fill_spare(self._spare_engine))
 
     def _wake(self, entry: _Entry, error: BaseException | None = None) -> None:
         """Hand each waiter a lease (ready, not paused), the error, or None: look again."""
@@ -841,6 +878,9 @@ class ResidencyManager:
         self._wake(entry)  # every waiting request gets its lease in this same step
         if not worker.alive:  # it died before anyone could see it ready
             self._worker_died(entry, worker)
+        if self._spare is not None:
+            self._spare_engine = self._spare.engine_of(entry.model)
+            self._keep_spare()
 
     def _load_failed(self, entry: _Entry, error: BunkhouseError, *,
                      cancelled: bool = False) -> None:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import psutil
 
 from bunkhouse.engines.contract import EngineClient
+
+if TYPE_CHECKING:
+    from bunkhouse.catalog import CatalogModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +86,29 @@ class WorkerHandle(Protocol):
         """Let a suspended worker go on (SIGCONT); harmless on a running one."""
 
     async def stop(self) -> None: ...
+
+
+class SparePool(Protocol):
+    """Spare workers (supervisor/launcher.py): an engine imported, no model, for the next
+    load. The residency manager decides when one is kept; the pool makes and kills it."""
+
+    @property
+    def spare_bytes(self) -> int:
+        """What the spare holds of the memory budget now (0: none)."""
+
+    @property
+    def spare_pid(self) -> int | None:
+        """The spare's process id (None: none)."""
+
+    def engine_of(self, model: CatalogModel) -> str:
+        """The worker engine a worker for ``model`` runs (module:Class)."""
+
+    def spare_for(self, model: CatalogModel) -> bool:
+        """Whether a worker for ``model`` would be the spare there is now (its engine, one
+        file): its budget share then passes to the model instead of being freed."""
+
+    async def fill_spare(self, engine: str) -> None:
+        """Start a spare for ``engine`` unless there is one."""
+
+    def drop_spare(self) -> None:
+        """Kill the spare, if any."""

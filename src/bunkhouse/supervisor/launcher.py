@@ -1,17 +1,32 @@
-"""Starting workers as local child processes: the placement seam (local processes now)."""
+"""Starting workers as local child processes: the placement seam (local processes now).
+
+A spare worker (``python -m bunkhouse.worker --spare``, worker/main.py) is a worker process
+with its engine imported and no model: the next load of a single-file model on that engine
+becomes it, so the load pays only for the model (the interpreter's start and the engine's
+import, about 0.3 s of a small model's 1.3-2 s cold start, are already paid). The residency
+manager decides when one is kept (it counts ``defaults.SPARE_BYTES`` of the budget for it and
+drops it first when room is needed); this module makes, hands over and kills it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import os
 import shutil
+import socket
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psutil
 
+from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
+from bunkhouse.engines import engine_for
 from bunkhouse.supervisor.process import (
     LaunchOptions,
     Spawner,
@@ -19,8 +34,26 @@ from bunkhouse.supervisor.process import (
     WorkerProcess,
     spawn_local,
 )
+from bunkhouse.worker.main import SPARE_FLAG
 
 log = logging.getLogger(__name__)
+
+
+
+class _Spare:
+    """One spare worker process and the front's end of its control socket."""
+
+    def __init__(self, engine: str, proc: asyncio.subprocess.Process,
+                 control: socket.socket) -> None:
+        self.engine = engine
+        self.proc = proc
+        self.control = control
+
+    def kill(self) -> None:
+        self.control.close()
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
 
 
 _PREFIX = "bunkhouse-"
@@ -48,6 +81,10 @@ class LocalLauncher:
         me = psutil.Process()
         (self.socket_dir / _OWNER).write_text(f"{me.pid} {me.create_time()}")
         self._count = 0
+        self._spare: _Spare | None = None
+        self._filling = 0  # fills under way (their spare is counted from the start)
+        self._drops = 0  # a fill that a drop overtook kills what it made
+        self._closed = False
 
     def _next_socket(self) -> Path:
         self._count += 1
@@ -60,11 +97,98 @@ class LocalLauncher:
                  model.id, o.context, o.parallel, o.threads)
         snapshots = self._snapshot_dir(model.id) if self._snapshot_dir else None
         launch = WorkerLaunch(self._next_socket(), self.options, snapshots)
-        worker = WorkerProcess(model, launch, self._spawner)
+        worker = WorkerProcess(model, launch, self._spawn_or_adopt)
         await worker.start()
         return worker
 
+    # -- the spare worker --------------------------------------------------------------
+
+    def engine_of(self, model: CatalogModel) -> str:
+        """The worker engine (module:Class) a worker for ``model`` runs."""
+        return self.options.worker_engine or engine_for(model).worker_engine
+
+    def spare_for(self, model: CatalogModel) -> bool:
+        spare = self._spare
+        return (spare is not None and spare.proc.returncode is None
+                and spare.engine == self.engine_of(model)
+                and (model.transcribes or model.info.split_count <= 1))
+
+    @property
+    def spare_bytes(self) -> int:
+        """What the spare holds of the budget: ``defaults.SPARE_BYTES`` while there is one."""
+        return defaults.SPARE_BYTES if self._spare is not None or self._filling else 0
+
+    @property
+    def spare_pid(self) -> int | None:
+        return self._spare.proc.pid if self._spare is not None else None
+
+    async def fill_spare(self, engine: str) -> None:
+        """Start a spare worker for ``engine`` (module:Class), unless one is there already;
+        one with another engine is replaced. Only with the real spawner (a test's spawner
+        starts no spares)."""
+        if self._closed or self._spawner is not spawn_local or self._filling:
+            return
+        if self._spare is not None:
+            if self._spare.engine == engine and self._spare.proc.returncode is None:
+                return
+            self.drop_spare()
+        drops = self._drops
+        self._filling += 1
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "bunkhouse.worker", SPARE_FLAG, engine,
+                "--parent-pid", str(os.getpid()),
+                stdin=theirs.fileno(), stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            ours.close()
+            log.warning("no spare worker: %s", e)
+            return
+        finally:
+            theirs.close()
+            self._filling -= 1
+        if self._closed or self._drops != drops:  # closed, or dropped, while we spawned
+            _Spare(engine, proc, ours).kill()
+            return
+        self._spare = _Spare(engine, proc, ours)
+        log.info("spare worker pid %d started (%s)", proc.pid, engine)
+
+    def drop_spare(self) -> None:
+        """Kill the spare worker, if there is one (its budget share is free at once: it held
+        no model)."""
+        spare, self._spare = self._spare, None
+        self._drops += 1
+        if spare is not None:
+            log.info("spare worker pid %d dropped", spare.proc.pid)
+            spare.kill()
+
+    async def _spawn_or_adopt(self, argv: Sequence[str], pass_fds: Sequence[int]
+                              ) -> asyncio.subprocess.Process:
+        """The spare becomes this worker if it can (its engine, one descriptor); else a new
+        process is spawned."""
+        spare = self._spare
+        engine = argv[list(argv).index("--engine") + 1]
+        if (spare is None or spare.engine != engine or len(pass_fds) != 1
+                or spare.proc.returncode is not None or self._spawner is not spawn_local):
+            return await self._spawner(argv, pass_fds)
+        self._spare = None
+        args = list(argv)[list(argv).index("bunkhouse.worker") + 1:]
+        message = json.dumps({"argv": args, "fd": pass_fds[0]}).encode()
+        try:
+            socket.send_fds(spare.control, [message], [pass_fds[0]])
+        except OSError as e:
+            log.warning("spare worker pid %d could not take the model (%s); spawning one",
+                        spare.proc.pid, e)
+            spare.kill()
+            return await self._spawner(argv, pass_fds)
+        spare.control.close()
+        log.info("spare worker pid %d takes the model", spare.proc.pid)
+        return spare.proc
+
     def close(self) -> None:
+        self._closed = True
+        self.drop_spare()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 

@@ -1,5 +1,11 @@
 """``python -m bunkhouse.worker``: one model, one engine, one Unix socket.
 
+``python -m bunkhouse.worker --spare ENGINE --parent-pid PID``: a spare worker. It imports
+the engine (the Python interpreter's start and the engine's import are a fifth of a small
+model's cold start), then waits on its stdin, a Unix socket from the front, for the command
+line of the worker it is to become and the model's file descriptor; then it goes on as that
+worker. So a load that finds a spare pays only for the model (supervisor/launcher.py).
+
 Exit codes: 0 after SIGTERM/SIGINT or the parent's death, 2 for bad arguments,
 3 when the engine cannot load the model (the reason is the last line on stderr).
 """
@@ -7,9 +13,11 @@ Exit codes: 0 after SIGTERM/SIGINT or the parent's death, 2 for bad arguments,
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -81,19 +89,60 @@ READY_LINE = "serving on"
 watches the worker's output for it (supervisor/process.py)."""
 
 
+SPARE_FLAG = "--spare"
+SPARE_POLL_S = 0.2  # how often a waiting spare looks at its stop flag
+
+
+def _await_assignment(engine_path: str, stop: _StopFlag) -> list[str] | None:
+    """A spare's wait: the worker command line the front sends on stdin (a Unix socket), with
+    the model's descriptor, whose number replaces the front's in ``--model-path``. None: the
+    front closed the socket or asked us to stop first."""
+    control = socket.socket(fileno=os.dup(0))
+    os.close(0)
+    os.open(os.devnull, os.O_RDONLY)  # fd 0 again, as a worker's
+    control.settimeout(SPARE_POLL_S)
+    with control:
+        while not stop.is_set():
+            try:
+                data, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
+            except TimeoutError:
+                continue
+            if not data:
+                return None
+            message = json.loads(data)
+            argv: list[str] = message["argv"]
+            theirs, ours = f"/proc/self/fd/{message['fd']}", f"/proc/self/fd/{fds[0]}"
+            at = argv.index("--model-path") + 1
+            argv[at] = ours + argv[at][len(theirs):] if argv[at].startswith(theirs) else argv[at]
+            if argv[argv.index("--engine") + 1] != engine_path:
+                raise SystemExit(f"spare for {engine_path} sent {argv!r}")
+            return argv
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    config, engine_path, parent_pid = parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
     stop = _StopFlag()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    if parent_pid is not None:
+    engine_class = None
+    if args[:1] == [SPARE_FLAG]:  # --spare ENGINE --parent-pid PID
+        engine_path, parent = args[1], int(args[3])
+        hold(parent, stop.set)
+        engine_class = load_engine_class(engine_path)  # the import a spare is for
+        assigned = _await_assignment(engine_path, stop)
+        if assigned is None:
+            return 0
+        args = assigned
+    config, engine_path, parent_pid = parse_args(args)
+    if parent_pid is not None and engine_class is None:
         hold(parent_pid, stop.set)
     config.socket.unlink(missing_ok=True)  # a leftover socket file makes the engine fail
-    engine = load_engine_class(engine_path)(config)
+    engine = (engine_class or load_engine_class(engine_path))(config)
     log.info("model %s: loading %s", config.model_id, config.model_path)
     try:
         engine.start()
