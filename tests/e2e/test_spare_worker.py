@@ -20,14 +20,13 @@ MIB = 1024 * 1024
 
 
 def _spares(server: Server) -> list[psutil.Process]:
-    out = []
-    for p in server.workers():
-        try:
-            if "--spare" in p.cmdline():
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    """The spare worker /stats shows, checked to be a child of the front waiting as one."""
+    spare = server.stats()["spare_worker"]
+    if spare is None:
+        return []
+    proc = psutil.Process(spare["pid"])
+    assert proc in server.workers() and "--spare" in proc.cmdline()
+    return [proc]
 
 
 def _complete(server: Server, model: str) -> None:
@@ -37,7 +36,7 @@ def _complete(server: Server, model: str) -> None:
 
 
 def test_the_next_load_becomes_the_spare_and_its_memory_is_in_the_budget(tmp_path: Path) -> None:
-    with serve(tmp_path, "--budget", "1100MiB") as server:  # one model at a time
+    with serve(tmp_path, "--budget", "1150MiB") as server:  # one model (and a spare)
         assert not _spares(server)  # nothing loaded yet: no spare
         _complete(server, QWEN)
         spare = wait_for(lambda: _spares(server), 60, "a spare worker once idle")[0]
@@ -52,7 +51,7 @@ def test_the_next_load_becomes_the_spare_and_its_memory_is_in_the_budget(tmp_pat
         assert next_spare.pid != spare.pid
         _complete(server, QWEN)
         assert server.model(QWEN)["pid"] == next_spare.pid
-        assert server.stats()["peak_used_bytes"] <= 1100 * MIB
+        assert server.stats()["peak_used_bytes"] <= 1150 * MIB
 
 
 def test_no_spare_with_the_option_off_or_without_room(tmp_path: Path) -> None:
@@ -60,11 +59,11 @@ def test_no_spare_with_the_option_off_or_without_room(tmp_path: Path) -> None:
         _complete(server, GEMMA)
         time.sleep(2)  # a spare would be started as soon as the request ended
         assert not _spares(server)
-    with serve(tmp_path / "tight", "--budget", "470MiB") as server:  # Gemma, not a spare too
+    with serve(tmp_path / "tight", "--budget", "680MiB") as server:  # Gemma, not a spare too
         _complete(server, GEMMA)
         time.sleep(2)
         gemma = server.model(GEMMA)["estimated_bytes"]
-        assert 470 * MIB - gemma < defaults.SPARE_BYTES
+        assert 680 * MIB - gemma < defaults.SPARE_BYTES
         assert not _spares(server)
 
 
