@@ -37,6 +37,7 @@ class WorkerTransport(httpx.AsyncBaseTransport):
     def __init__(self, uds: str) -> None:
         self.uds = uds
         self._session: aiohttp.ClientSession | None = None
+        self._open: set[aiohttp.ClientResponse] = set()  # answers still being read
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:  # made on first use, inside the running loop
@@ -58,11 +59,18 @@ class WorkerTransport(httpx.AsyncBaseTransport):
                 allow_redirects=False, skip_auto_headers=("Content-Type",))
         except Exception as e:
             raise _httpx_error(e, request, connecting=True) from e
+        self._open.add(resp)
         return httpx.Response(resp.status, headers=list(resp.raw_headers),
-                              stream=_Body(resp, request), request=request,
+                              stream=_Body(resp, request, self._open), request=request,
                               extensions={"http_version": b"HTTP/1.1"})
 
     async def aclose(self) -> None:
+        """Close the session and every answer still open: a task reading one wakes with
+        httpx's ReadError (closing aiohttp's session alone leaves such a reader waiting)."""
+        for resp in list(self._open):
+            resp.close()
+            resp.content.set_exception(aiohttp.ClientConnectionError("worker client closed"))
+        self._open.clear()
         if self._session is not None:
             await self._session.close()
 
@@ -75,9 +83,11 @@ async def _chunks(stream: Any) -> AsyncIterator[bytes]:
 class _Body(httpx.AsyncByteStream):
     """An aiohttp response's body as httpx's stream: each chunk as it arrives."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, request: httpx.Request) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, request: httpx.Request,
+                 open_: set[aiohttp.ClientResponse]) -> None:
         self._resp = resp
         self._request = request
+        self._open = open_
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
@@ -87,6 +97,7 @@ class _Body(httpx.AsyncByteStream):
             raise _httpx_error(e, self._request, connecting=False) from e
 
     async def aclose(self) -> None:
+        self._open.discard(self._resp)
         self._resp.close()
 
 
