@@ -279,7 +279,10 @@ def _swap(s: dict[str, Any], llama_server: str, goals: list[list[str]]) -> list[
         goals.append(["a swap no slower than llama.cpp's router",
                       "not measured in this run (no llama-server binary)", "unknown"])
     lines += [f"A swap on bunkhouse takes {b['swap'].median / b['cold'].median:.2f}x a cold load"
-              f" (drain the idle model, SIGTERM, reap, then the same cold start).", ""]
+              f" (drain the idle model, SIGTERM, reap, then a start that the spare worker "
+              f"kept while the server was idle takes over when the budget had room for it: "
+              f"`--budget {s['budget']}` leaves room for one model and a spare). A run's first "
+              f"request, the cold load, finds no spare (nothing was loaded before it).", ""]
     lines += _engine_starts(s.get("engine_starts") or [], b, stats.get("router"))
     lines += [
               "![swap timeline](benchmarks/swap-timeline.png)", ""]
@@ -321,8 +324,9 @@ def _engine_starts(starts: list[dict[str, dict[str, float]]], b: dict[str, Any],
     text = (f"bunkhouse's cold load of {QWEN} (time to first token "
             f"{b['cold'].median * 1000:.0f} ms) is the xllamacpp engine's own start "
             f"({x0 * 1000:.0f} ms) plus {(b['cold'].median - x0) * 1000:.0f} ms of its own: "
-            f"spawning and supervising the worker, the readiness gate (polled every 50 ms), "
-            f"routing, prefill and the first token.")
+            f"spawning (or handing the model to a spare worker) and supervising the worker, "
+            f"the readiness gate (the worker's ready line, else a 50 ms poll), routing, "
+            f"prefill and the first token.")
     if r and "llama-server" in med:
         ls0 = med["llama-server"][0]
         ratio = statistics.mean(med["xllamacpp"]) / statistics.mean(med["llama-server"])

@@ -639,6 +639,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
                     (await residency.acquire(catalog.get(model_id))).release()
                 except BunkhouseError as e:  # serve the others; requests get the error
                     log.error("could not preload model %s: %s", model_id, e.message)
+            residency.keep_spare_for(catalog.default_id)  # even the first load finds one
             yield
         finally:
             if reloader is not None:

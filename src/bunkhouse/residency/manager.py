@@ -818,6 +818,15 @@ class ResidencyManager:
         self._notify()
         self._keep_spare()
 
+    def keep_spare_for(self, model_id: str | None) -> None:
+        """At start: keep a spare for ``model_id``'s engine (the default model's), so that
+        even the first load finds one. Nothing if a model was loaded already."""
+        if self._spare is None or self._spare_engine is not None or model_id is None \
+                or model_id not in self._entries:
+            return
+        self._spare_engine = self._spare.engine_of(self._entries[model_id].model)
+        self._keep_spare()
+
     def _keep_spare(self) -> None:
         """Start a spare worker for the engine last loaded if the host is idle (no request
         in flight, no load under way: it takes a core for about 0.3 s), nothing is paused or
