@@ -98,7 +98,8 @@ function render() {
   const now = Date.now() / 1000;
   const budget = stats.budget_bytes;
   $("#memory-figures").textContent = mib(stats.used_bytes) + " used of " + mib(budget) +
-    " (peak " + mib(stats.peak_used_bytes) + ")";
+    " (peak " + mib(stats.peak_used_bytes) + ")" +
+    (stats.spare_worker ? ", " + mib(stats.spare_worker.bytes) + " for a spare worker" : "");
   const bar = $("#bar");
   bar.replaceChildren();
   const legend = $("#legend");
