@@ -12,6 +12,7 @@ its model's requests end, the serialized gate), the two taking turns in order be
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -38,7 +39,8 @@ def _stream(url: str, model: str, tokens: int, prompt: str) -> dict[str, Any]:
             "POST", f"{url}/v1/completions", json=body, timeout=900) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
-            if line.startswith("data: ") and '"text":' in line:
+            if line.startswith("data: {") and '"text":' in line \
+                    and json.loads(line[6:])["choices"][0]["text"]:  # not the last, empty one
                 n += 1
                 last = time.perf_counter()
                 first = first or last

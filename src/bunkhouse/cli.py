@@ -1071,12 +1071,12 @@ def format_ps(stats: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
              for r in rows]
     lines.append("")
-    lines.append(f"budget {_mib(stats['budget_bytes'])}, used {_mib(stats['used_bytes'])}, "
-                 f"free {_mib(stats['free_bytes'])}, peak {_mib(stats['peak_used_bytes'])}")
     spare = stats.get("spare_worker")
     if spare:
         lines.append(f"spare worker pid {spare['pid']} ({_mib(spare['bytes'])} of the used): "
                      "the next model to load takes it")
+    lines.append(f"budget {_mib(stats['budget_bytes'])}, used {_mib(stats['used_bytes'])}, "
+                 f"free {_mib(stats['free_bytes'])}, peak {_mib(stats['peak_used_bytes'])}")
     pause = stats.get("pause") or {}
     if pause.get("paused"):
         until = time.strftime("%H:%M:%S", time.localtime(pause["resumes_at"]))

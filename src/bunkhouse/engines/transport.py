@@ -38,8 +38,11 @@ class WorkerTransport(httpx.AsyncBaseTransport):
         self.uds = uds
         self._session: aiohttp.ClientSession | None = None
         self._open: set[aiohttp.ClientResponse] = set()  # answers still being read
+        self._closed = False
 
-    def _client(self) -> aiohttp.ClientSession:
+    def _client(self, request: httpx.Request) -> aiohttp.ClientSession:
+        if self._closed:  # never a new connection once closed (its worker is stopping)
+            raise httpx.ConnectError("the worker's client is closed", request=request)
         if self._session is None:  # made on first use, inside the running loop
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=self.uds, force_close=True, limit=0),
@@ -54,11 +57,14 @@ class WorkerTransport(httpx.AsyncBaseTransport):
         data: Any = (request.content if isinstance(request.stream, httpx.ByteStream)
                      else _chunks(request.stream))
         try:
-            resp = await self._client().request(
+            resp = await self._client(request).request(
                 request.method, str(request.url), data=data, headers=headers, timeout=timeout,
                 allow_redirects=False, skip_auto_headers=("Content-Type",))
         except Exception as e:
             raise _httpx_error(e, request, connecting=True) from e
+        if self._closed:  # closed while this answer's head was awaited
+            resp.close()
+            raise httpx.ReadError("the worker's client is closed", request=request)
         self._open.add(resp)
         return httpx.Response(resp.status, headers=list(resp.raw_headers),
                               stream=_Body(resp, request, self._open), request=request,
@@ -66,7 +72,9 @@ class WorkerTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         """Close the session and every answer still open: a task reading one wakes with
-        httpx's ReadError (closing aiohttp's session alone leaves such a reader waiting)."""
+        httpx's ReadError (closing aiohttp's session alone leaves such a reader waiting).
+        A request after this (or whose answer's head arrives after it) gets an httpx error."""
+        self._closed = True
         for resp in list(self._open):
             resp.close()
             resp.content.set_exception(aiohttp.ClientConnectionError("worker client closed"))
