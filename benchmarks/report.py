@@ -139,13 +139,16 @@ def _marginal(o: dict[str, Any], goals: list[list[str]]) -> list[str]:
                      "front CPU ms per short request"], rows)
     lines += ["Where it goes: the front wakes once per token (the worker writes each token's "
               "event as it is decoded), reads it from the worker's socket and writes it to "
-              "the client's. On this 2-core VM an asyncio reader that does nothing else costs "
-              "0.12 ms of CPU per wakeup under uvloop (0.22 ms under asyncio's own loop), a "
-              "floor any Python front pays per token at one request; at 4 requests the "
-              "tokens of a batch arrive together and share wakeups. The worker transport "
-              "(engines/transport.py, aiohttp under httpx's API) took the front from 0.62 to "
-              "about 0.4 ms per token at one request (httpx's own transport: 0.42-0.52 ms for "
-              "the read alone).", ""]
+              "the client's. On this 2-core VM an asyncio reader that does nothing else cost "
+              "0.12 ms of CPU per wakeup under uvloop (0.22 ms under asyncio's own loop; "
+              "measured once, a trivial reader of 30 writes a second), a floor any Python "
+              "front pays per token at one request; at 4 requests the tokens of a batch "
+              "arrive together and share wakeups. What would close the rest: a relay that "
+              "does not wake Python per token (the worker's bytes copied to the client by the "
+              "kernel or by native code), or fewer, larger writes from the engine. The worker "
+              "transport (engines/transport.py, aiohttp under httpx's API) took the front "
+              "from 0.62 to about 0.4 ms per token at one request (httpx's own transport: "
+              "0.42-0.52 ms for the read alone).", ""]
     return lines
 
 
@@ -338,6 +341,9 @@ def _engine_starts(starts: list[dict[str, dict[str, float]]], b: dict[str, Any],
     return [*lines, text, ""]
 
 
+PHASE_START = "process start, interpreter and imports"
+
+
 def _phases(s: dict[str, Any]) -> list[str]:
     """Section 9: where an engine's start goes, phase by phase, for both builds."""
     phases = s.get("engine_phases") or []
@@ -366,21 +372,32 @@ def _phases(s: dict[str, Any]) -> list[str]:
     if len(builds) == 2:
         header.append("ratio")
     lines += _table(header, rows)
-    lines += [
-        "The gap is the engine build's own code, not bunkhouse's: the same llama.cpp sources "
-        "load the same GGUF about 1.6x slower from xllamacpp's wheel (one statically linked "
-        "module built by GCC 10 for manylinux) than from llama-server built here by "
-        "`benchmarks/build-llama-server.sh` (GCC 12, the same CPU features), in every phase "
-        "that runs llama.cpp's code, the single-threaded vocabulary load most of all. Our "
-        "own part of a cold load is the process start (a Python interpreter and the "
-        "imports, about 0.2 s against llama-server's exec) and the readiness poll. What "
-        "would close it: an engine build as fast as llama-server's (xllamacpp built from "
-        "source with the same compiler, or llama-server itself as a worker engine), then a "
-        "spare worker process with the engine imported and no model (a load pays only the "
-        "model) and readiness signalled by the worker instead of polled. The engine's own "
-        "sleep (`sleep_idle_seconds`) was measured once and wakes in 1.13 s, no faster than "
-        "a cold start. A swap with context restores its KV snapshot after the load "
-        "(section 6): milliseconds where the router prefills the conversation again.", ""]
+    if len(builds) == 2:
+        def total(build: str, phase: str) -> float:
+            return float(statistics.mean(statistics.median(p[build][m][phase] for p in phases)
+                                         for m in (QWEN, GEMMA)))
+
+        load = "GGUF metadata, vocabulary and tensors"
+        lines += [
+            f"The engine's own load (metadata, vocabulary, tensors) takes "
+            f"{total('xllamacpp', load) / total('llama-server', load):.2f}x as long from "
+            "xllamacpp's wheel (one statically linked module built by GCC 10 for manylinux) as "
+            "from llama-server built here by `benchmarks/build-llama-server.sh` (GCC 12, the "
+            "same llama.cpp sources and CPU features): that is the engine build, not "
+            "bunkhouse. The process start (a Python interpreter and the engine's import, "
+            f"{total('xllamacpp', PHASE_START) * 1000:.0f} ms against llama-server's exec, "
+            f"{total('llama-server', PHASE_START) * 1000:.0f} ms) is what a spare worker "
+            "(`--spare-worker`, on by default) takes off a load when it was started early "
+            "enough: bunkhouse keeps one while the host is idle, so in section 3, where each "
+            "request follows the last at once, a swap's spare has had only the old model's "
+            "drain to import in. Readiness is the worker's own log line, no longer a 50 ms "
+            "poll. What would close the rest: an engine build as fast as llama-server's "
+            "(xllamacpp built from source with the same compiler, or llama-server itself as a "
+            "worker engine) and a worker that exits at once on SIGTERM (it looks at its stop "
+            "flag every 0.2 s). The engine's own sleep (`sleep_idle_seconds`) was measured "
+            "once and wakes in 1.13 s, no faster than a cold start. A swap with context "
+            "restores its KV snapshot after the load (section 6): milliseconds where the "
+            "router prefills the conversation again.", ""]
     return lines
 
 
