@@ -281,6 +281,14 @@ def _sliced(turn_s: float) -> tuple[ComputeGate, list[str]]:
     return gate, calls
 
 
+async def _b_after_a_slice(turn_s: float) -> tuple[ComputeGate, list[str]]:
+    """A sliced gate where a computes and b got in once a's slice ended."""
+    gate, calls = _sliced(turn_s)
+    await gate.enter("a")
+    await asyncio.wait_for(gate.enter("b"), 5)
+    return gate, calls
+
+
 def test_compute_gate_time_slice_suspends_the_owner_and_resumes_it_in_turn() -> None:
     async def go() -> None:
         gate, calls = _sliced(0.05)
@@ -304,9 +312,7 @@ def test_compute_gate_time_slice_suspends_the_owner_and_resumes_it_in_turn() -> 
 
 def test_compute_gate_time_slices_two_busy_models_in_turn() -> None:
     async def go() -> None:
-        gate, calls = _sliced(0.02)
-        await gate.enter("a")
-        await asyncio.wait_for(gate.enter("b"), 5)
+        gate, calls = await _b_after_a_slice(0.02)
         for _ in range(100):  # both keep computing: the slices alternate
             await asyncio.sleep(0.01)
             if len(calls) >= 4:
@@ -323,9 +329,7 @@ def test_compute_gate_time_slices_two_busy_models_in_turn() -> None:
 
 def test_compute_gate_resumes_a_suspended_model_whose_requests_all_left() -> None:
     async def go() -> None:
-        gate, calls = _sliced(0.02)
-        await gate.enter("a")
-        await asyncio.wait_for(gate.enter("b"), 5)
+        gate, calls = await _b_after_a_slice(0.02)
         assert gate.suspended == {"a"}
         gate.leave("a")  # a's client went away while a was stopped
         assert calls == ["-a", "+a"] and not gate.suspended

@@ -54,8 +54,9 @@ class WorkerTransport(httpx.AsyncBaseTransport):
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.get("connect"),
                                         sock_read=timeouts.get("read"))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
+        # bytes as they are; a streamed body (an upload) as aiohttp's async iterable payload
         data: Any = (request.content if isinstance(request.stream, httpx.ByteStream)
-                     else _chunks(request.stream))
+                     else request.stream)
         try:
             resp = await self._client(request).request(
                 request.method, str(request.url), data=data, headers=headers, timeout=timeout,
@@ -81,11 +82,6 @@ class WorkerTransport(httpx.AsyncBaseTransport):
         self._open.clear()
         if self._session is not None:
             await self._session.close()
-
-
-async def _chunks(stream: Any) -> AsyncIterator[bytes]:
-    async for chunk in stream:
-        yield chunk
 
 
 class _Body(httpx.AsyncByteStream):

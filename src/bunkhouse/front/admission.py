@@ -167,7 +167,8 @@ class ComputeGate:
         if owner is None or not self._turns:
             return
         if not self._active.get(owner):  # its turn came, nobody has entered yet
-            self._arm_again()
+            self._turn_started = asyncio.get_running_loop().time()
+            self._arm()
             return
         self.preemptions += 1
         self._suspend(owner)
@@ -175,9 +176,6 @@ class ComputeGate:
         if owner not in self._turns:
             self._turns[owner] = _Turn(asyncio.get_running_loop().create_future())
         self._pass_on()
-
-    def _arm_again(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(self.turn_s, self._slice_over)
 
     def _pass_on(self) -> None:
         if self._timer is not None:

@@ -26,13 +26,13 @@ import psutil
 
 from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.engines import engine_for
 from bunkhouse.supervisor.process import (
     LaunchOptions,
     Spawner,
     WorkerLaunch,
     WorkerProcess,
     spawn_local,
+    worker_engine,
 )
 from bunkhouse.worker.main import SPARE_FLAG
 
@@ -105,7 +105,7 @@ class LocalLauncher:
 
     def engine_of(self, model: CatalogModel) -> str:
         """The worker engine (module:Class) a worker for ``model`` runs."""
-        return self.options.worker_engine or engine_for(model).worker_engine
+        return worker_engine(model, self.options)
 
     def spare_for(self, model: CatalogModel) -> bool:
         spare = self._spare
@@ -136,11 +136,9 @@ class LocalLauncher:
         self._filling += 1
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "bunkhouse.worker", SPARE_FLAG, engine,
-                "--parent-pid", str(os.getpid()),
-                stdin=theirs.fileno(), stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            proc = await spawn_local(
+                [sys.executable, "-m", "bunkhouse.worker", SPARE_FLAG, engine,
+                 "--parent-pid", str(os.getpid())], stdin=theirs.fileno())
         except OSError as e:
             ours.close()
             log.warning("no spare worker: %s", e)

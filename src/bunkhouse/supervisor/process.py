@@ -66,12 +66,13 @@ Spawner = Callable[[Sequence[str], Sequence[int]], Awaitable[asyncio.subprocess.
 """Starts ``argv`` with the file descriptors ``pass_fds`` inherited at the same numbers."""
 
 
-async def spawn_local(argv: Sequence[str], pass_fds: Sequence[int] = ()
-                      ) -> asyncio.subprocess.Process:
-    """Start a worker as a local child process (the placement seam: local processes now)."""
+async def spawn_local(argv: Sequence[str], pass_fds: Sequence[int] = (),
+                      stdin: int = asyncio.subprocess.DEVNULL) -> asyncio.subprocess.Process:
+    """Start a worker as a local child process (the placement seam: local processes now).
+    ``stdin``: a descriptor for its standard input (a spare worker's control socket)."""
     return await asyncio.create_subprocess_exec(
         *argv,
-        stdin=asyncio.subprocess.DEVNULL,
+        stdin=stdin,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,  # a ^C at the terminal reaches the front, which stops workers
@@ -221,6 +222,11 @@ class WorkerLaunch:
     snapshot_dir: Path | None = None  # where the worker saves and restores slots' KV state
 
 
+def worker_engine(model: CatalogModel, options: LaunchOptions) -> str:
+    """The worker engine (module:Class) a worker for ``model`` runs."""
+    return options.worker_engine or engine_for(model).worker_engine
+
+
 def worker_argv(model: CatalogModel, launch: WorkerLaunch,
                 model_path: str | None = None) -> list[str]:
     """The worker's command line; ``model_path`` replaces the catalogued path (the file
@@ -232,7 +238,7 @@ def worker_argv(model: CatalogModel, launch: WorkerLaunch,
         "--model-id", model.id,
         "--model-path", model_path or str(model.path),
         "--socket", str(launch.socket),
-        "--engine", launch.options.worker_engine or engine.worker_engine,
+        "--engine", worker_engine(model, launch.options),
         "--parent-pid", str(os.getpid()),
         *snapshots,
         *engine.worker_args(model),
