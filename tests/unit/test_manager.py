@@ -1,9 +1,10 @@
-"""The residency manager with fake workers and an injected clock: no processes."""
+"""The residency run loop and its door (ResidencyManager) with fake workers and a fake
+clock: no processes, no sleeps (time moves only when a test advances the clock)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import math
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from bunkhouse import defaults
-from bunkhouse.catalog import CatalogModel
+from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.llamacpp import LlamaCppClient
@@ -20,9 +21,11 @@ from bunkhouse.errors import (
     InsufficientMemory,
     ModelFailed,
     ModelTooLarge,
+    Paused,
     ShuttingDown,
     WorkerLoadFailed,
 )
+from bunkhouse.residency.clock import FakeClock
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from bunkhouse.supervisor.handle import Placement, WorkerMemory
 from bunkhouse.supervisor.restart import RestartPolicy
@@ -96,12 +99,31 @@ class FakeWorker:
 FAST_RESTART = RestartPolicy(backoff_s=0.001)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
+class FakeSpares:
+    """A spare pool that records fills and drops; models whose id starts with 'w' run
+    another engine (as Whisper's do)."""
 
-    def __call__(self) -> float:
-        return self.now
+    def __init__(self) -> None:
+        self.engine: str | None = None
+        self.log: list[str] = []
+
+    @property
+    def spare_pid(self) -> int | None:
+        return 4242 if self.engine else None
+
+    def engine_of(self, m: CatalogModel) -> str:
+        return "whisper" if m.id.startswith("w") else "llama"
+
+    async def fill_spare(self, engine: str) -> None:
+        if self.engine == engine:
+            return
+        self.engine = engine
+        self.log.append(f"+{engine}")
+
+    def drop_spare(self) -> None:
+        if self.engine:
+            self.log.append(f"-{self.engine}")
+        self.engine = None
 
 
 class Host:
@@ -109,8 +131,9 @@ class Host:
 
     def __init__(self, models: list[CatalogModel], budget_gib: float = 10,
                  admission_wait_s: float = 30, ttl_s: float = 0,
-                 restart: RestartPolicy = FAST_RESTART) -> None:
-        self.clock = Clock()
+                 restart: RestartPolicy = FAST_RESTART, probe_interval_s: float = 0,
+                 spares: FakeSpares | None = None, budget_bytes: int | None = None) -> None:
+        self.clock = FakeClock()
         self.starts: list[str] = []
         self.running = 0
         self.max_concurrent_starts = 0
@@ -118,20 +141,25 @@ class Host:
         self.fail: set[str] = set()
         self.gate: asyncio.Event | None = None
         self.stop_gate: asyncio.Event | None = None
-        options = ResidencyOptions(budget_bytes=int(budget_gib * GIB), ttl_s=ttl_s,
-                                   admission_wait_s=admission_wait_s, drain_grace_s=1,
-                                   restart=restart, probe_interval_s=0)
-        self.manager = ResidencyManager(models, options, self.start, clock=self.clock)
+        self.spares = spares
+        options = ResidencyOptions(budget_bytes=budget_bytes or int(budget_gib * GIB),
+                                   ttl_s=ttl_s, admission_wait_s=admission_wait_s,
+                                   drain_grace_s=1, restart=restart,
+                                   probe_interval_s=probe_interval_s)
+        self.manager = ResidencyManager(models, options, self.start, clock=self.clock,
+                                        spare=spares)
         self.models = {m.id: m for m in models}
 
-    async def start(self, m: CatalogModel) -> FakeWorker:
+    async def start(self, m: CatalogModel, use_spare: bool = False) -> FakeWorker:
         self.starts.append(m.id)
+        if use_spare and self.spares is not None:
+            self.spares.engine = None  # the spare became this worker
         self.running += 1
         self.max_concurrent_starts = max(self.max_concurrent_starts, self.running)
         try:
             if self.gate is not None:
                 await self.gate.wait()
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0)
             if m.id in self.fail:
                 raise WorkerLoadFailed(f"model {m.id!r} failed to load")
         finally:
@@ -145,10 +173,26 @@ class Host:
 
     async def use(self, id: str) -> None:
         (await self.manager.acquire(self.models[id])).release()
+        await settle()
+
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
 
 
 def run(coro: Coroutine[Any, Any, None]) -> None:
     asyncio.run(asyncio.wait_for(coro, 10))
+
+
+async def settle(turns: int = 30) -> None:
+    """Let every task that can run, run (event-loop turns, not time)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
+async def _until(h: Host, check: Callable[[], bool]) -> None:
+    """Wait on the residency loop's steps until ``check`` holds (run() bounds it)."""
+    while not check():
+        await h.manager.changed(0.05)
 
 
 def test_concurrent_acquires_of_a_cold_model_share_one_load() -> None:
@@ -160,6 +204,7 @@ def test_concurrent_acquires_of_a_cold_model_share_one_load() -> None:
         assert len({id(lease.worker) for lease in leases}) == 1
         for lease in leases:
             lease.release()
+        await settle()
         assert h.manager.status("a").leases == 0
 
     run(go())
@@ -179,9 +224,10 @@ def test_release_is_idempotent_and_updates_last_used() -> None:
     async def go() -> None:
         h = Host([model("a")])
         lease = await h.manager.acquire(h.models["a"])
-        h.clock.now += 50
+        h.advance(50)
         lease.release()
         lease.release()
+        await settle()
         status = h.manager.status("a")
         assert status.leases == 0
         assert status.last_used is not None
@@ -193,11 +239,11 @@ def test_least_recently_used_is_evicted_and_its_worker_stopped() -> None:
     async def go() -> None:
         h = Host([model("a"), model("b"), model("c")], budget_gib=10)
         await h.use("a")
-        h.clock.now += 1
+        h.advance(1)
         await h.use("b")
-        h.clock.now += 1
+        h.advance(1)
         await h.use("a")  # now b is the least recently used
-        h.clock.now += 1
+        h.advance(1)
         await h.use("c")
         assert (h.state("a"), h.state("b"), h.state("c")) == ("ready", "absent", "ready")
         assert [w.model.id for w in h.workers if w.stopped] == ["b"]
@@ -224,7 +270,7 @@ def test_leased_model_is_never_evicted_and_the_load_waits_for_it() -> None:
         h = Host([model("a", 6), model("b", 6)], budget_gib=10)
         lease = await h.manager.acquire(h.models["a"])
         waiting = asyncio.create_task(h.use("b"))
-        await asyncio.sleep(0.05)
+        await settle()
         assert not waiting.done() and h.state("a") == "ready" and h.starts == ["a"]
         lease.release()  # the stream ends: now a may go
         await waiting
@@ -235,14 +281,21 @@ def test_leased_model_is_never_evicted_and_the_load_waits_for_it() -> None:
 
 def test_wait_is_bounded_then_insufficient_memory() -> None:
     async def go() -> None:
-        h = Host([model("a", 6), model("b", 6)], budget_gib=10, admission_wait_s=0.1)
-        h.manager._clock = __import__("time").monotonic  # real time for the bound
+        h = Host([model("a", 6), model("b", 6)], budget_gib=10, admission_wait_s=30)
         lease = await h.manager.acquire(h.models["a"])
+        waiting = asyncio.create_task(h.use("b"))
+        await settle()
+        h.advance(29)
+        await settle()
+        assert not waiting.done()
+        h.advance(2)
         with pytest.raises(InsufficientMemory) as info:
-            await h.use("b")
+            await waiting
         assert info.value.status == 503 and info.value.headers()["Retry-After"] == "5"
         assert "a" in info.value.message
         assert h.state("a") == "ready"
+        more = await h.manager.acquire(h.models["a"])  # a takes leases again
+        more.release()
         lease.release()
 
     run(go())
@@ -266,13 +319,13 @@ def test_ttl_unloads_idle_models_but_not_pinned_or_leased() -> None:
         await h.use("b")
         await h.use("c")
         held = await h.manager.acquire(h.models["c"])
-        h.clock.now += 61
-        await asyncio.gather(*h.manager.expire_idle())
+        h.advance(61)
+        await _until(h, lambda: h.state("a") == "absent")
         assert (h.state("a"), h.state("b"), h.state("c")) == ("absent", "ready", "ready")
         held.release()
-        h.clock.now += 2000
-        await asyncio.gather(*h.manager.expire_idle())
-        assert h.state("c") == "absent"
+        await settle()
+        h.advance(2000)
+        await _until(h, lambda: h.state("c") == "absent")
 
     run(go())
 
@@ -287,6 +340,7 @@ def test_failed_load_reaches_every_waiter_and_the_next_acquire_retries() -> None
         assert h.starts == ["a"] and h.state("a") == "failed"
         assert h.manager.status("a").last_error
         h.fail.clear()
+        h.advance(1)  # past the backoff
         await h.use("a")
         assert h.starts == ["a", "a"] and h.state("a") == "ready"
 
@@ -297,7 +351,8 @@ def test_dead_worker_is_replaced_on_the_next_acquire() -> None:
     async def go() -> None:
         h = Host([model("a")])
         await h.use("a")
-        h.workers[0].stopped = True  # it died
+        h.advance(100)
+        h.workers[0].stopped = True  # it died; its exit watcher has not said so
         await h.use("a")
         assert h.starts == ["a", "a"] and h.state("a") == "ready"
 
@@ -310,22 +365,28 @@ def test_pause_all_waits_for_leases_and_holds_new_ones() -> None:
         lease = await h.manager.acquire(h.models["a"])
         await h.use("b")
         order: list[str] = []
+        resume = asyncio.Event()
 
         async def pauser() -> None:
             async with h.manager.pause_all():
                 order.append("paused")
-                await asyncio.sleep(0.05)
+                await resume.wait()
                 order.append("resuming")
 
         async def late() -> None:
-            await asyncio.sleep(0.01)
             await h.use("b")
             order.append("late request served")
 
-        pause, other = asyncio.create_task(pauser()), asyncio.create_task(late())
-        await asyncio.sleep(0.03)
+        pause = asyncio.create_task(pauser())
+        await settle()
+        other = asyncio.create_task(late())
+        await settle()
         assert order == []  # the pause waits for a's lease
         lease.release()
+        await _until(h, lambda: order == ["paused"])
+        await settle()
+        assert not other.done()  # held while paused
+        resume.set()
         await asyncio.gather(pause, other)
         assert order == ["paused", "resuming", "late request served"]
 
@@ -344,17 +405,11 @@ def test_close_stops_every_worker() -> None:
     run(go())
 
 
-async def _until(h: Host, check: Callable[[], bool]) -> None:
-    """Wait on the manager's change events until ``check`` holds (run() bounds it)."""
-    while not check():
-        await h.manager._wait_changed(0.05)
-
-
 def test_a_crashed_worker_is_respawned_with_the_same_model() -> None:
     async def go() -> None:
         h = Host([model("a")])
         await h.use("a")
-        h.clock.now += 100  # it ran a while: no backoff
+        h.advance(100)  # it ran a while: no backoff
         h.workers[0].die("exit code -9")
         await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
         assert h.starts == ["a", "a"]
@@ -377,6 +432,7 @@ def test_a_crash_loop_ends_in_failed_after_the_budget_without_a_storm() -> None:
                 await h.use("a")
             except (WorkerLoadFailed, ModelFailed) as e:
                 outcomes.append(type(e).__name__)
+            h.advance(1)
         assert h.starts == ["a"] * 4  # the first try and 3 restarts, then no more spawns
         assert outcomes == ["WorkerLoadFailed"] * 4 + ["ModelFailed"] * 4
         status = h.manager.status("a")
@@ -385,7 +441,7 @@ def test_a_crash_loop_ends_in_failed_after_the_budget_without_a_storm() -> None:
             await h.use("a")
         assert info.value.status == 503 and int(info.value.headers()["Retry-After"]) > 0
         h.fail.clear()
-        h.clock.now += 61  # the cool-down passes
+        h.advance(61)  # the cool-down passes
         await h.use("a")
         assert h.state("a") == "ready" and len(h.starts) == 5
 
@@ -394,30 +450,52 @@ def test_a_crash_loop_ends_in_failed_after_the_budget_without_a_storm() -> None:
 
 def test_quick_deaths_back_off_exponentially() -> None:
     async def go() -> None:
-        h = Host([model("a")], restart=RestartPolicy(max_restarts=10, backoff_s=0.05))
+        h = Host([model("a")], restart=RestartPolicy(max_restarts=10, backoff_s=1))
         await h.use("a")
-        loop = asyncio.get_running_loop()
-        gaps = []
-        for n in range(3):
-            before = loop.time()
+        for n, backoff in enumerate((1, 2, 4)):
             h.workers[-1].die("crashed at once")
+            await _until(h, lambda: h.state("a") == "absent")
+            await settle()
+            assert len(h.workers) == n + 1  # not before its backoff
+            h.advance(backoff - 0.01)
+            await settle()
+            assert len(h.workers) == n + 1
+            h.advance(0.02)
             await _until(h, lambda n=n: len(h.workers) == n + 2 and h.state("a") == "ready")
-            gaps.append(loop.time() - before)
-        assert gaps[0] >= 0.05 and gaps[1] >= 0.1 and gaps[2] >= 0.2
 
     run(go())
 
 
 def test_a_worker_that_stops_answering_probes_is_replaced() -> None:
     async def go() -> None:
-        h = Host([model("a")])
+        h = Host([model("a")], probe_interval_s=5)
         await h.use("a")
         h.workers[0].answers = False
         for _ in range(2):
-            h.manager._probe_due()
-            await _until(h, lambda: not h.manager._entries["a"].probing)
+            h.advance(5)
+            await settle()
+            await _until(h, lambda: h.manager.snapshot().health["a"].probing is None)
         await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
         assert h.workers[0].stopped and h.workers[0].exit_cause == "killed"
+
+    run(go())
+
+
+def test_a_suspended_worker_is_not_probed_and_a_probe_across_a_suspension_counts_nothing(
+        ) -> None:
+    async def go() -> None:
+        h = Host([model("a")], probe_interval_s=5)
+        await h.use("a")
+        h.workers[0].answers = False
+        h.manager.suspend("a")
+        await settle()
+        assert h.workers[0].suspended
+        h.advance(50)
+        await settle()
+        assert h.manager.snapshot().health["a"].probe_failures == 0
+        h.manager.resume("a")
+        await settle()
+        assert not h.workers[0].suspended and len(h.workers) == 1
 
     run(go())
 
@@ -429,10 +507,13 @@ def test_a_worker_that_fails_every_request_is_replaced() -> None:
             lease = await h.manager.acquire(h.models["a"])
             lease.report(ok)
             lease.release()
+        await settle()
         assert len(h.workers) == 1
         lease = await h.manager.acquire(h.models["a"])
         lease.report(False)  # the third failure in a row
         lease.release()
+        await _until(h, lambda: h.state("a") == "absent")
+        h.advance(1)  # its crash-loop backoff
         await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
 
     run(go())
@@ -440,9 +521,6 @@ def test_a_worker_that_fails_every_request_is_replaced() -> None:
 
 def test_a_reload_adds_removes_without_cutting_and_changes_at_the_next_load() -> None:
     import dataclasses
-    import math
-
-    from bunkhouse.catalog import Catalog
 
     async def go() -> None:
         h = Host([model("a", 1), model("b", 1), model("c", 1)])
@@ -450,18 +528,16 @@ def test_a_reload_adds_removes_without_cutting_and_changes_at_the_next_load() ->
         await h.use("c")
         bigger = dataclasses.replace(h.models["c"], size_bytes=2 * GIB)
         h.models["d"] = model("d", 1)
-        change = h.manager.apply_catalog(Catalog([model("b", 1), bigger, h.models["d"]], "d"))
+        change = await h.manager.apply_catalog(
+            Catalog([model("b", 1), bigger, h.models["d"]], "d"))
         assert change == {"added": ["d"], "removed": ["a"], "changed": ["c"]}
         assert h.manager.catalog.default_id == "d"
         # a drains only once its request ends; new requests for it are refused
-        await asyncio.sleep(0.05)
+        await settle()
         assert h.state("a") == "draining" and not h.workers[0].stopped
         lease.release()
-        for _ in range(100):
-            if "a" not in h.manager.catalog.ids():
-                break
-            await asyncio.sleep(0.01)
-        assert h.workers[0].stopped and "a" not in h.manager.catalog.ids()
+        await _until(h, lambda: "a" not in h.manager.catalog.ids())
+        assert h.workers[0].stopped
         # c keeps its running settings until it is loaded again
         assert h.manager.status("c").estimated_bytes < 2 * GIB
         await h.manager.unload("c", "test")
@@ -469,18 +545,18 @@ def test_a_reload_adds_removes_without_cutting_and_changes_at_the_next_load() ->
         await h.use("d")
         # keep_alive: 0 unloads as soon as nobody holds the model; inf never for idleness
         h.manager.keep_alive("d", 0)
-        for _ in range(100):
-            if h.state("d") == "absent":
-                break
-            await asyncio.sleep(0.01)
-        assert h.state("d") == "absent"
+        await _until(h, lambda: h.state("d") == "absent")
         await h.use("b")
         h.manager.keep_alive("b", math.inf)
-        h.clock.now += 10**6
-        assert h.manager.expire_idle() == [] and h.manager.expires_at("b") is None
+        await settle()
+        h.advance(10**6)
+        await settle()
+        assert h.state("b") == "ready" and h.manager.expires_at("b") is None
         h.manager.keep_alive("b", 60)
+        await settle()
         assert h.manager.expires_at("b") is not None
-        assert len(h.manager.expire_idle()) == 1
+        h.advance(61)
+        await _until(h, lambda: h.state("b") == "absent")
 
     run(go())
 
@@ -488,29 +564,28 @@ def test_a_reload_adds_removes_without_cutting_and_changes_at_the_next_load() ->
 def test_a_model_removed_and_added_back_while_it_drains_stays() -> None:
     import dataclasses
 
-    from bunkhouse.catalog import Catalog
     from bunkhouse.config import RequestParams
 
     async def go() -> None:
         h = Host([model("a", 1), model("b", 1)])
         lease = await h.manager.acquire(h.models["a"])
-        h.manager.apply_catalog(Catalog([model("b", 1)], None))
-        await asyncio.sleep(0.05)
+        await h.manager.apply_catalog(Catalog([model("b", 1)], None))
+        await settle()
         assert h.state("a") == "draining"
-        back = h.manager.apply_catalog(Catalog([model("a", 1), model("b", 1)], None))
+        back = await h.manager.apply_catalog(Catalog([model("a", 1), model("b", 1)], None))
         assert back["added"] == ["a"]
         lease.release()
-        await asyncio.sleep(0.1)
-        assert "a" in h.manager.catalog.ids() and h.state("a") == "absent"
+        await _until(h, lambda: h.state("a") == "absent")
+        assert "a" in h.manager.catalog.ids()
         await h.use("a")
         # names and request params change at once, even while the model runs
         await h.use("b")
         renamed = dataclasses.replace(model("b", 1), aliases=("bee",),
                                       request=RequestParams((("temperature", 0.1),)))
-        change = h.manager.apply_catalog(Catalog([model("a", 1), renamed], None))
+        change = await h.manager.apply_catalog(Catalog([model("a", 1), renamed], None))
         assert change["changed"] == ["b"] and h.state("b") == "ready"
         assert h.manager.catalog.get("bee").request.defaults == (("temperature", 0.1),)
-        again = h.manager.apply_catalog(Catalog([model("a", 1), renamed], None))
+        again = await h.manager.apply_catalog(Catalog([model("a", 1), renamed], None))
         assert again == {"added": [], "removed": [], "changed": []}
 
     run(go())
@@ -522,9 +597,8 @@ def test_keep_alive_never_unloads_a_pinned_model() -> None:
         await h.use("p")
         h.manager.keep_alive("p", 0)
         await h.use("p")
-        h.clock.now += 10**6
-        h.manager.expire_idle()
-        await asyncio.sleep(0.05)
+        h.advance(10**6)
+        await settle()
         assert h.state("p") == "ready"
 
     run(go())
@@ -535,13 +609,13 @@ def test_a_load_whose_requests_all_left_evicts_nothing() -> None:
         h = Host([model("a", 6), model("b", 6)], budget_gib=10)
         lease = await h.manager.acquire(h.models["a"])
         waiting = [asyncio.create_task(h.use("b")) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        await settle()
         assert h.manager.status("b").waiting == 2  # shown while they wait
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
         lease.release()  # a may go now, but nobody wants b any more
-        await asyncio.sleep(0.05)
+        await settle()
         assert (h.state("a"), h.state("b")) == ("ready", "absent") and h.starts == ["a"]
         assert h.manager.status("b").waiting == 0
         await h.use("b")  # a new request loads it as usual
@@ -555,7 +629,7 @@ def test_once_stopping_no_model_is_loaded_and_ready_ones_still_serve() -> None:
         h = Host([model("a", 6), model("b", 6)], budget_gib=10)
         lease = await h.manager.acquire(h.models["a"])
         waiting = asyncio.create_task(h.use("b"))  # waits for a's memory
-        await asyncio.sleep(0.05)
+        await settle()
         h.manager.stop_loads()
         with pytest.raises(ShuttingDown):
             await waiting
@@ -563,7 +637,6 @@ def test_once_stopping_no_model_is_loaded_and_ready_ones_still_serve() -> None:
             await h.use("b")
         lease.release()
         await h.use("a")  # a ready model serves through the stop's grace
-        await asyncio.sleep(0.05)
         assert (h.state("a"), h.state("b")) == ("ready", "absent") and h.starts == ["a"]
 
     run(go())
@@ -574,21 +647,21 @@ def test_an_operators_pause_holds_new_leases_loads_nothing_and_resumes_together(
         h = Host([model("a", 1), model("b", 1)], admission_wait_s=5)
         await h.use("a")
         held = await h.manager.acquire(h.models["a"])
-        h.manager.operator_pause(60)
+        await h.manager.operator_pause(60)
         assert h.manager.paused
         quiet = asyncio.create_task(h.manager.paused_quiet())
         waiting = [asyncio.create_task(h.use("a")), asyncio.create_task(h.use("b"))]
-        await asyncio.sleep(0.05)
+        await settle()
         assert not quiet.done()  # a's lease is still in flight
         held.release()
         assert await quiet is True
         assert not any(t.done() for t in waiting)
         assert h.starts == ["a"]  # b is not loaded while paused
         assert h.manager.status("b").waiting == 1
-        assert h.manager.operator_resume() is True
+        assert await h.manager.operator_resume() is True
         await asyncio.gather(*waiting)
         assert h.starts == ["a", "b"]
-        assert h.manager.operator_resume() is False  # none held any more
+        assert await h.manager.operator_resume() is False  # none held any more
         kinds = [e.kind for e in h.manager.events.recent(50) if e.model == "*"]
         assert kinds == ["paused", "resumed"]
 
@@ -597,21 +670,22 @@ def test_an_operators_pause_holds_new_leases_loads_nothing_and_resumes_together(
 
 def test_a_paused_request_gives_up_after_the_admission_wait_and_a_pause_ends_by_itself(
         ) -> None:
-    from bunkhouse.errors import Paused
-
     async def go() -> None:
-        h = Host([model("a", 1)], admission_wait_s=0.05)
+        h = Host([model("a", 1)], admission_wait_s=5)
         await h.use("a")
-        h.manager.operator_pause(0.3)
+        await h.manager.operator_pause(30)
+        waiting = asyncio.create_task(h.use("a"))
+        await settle()
+        h.advance(5)
         with pytest.raises(Paused) as refused:
-            await h.use("a")
-        assert refused.value.headers()["Retry-After"]
+            await waiting
+        assert refused.value.headers()["Retry-After"] == "25"
         assert h.manager.status("a").waiting == 0  # its place was given up
-        await asyncio.sleep(0.5)  # the pause's 0.3 s passed: nobody resumed it
-        assert not h.manager.paused
+        h.advance(25)  # the pause's 30 s passed: nobody resumed it
+        await _until(h, lambda: not h.manager.paused)
         await h.use("a")
         reasons = [e.reason for e in h.manager.events.recent(50) if e.kind == "resumed"]
-        assert reasons == ["not resumed within 0.3 s"]
+        assert reasons == ["not resumed within 30 s"]
 
     run(go())
 
@@ -621,18 +695,18 @@ def test_a_pause_holds_a_load_that_waits_for_memory_and_a_stop_ends_paused_waits
         h = Host([model("a", 1), model("b", 1)], budget_gib=1.5, admission_wait_s=5)
         held = await h.manager.acquire(h.models["a"])
         waiting = asyncio.create_task(h.use("b"))  # b waits for a's memory
-        await asyncio.sleep(0.05)
-        h.manager.operator_pause(60)
+        await settle()
+        await h.manager.operator_pause(60)
         held.release()  # a is idle now: without the pause, b's load would evict it
-        await asyncio.sleep(0.1)
+        await settle()
         assert h.state("a") == "ready" and h.starts == ["a"]  # nothing evicted or loaded
-        h.manager.operator_resume()
+        await h.manager.operator_resume()
         await waiting
         assert h.starts == ["a", "b"] and h.state("a") == "absent"
 
-        h.manager.operator_pause(60)
+        await h.manager.operator_pause(60)
         paused = asyncio.create_task(h.use("b"))  # b is ready: it waits for the resume
-        await asyncio.sleep(0.05)
+        await settle()
         assert not paused.done()
         h.manager.stop_loads()  # the front begins to stop: the pause is never resumed
         with pytest.raises(ShuttingDown):
@@ -641,78 +715,75 @@ def test_a_pause_holds_a_load_that_waits_for_memory_and_a_stop_ends_paused_waits
     run(go())
 
 
-class FakeSpares:
-    """A spare pool that records fills and drops; models whose id starts with 'w' run
-    another engine (as Whisper's do)."""
-
-    def __init__(self) -> None:
-        self.engine: str | None = None
-        self.log: list[str] = []
-
-    @property
-    def spare_bytes(self) -> int:
-        return defaults.SPARE_BYTES if self.engine else 0
-
-    @property
-    def spare_pid(self) -> int | None:
-        return 4242 if self.engine else None
-
-    def engine_of(self, m: CatalogModel) -> str:
-        return "whisper" if m.id.startswith("w") else "llama"
-
-    def spare_for(self, m: CatalogModel) -> bool:
-        return self.engine == self.engine_of(m)
-
-    async def fill_spare(self, engine: str) -> None:
-        if self.engine == engine:
-            return
-        self.engine = engine
-        self.log.append(f"+{engine}")
-
-    def drop_spare(self) -> None:
-        if self.engine:
-            self.log.append(f"-{self.engine}")
-        self.engine = None
-
-
-def _with_spares(h: Host, room: int) -> tuple[FakeSpares, int]:
-    """Spares on ``h``, whose budget becomes one model's estimate plus ``room`` bytes."""
+def _spare_host(room: int) -> tuple[Host, FakeSpares, int]:
+    """A host with spares whose budget is one model's estimate plus ``room`` bytes."""
     spares = FakeSpares()
-    h.manager._spare = spares
-    budget = h.manager.status("a").estimated_bytes + room
-    h.manager.options = dataclasses.replace(h.manager.options, budget_bytes=budget)
-    return spares, budget
+    models = [model("a", 4), model("b", 4), model("whisper", 4)]
+    probe = Host(models)
+    budget = probe.manager.status("a").estimated_bytes + room
+    return Host(models, spares=spares, budget_bytes=budget), spares, budget
 
 
 def test_a_spare_is_kept_while_idle_counted_in_the_budget_and_taken_by_the_next_load() -> None:
     async def go() -> None:
-        h = Host([model("a", 4), model("b", 4), model("whisper", 4)])
-        spares, budget = _with_spares(h, defaults.SPARE_BYTES + 1)
+        h, spares, budget = _spare_host(defaults.SPARE_BYTES + 1)
         lease = await h.manager.acquire(h.models["a"])
-        await asyncio.sleep(0.05)
+        await settle()
         assert spares.log == []  # a request in flight: no spare yet
         lease.release()
-        await asyncio.sleep(0.05)
+        await _until(h, lambda: h.manager.spare_status() is not None)
         assert spares.log == ["+llama"]  # idle: one spare for a's engine
         assert h.manager.used_bytes() == budget - 1
         await h.use("b")  # b's worker is the spare: a is evicted, the spare is not dropped
         assert (h.state("a"), h.state("b")) == ("absent", "ready")
         assert "-llama" not in spares.log
         assert h.manager.used_bytes() <= budget
-        h.clock.now += 1
+        h.advance(1)
         await h.use("whisper")  # another engine: room is needed, the spare goes first
-        assert spares.log[:2] == ["+llama", "-llama"]
+        assert "-llama" in spares.log
         assert h.state("whisper") == "ready" and h.manager.used_bytes() <= budget
+        assert h.manager.peak_bytes <= budget
 
     run(go())
 
 
 def test_no_spare_without_room_for_it_besides_the_models() -> None:
     async def go() -> None:
-        h = Host([model("a", 4)])
-        spares, _ = _with_spares(h, defaults.SPARE_BYTES - 1)
+        h, spares, _ = _spare_host(defaults.SPARE_BYTES - 1)
         await h.use("a")
-        await asyncio.sleep(0.05)
+        await settle()
         assert spares.log == []
+
+    run(go())
+
+
+def test_a_spare_still_being_made_is_waited_for_without_spinning() -> None:
+    """A load that needs the room of a spare whose start has not returned yet waits for
+    that start (and the drop) as events: the loop takes no step meanwhile."""
+    class SlowSpares(FakeSpares):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = asyncio.Event()
+
+        async def fill_spare(self, engine: str) -> None:
+            await self.release.wait()
+            await super().fill_spare(engine)
+
+    async def go() -> None:
+        spares = SlowSpares()
+        models = [model("a", 4), model("b", 4)]
+        budget = Host(models).manager.status("a").estimated_bytes * 2 + 1
+        h = Host(models, spares=spares, budget_bytes=budget)
+        await h.use("a")  # idle afterwards: a spare starts, and does not return
+        await _until(h, lambda: h.manager.snapshot().nodes["local"].spare is not None)
+        waiting = asyncio.create_task(h.use("b"))  # needs the spare's room
+        await settle()
+        steps = h.manager.steps
+        await settle(500)
+        assert h.manager.steps == steps and not waiting.done()  # no spinning
+        spares.release.set()
+        await waiting
+        assert (h.state("a"), h.state("b")) == ("ready", "ready")
+        assert h.manager.used_bytes() <= budget
 
     run(go())

@@ -132,7 +132,7 @@ class Admin:
                 or not 1 <= max_s <= PAUSE_LIMIT_S:
             raise InvalidRequest(f"max_s must be a number of seconds from 1 to "
                                  f"{PAUSE_LIMIT_S}", param="max_s")
-        ends = self.residency.operator_pause(float(max_s))
+        ends = await self.residency.operator_pause(float(max_s))
         log.info("every model paused by an operator (for %.0f s at most)", max_s)
         held = await self.residency.paused_quiet()
         return JSONResponse({"paused": held, "in_flight": self.residency.in_flight(),
@@ -141,7 +141,7 @@ class Admin:
     async def resume(self, request: Request) -> Response:
         """End the pause: every waiting request goes on. ``resumed`` false when no pause was
         held."""
-        resumed = self.residency.operator_resume()
+        resumed = await self.residency.operator_resume()
         if resumed:
             log.info("every model resumed by an operator")
         return JSONResponse({"paused": False, "resumed": resumed})
@@ -189,11 +189,12 @@ class Admin:
         if self.catalog.taken(body.id):
             raise Conflict(f"model id {body.id!r} is already in use", param="id")
         model = await self._model(body)
-        self.residency.add(model)
+        await self.residency.register(model)  # 409 if the id was taken meanwhile
         try:
-            (await self.residency.acquire(model)).release()
+            await self.residency.load(model.id)
         except BaseException as e:
-            self.residency.discard(model.id)  # catalog entry, residency entry, slot gate
+            # catalog entry, residency record and slot gate go together
+            await asyncio.shield(self.residency.delete(model.id, "its load failed", 0.0))
             if isinstance(e, WorkerLoadFailed):
                 raise InvalidRequest(f"{body.path} is not a loadable model: "  # admins only
                                      f"{e.full_message()}", param="path") from e
@@ -252,28 +253,24 @@ class Admin:
         if self.residency.status(model.id).pinned and model.source != "runtime":
             raise Conflict(f"model {model.id!r} is pinned; unpin it first "
                            f"(POST /v1/models/{model.id}/unpin)")
-
-        def drop() -> None:
-            if model.source == "runtime" and model.id in self.catalog:
-                self.residency.remove(model.id)
-
-        freed = await self.residency.unload(model.id, "deleted by an operator",
-                                            self.options.drain_grace_s, then=drop,
-                                            retire=model.source == "runtime")
+        reason, grace = "deleted by an operator", self.options.drain_grace_s
+        if model.source == "runtime":  # gone from the catalog: its id is free once absent
+            freed = await self.residency.delete(model.id, reason, grace)
+        else:  # a configured model stays listed: unloaded
+            freed = await self.residency.unload(model.id, reason, grace)
         return Response(status_code=204 if freed else 202)
 
     async def action(self, request: Request) -> Response:
         model = self._known(request)
         action = request.path_params["action"]
         if action == "load":
-            self.residency.reset_failure(model.id)
-            (await self.residency.acquire(model)).release()
+            await self.residency.load(model.id, reset=True)
         elif action == "unload":
             freed = await self.residency.unload(model.id, "unloaded by an operator",
                                                 self.options.drain_grace_s)
             return Response(status_code=204 if freed else 202)
         elif action in ("pin", "unpin"):
-            self.residency.set_pinned(model.id, action == "pin")
+            await self.residency.set_pinned(model.id, action == "pin")
         else:
             raise NotFound(f"no action {action!r}; use load, unload, pin or unpin")
         return JSONResponse(self.describe(model))

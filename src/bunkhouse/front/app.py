@@ -617,7 +617,6 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         residency.open()
-        background = asyncio.create_task(residency.run_background())
         hangups: set[asyncio.Task[Any]] = set()
         if reloader is not None:
             def hangup() -> None:
@@ -636,7 +635,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         try:
             for model_id in preload:
                 try:
-                    (await residency.acquire(catalog.get(model_id))).release()
+                    await residency.load(catalog.get(model_id).id)
                 except BunkhouseError as e:  # serve the others; requests get the error
                     log.error("could not preload model %s: %s", model_id, e.message)
             residency.keep_spare_for(catalog.default_id)  # even the first load finds one
@@ -644,8 +643,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
         finally:
             if reloader is not None:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
-            background.cancel()
-            await asyncio.gather(background, *hangups, return_exceptions=True)
+            await asyncio.gather(*hangups, return_exceptions=True)
             if keeper is not None:
                 await keeper.close()  # idle saves stop; each drain saves what is unsaved
             await residency.close()

@@ -75,12 +75,11 @@ class OllamaRoutes:
         """An empty request loads the model (Ollama's way to preload), or with
         ``keep_alive: 0`` unloads it (Ollama's way to unload)."""
         residency = self.front.residency
-        if keep == 0:  # unloaded once idle, as any keep_alive; never a pinned model
-            residency.keep_alive(model.id, keep)
+        residency.keep_alive(model.id, keep)  # 0: unloaded once idle; never a pinned model
+        if keep == 0:
             reason = "unload"
         else:
-            residency.keep_alive(model.id, keep)
-            (await residency.acquire(model)).release()
+            await residency.load(model.id)
             reason = "load"
         done: dict[str, Any] = {"model": name, "created_at": ollama.now(), "done": True,
                                 "done_reason": reason}

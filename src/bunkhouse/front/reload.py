@@ -43,7 +43,7 @@ class Reloader:
                 self._residency.events.emit("*", "config refused", f"{why}: {e.message}")
                 raise InvalidRequest(f"the configuration was not reloaded: {e.message}; "
                                      "the running configuration stays") from e
-            change = self._residency.apply_catalog(catalog)
+            change = await self._residency.apply_catalog(catalog)
             log.info("configuration reloaded (%s): added %s, removed %s, changed %s", why,
                      change["added"] or "none", change["removed"] or "none",
                      change["changed"] or "none")

@@ -90,11 +90,8 @@ class WorkerHandle(Protocol):
 
 class SparePool(Protocol):
     """Spare workers (supervisor/launcher.py): an engine imported, no model, for the next
-    load. The residency manager decides when one is kept; the pool makes and kills it."""
-
-    @property
-    def spare_bytes(self) -> int:
-        """What the spare holds of the memory budget now (0: none)."""
+    load. Residency decides when one is kept, counts its share of the budget and says
+    which load becomes it; the pool makes, hands over and kills it."""
 
     @property
     def spare_pid(self) -> int | None:
@@ -102,10 +99,6 @@ class SparePool(Protocol):
 
     def engine_of(self, model: CatalogModel) -> str:
         """The worker engine a worker for ``model`` runs (module:Class)."""
-
-    def spare_for(self, model: CatalogModel) -> bool:
-        """Whether a worker for ``model`` would be the spare there is now (its engine, one
-        file): its budget share then passes to the model instead of being freed."""
 
     async def fill_spare(self, engine: str) -> None:
         """Start a spare for ``engine`` unless there is one."""

@@ -4,14 +4,15 @@ A spare worker (``python -m bunkhouse.worker --spare``, worker/main.py) is a wor
 with its engine imported and no model: the next load of a single-file model on that engine
 becomes it, so the load pays only for the model (the interpreter's start and the engine's
 import, about 0.3 s of a small model's 1.3-2 s cold start, are already paid). The residency
-manager decides when one is kept (it counts ``defaults.SPARE_BYTES`` of the budget for it and
-drops it first when room is needed); this module makes, hands over and kills it.
+manager decides when one is kept, counts its share of the budget and says which load becomes
+it (residency/step.py); this module makes, hands over and kills it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -24,7 +25,6 @@ from pathlib import Path
 
 import psutil
 
-from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.supervisor.process import (
     LaunchOptions,
@@ -82,7 +82,7 @@ class LocalLauncher:
         (self.socket_dir / _OWNER).write_text(f"{me.pid} {me.create_time()}")
         self._count = 0
         self._spare: _Spare | None = None
-        self._filling = 0  # fills under way (their spare is counted from the start)
+        self._filling = 0  # fills under way: one at a time
         self._drops = 0  # a fill that a drop overtook kills what it made
         self._closed = False
 
@@ -90,14 +90,17 @@ class LocalLauncher:
         self._count += 1
         return self.socket_dir / f"w{self._count}.sock"  # short: socket paths max 107 bytes
 
-    async def start(self, model: CatalogModel) -> WorkerProcess:
-        """A ready worker for ``model``; raises WorkerLoadFailed quoting its output."""
+    async def start(self, model: CatalogModel, use_spare: bool = False) -> WorkerProcess:
+        """A ready worker for ``model``; raises WorkerLoadFailed quoting its output.
+        ``use_spare``: residency counted the spare for this load: it becomes the worker if
+        it still can (else a process is spawned)."""
         o = model.options
         log.info("model %s: starting worker (context %d, %d slots, %d threads)",
                  model.id, o.context, o.parallel, o.threads)
         snapshots = self._snapshot_dir(model.id) if self._snapshot_dir else None
         launch = WorkerLaunch(self._next_socket(), self.options, snapshots)
-        worker = WorkerProcess(model, launch, self._spawn_or_adopt)
+        worker = WorkerProcess(model, launch, functools.partial(self._spawn_or_adopt,
+                                                                use_spare))
         await worker.start()
         return worker
 
@@ -106,17 +109,6 @@ class LocalLauncher:
     def engine_of(self, model: CatalogModel) -> str:
         """The worker engine (module:Class) a worker for ``model`` runs."""
         return worker_engine(model, self.options)
-
-    def spare_for(self, model: CatalogModel) -> bool:
-        spare = self._spare
-        return (spare is not None and spare.proc.returncode is None
-                and spare.engine == self.engine_of(model)
-                and (model.transcribes or model.info.split_count <= 1))
-
-    @property
-    def spare_bytes(self) -> int:
-        """What the spare holds of the budget: ``defaults.SPARE_BYTES`` while there is one."""
-        return defaults.SPARE_BYTES if self._spare is not None or self._filling else 0
 
     @property
     def spare_pid(self) -> int | None:
@@ -161,13 +153,13 @@ class LocalLauncher:
             log.info("spare worker pid %d dropped", spare.proc.pid)
             spare.kill()
 
-    async def _spawn_or_adopt(self, argv: Sequence[str], pass_fds: Sequence[int]
-                              ) -> asyncio.subprocess.Process:
-        """The spare becomes this worker if it can (its engine, one descriptor); else a new
-        process is spawned."""
+    async def _spawn_or_adopt(self, use_spare: bool, argv: Sequence[str],
+                              pass_fds: Sequence[int]) -> asyncio.subprocess.Process:
+        """The spare becomes this worker if asked and it can (its engine, one descriptor);
+        else a new process is spawned."""
         spare = self._spare
         engine = argv[list(argv).index("--engine") + 1]
-        if (spare is None or spare.engine != engine or len(pass_fds) != 1
+        if (not use_spare or spare is None or spare.engine != engine or len(pass_fds) != 1
                 or spare.proc.returncode is not None or self._spawner is not spawn_local):
             return await self._spawner(argv, pass_fds)
         self._spare = None
