@@ -167,7 +167,11 @@ def _cancel(s: State, e: msg.Cancel, now: float, fx: Fx) -> State:
     m = s.models.get(e.model)
     if m is None or not any(w.id == e.waiter for w in m.waiters):
         return s
-    return _put(s, replace(m, waiters=tuple(w for w in m.waiters if w.id != e.waiter)))
+    m = replace(m, waiters=tuple(w for w in m.waiters if w.id != e.waiter))
+    if m.wait_since is not None and not _wants_load(m):
+        fx.append(msg.Log(logging.INFO, f"model {m.id}: load given up: no request waits for "
+                                        "it any more"))
+    return _put(s, m)
 
 
 def _release(s: State, e: msg.Release, now: float, fx: Fx) -> State:
@@ -392,8 +396,9 @@ def _spare_gone(s: State, e: msg.SpareGone, now: float, fx: Fx) -> State:
 
 def _suspend(s: State, e: msg.Suspend, now: float, fx: Fx) -> State:
     m = s.models.get(e.model)
-    if m is None or m.worker is None:
-        return s
+    if m is None or m.worker is None or not m.worker.alive \
+            or m.phase not in (Phase.READY, Phase.DRAINING):
+        return s  # nothing running to stop (a starting worker is not yet the gate's)
     fx.append(msg.Signal(m.id, m.worker.id, e.on))
     return _put_health(s, m.id, supervision.suspended(s.health[m.id], e.on))
 
@@ -630,13 +635,13 @@ def _keep_spare(s: State, e: msg.KeepSpare, now: float, fx: Fx) -> State:
 def _tick(s: State, e: msg.Tick, now: float, fx: Fx) -> State:
     if s.pause is not None and s.pause.until is not None and s.pause.until <= now:
         s = _end_operator_pause(s, f"not resumed within {s.pause.max_s:g} s", now, fx)
-    for m in list(s.models.values()):
-        m = _expire_waits(s, m, now, fx)
-        m = _expire_unloads(m, now, fx)
-        m = _expire_idle(s, m, now, fx)
-        s = _put(s, m)
+    for old in list(s.models.values()):
+        m = _expire_idle(s, _expire_unloads(_expire_waits(s, old, now, fx), now, fx), now, fx)
+        if m is not old:
+            s = _put(s, m)
     s = _probes(s, now, fx)
-    if s.options.measure_interval_s > 0 and now - s.measured_at >= s.options.measure_interval_s:
+    if s.options.measure_interval_s > 0 \
+            and s.measured_at + s.options.measure_interval_s <= now:
         for m in s.models.values():
             if m.phase is Phase.READY and m.worker is not None and m.worker.alive:
                 fx.append(msg.Measure(m.id, m.worker.id))
@@ -661,6 +666,8 @@ def _expire_waits(s: State, m: Model, now: float, fx: Fx) -> Model:
 
 def _expire_unloads(m: Model, now: float, fx: Fx) -> Model:
     """An unload's grace is over: False (202) if requests still run, else it waits on."""
+    if not any(u.deadline is not None and u.deadline <= now for u in m.unloads):
+        return m
     unloads = []
     for u in m.unloads:
         if u.deadline is not None and u.deadline <= now:
@@ -682,7 +689,7 @@ def ttl_of(s: State, m: Model) -> float | None:
 
 def _expire_idle(s: State, m: Model, now: float, fx: Fx) -> Model:
     ttl = ttl_of(s, m)
-    if ttl is None or not _idle(s, m) or now - m.last_used < ttl:
+    if ttl is None or not _idle(s, m) or m.last_used + ttl > now:  # as wake_at times it
         return m
     return _advance_drain(s, _begin_drain(
         m, f"idle for {now - m.last_used:.0f} s (ttl {ttl:.0f} s)", fx), fx)

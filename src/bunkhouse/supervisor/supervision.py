@@ -90,7 +90,7 @@ def fresh_worker(health: Health) -> Health:
 
 def probe_due(health: Health, now: float, interval_s: float) -> bool:
     return (interval_s > 0 and health.probing is None and not health.suspended
-            and now - health.last_probe >= interval_s)
+            and health.last_probe + interval_s <= now)  # as the timer for it is set
 
 
 def probe_sent(health: Health, worker: int, now: float) -> Health:
