@@ -16,7 +16,6 @@ starvation: two models that cannot be resident together are served in turn).
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +238,7 @@ class World:
             self.send(msg.WorkerExited(self.live[w], w, "exit code -9"))
             self.send(msg.WorkerExited(self.live[w], w, "exit code -9"))  # noticed twice
 
-    def act(self, a: tuple[Any, ...]) -> None:  # noqa: C901 - one branch per action
+    def act(self, a: tuple[Any, ...]) -> None:
         kind = a[0]
         if kind == "want":
             w = self.new_id()
