@@ -3,10 +3,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import hypothesis
 import pytest
 
 from bunkhouse.catalog import Catalog, build_catalog
 from bunkhouse.config import Settings
+
+# `pytest --hypothesis-profile long`: the property tests' longer run (docs/architecture.md)
+hypothesis.settings.register_profile("long", max_examples=100_000)
 
 _PRIVATE = ("BUNKHOUSE_DATA_DIR", "HF_HUB_CACHE", "OLLAMA_MODELS", "LMSTUDIO_MODELS")
 

@@ -319,10 +319,8 @@ class World:
             assert not (w > first and refused), f"starved: refused for memory: {answer}"
 
 
-hypothesis.settings.register_profile("long", max_examples=100_000)
-
-
-@hypothesis.settings(max_examples=2000, deadline=None, derandomize=True,
+@hypothesis.settings(max_examples=max(2000, hypothesis.settings.default.max_examples),
+                     deadline=None, derandomize=True,
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(st.lists(action, max_size=40))
 def test_random_event_sequences_keep_every_invariant(actions: list[tuple[Any, ...]]) -> None:

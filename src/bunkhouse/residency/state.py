@@ -211,7 +211,9 @@ class State:
     nodes: Mapping[str, Node]
     models: Mapping[str, Model] = field(default_factory=dict)
     health: Mapping[str, Health] = field(default_factory=dict)
-    held: frozenset[str] = frozenset()  # ready models taking no new leases: room for one
+    head: str | None = None  # the first model in line that waits for room
+    held: frozenset[str] = frozenset()  # ready models taking no new leases: its room
+    freed: frozenset[str] = frozenset()  # models drained for it: not loaded again before it
     pause: Pause | None = None
     stopping: bool = False  # no more loads: the front is stopping
     closing: bool = False

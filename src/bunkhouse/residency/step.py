@@ -605,8 +605,8 @@ def _close(s: State, e: msg.Close, now: float, fx: Fx) -> State:
     """Stop every worker in every state, concurrently; refuse everything after."""
     for q in s.quiet:
         fx.append(msg.Resolve(q.reply, False))
-    s = replace(s, closing=True, pause=None, quiet=(), held=frozenset(),
-                closers=(*s.closers, e.reply))
+    s = replace(s, closing=True, pause=None, quiet=(), head=None, held=frozenset(),
+                freed=frozenset(), closers=(*s.closers, e.reply))
     for m in list(s.models.values()):
         m = replace(_refuse(m, ShuttingDown(m.id), fx), respawn=False)
         if m.phase is Phase.LOADING and m.worker is not None and m.drain is None:
@@ -759,7 +759,7 @@ def _schedule(s: State, now: float, fx: Fx) -> State:
         if m.wait_since is not None and not _wants_load(m):
             s = _put(s, replace(m, wait_since=None))
     if s.closing or s.stopping or s.paused:
-        s = replace(s, held=frozenset())
+        s = replace(s, head=None, held=frozenset(), freed=frozenset())
     else:
         s = _plan_loads(s, now, fx)
     s = _grant_all(s, now, fx)
@@ -805,8 +805,7 @@ def _plan_loads(s: State, now: float, fx: Fx) -> State:
                   key=lambda m: (_first_asked(m, now), m.id))
     cold = {m.node for m in s.models.values() if m.phase is Phase.LOADING}
     reserved: set[str] = set()  # the head's node, while only idle drains stand before it
-    held: frozenset[str] = frozenset()
-    head = False
+    head: str | None = None
     for m in line:
         if m.wait_since is None:
             m = replace(m, wait_since=_first_asked(m, now))
@@ -817,15 +816,18 @@ def _plan_loads(s: State, now: float, fx: Fx) -> State:
         if isinstance(decision, policy.NeverFits):
             s = _put(s, _never_fits(m, decision, fx))
         elif isinstance(decision, policy.Fits):
-            if node not in cold and node not in reserved:
+            backfill = head is not None and m.id in s.freed  # not again ahead of the head
+            if node not in cold and node not in reserved and not backfill:
                 s = _spawn(s, m, node, use_spare, now, fx)
                 cold.add(node)
-        elif not head:
-            head = True
-            s, held, lease_bound = _make_room(s, m, decision, node, fx)
+        elif head is None:
+            head = m.id
+            s, lease_bound = _make_room(s, m, decision, node, fx)
             if not lease_bound:
                 reserved.add(node)
-    return replace(s, held=held)
+    if head is None:  # nobody waits for room: nothing is held for anyone
+        s = replace(s, head=None, held=frozenset(), freed=frozenset())
+    return s
 
 
 def _first_asked(m: Model, now: float) -> float:
@@ -915,23 +917,38 @@ def _place(s: State, m: Model) -> tuple[str, policy.Decision, bool]:
 
 
 def _make_room(s: State, head: Model, decision: policy.Decision, node: str, fx: Fx
-               ) -> tuple[State, frozenset[str], bool]:
-    """Drain the idle models the head needs gone (the spare first), hold the busy ones;
-    held models whose requests all ended drain now. Returns the state, the held models,
-    and whether the head waits on requests or loads (then a later model may backfill)."""
+               ) -> tuple[State, bool]:
+    """Free the head's room, in phases that cannot starve it. The models it needs gone
+    (``victims``) that are in use are *held*: they take no new leases and drain once their
+    requests end. While a held model still runs requests, the other victims go on serving
+    (nothing is gained by stopping them sooner); once no held model runs any, every victim
+    in use is held, and once no victim runs any, all drain (the spare is dropped at once).
+    Held models stay held while the head is the same one, and a model drained for it is not
+    loaded again ahead of it (no churn). Returns the state, and whether the head waits on
+    requests or loads (then a later model that fits may be loaded meanwhile)."""
+    if s.head != head.id:
+        s = replace(s, head=head.id, held=frozenset(), freed=frozenset())
     if not isinstance(decision, policy.Room):
-        return s, frozenset(), True
+        return replace(s, held=frozenset(h for h in s.held if _ready(s, h))), True
+    if SPARE_ID in (*decision.evict, *decision.hold):
+        s = _drop_spare(s, node, fx)
+    victims = [v for v in (*decision.evict, *decision.hold) if v != SPARE_ID]
+    leased = {v for v in victims if s.models[v].leases}
+    held = s.held & set(victims)
+    if not any(s.models[v].leases for v in held):
+        held |= leased
     reason = f"making room for {head.id}"
-    for victim in (*decision.evict, *decision.hold):
-        if victim == SPARE_ID:
-            s = _drop_spare(s, node, fx)
-            continue
-        v = s.models[victim]
-        if not v.leases:
-            v = _begin_drain(v, reason, fx, force=victim in decision.hold)
-            s = _put(s, _advance_drain(s, v, fx))
-    held = frozenset(v for v in decision.hold if s.models[v].phase is Phase.READY)
-    return s, held, any(s.models[v].leases for v in held)
+    for v in victims:
+        if not s.models[v].leases and (v in held or not leased):
+            m = _advance_drain(s, _begin_drain(s.models[v], reason, fx, force=True), fx)
+            s = replace(_put(s, m), freed=s.freed | {v})
+    held = frozenset(v for v in held if _ready(s, v))
+    return replace(s, held=held), bool(leased)
+
+
+def _ready(s: State, model_id: str) -> bool:
+    m = s.models.get(model_id)
+    return m is not None and m.phase is Phase.READY
 
 
 def _drop_spare(s: State, node_id: str, fx: Fx) -> State:
