@@ -36,7 +36,7 @@ from bunkhouse.residency.events import EventLog
 from bunkhouse.residency.loop import Executor, FlushSlots, RunLoop, StartWorker
 from bunkhouse.residency.slots import SlotGate
 from bunkhouse.residency.state import Phase, ResidencyOptions, Spec, State, initial
-from bunkhouse.residency.step import ttl_of
+from bunkhouse.residency.timers import ttl_of
 from bunkhouse.supervisor.handle import SparePool, WorkerHandle
 
 __all__ = ["Lease", "ModelStatus", "ResidencyManager", "ResidencyOptions"]
