@@ -60,7 +60,8 @@ def _initial() -> State:
                                                      cooldown_s=20),
                                probe_interval_s=5, measure_interval_s=0)
     s = initial(options, [_spec(k, v) for k, v in SIZES.items()], spares=True, flush=True)
-    nodes = {k: Node(k, v * MIB, spares=True, spare_engine="llama")
+    nodes = {k: Node(k, v * MIB, spares=True, spare_engine="llama",
+                     engines=frozenset({"llama"}) if k == "n2" else None)
              for k, v in BUDGETS.items()}
     return dataclasses.replace(s, nodes=nodes)
 
@@ -191,6 +192,8 @@ class World:
                 assert not m.waiters, f"{m.id} is ready and not held, yet requests wait"
             if m.phase in HOLDING:
                 assert m.worker is not None
+                engines = s.nodes[m.worker.node].engines
+                assert engines is None or m.spec.engine in engines, "on a node without its engine"
 
     # -- the executor's and the clients' side --------------------------------------------
 

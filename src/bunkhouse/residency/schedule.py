@@ -147,6 +147,8 @@ def _never_fits(m: Model, d: policy.NeverFits, fx: Fx) -> Model:
     need, budget = _sizes(d.need, d.budget)
     error = ModelTooLarge(f"model {m.id!r} needs {need} but the memory budget is {budget}"
                           f"{pinned}; raise --budget or lower the model's context")
+    if not d.budget:
+        error = ModelTooLarge(f"model {m.id!r}: no node runs its engine ({m.spec.engine})")
     return replace(refuse(m, error, fx), respawn=False, wait_since=None)
 
 
@@ -194,11 +196,13 @@ _RANK = {policy.Fits: 0, policy.Room: 1, policy.MustWait: 3, policy.NeverFits: 4
 
 
 def place(s: State, m: Model) -> tuple[str, policy.Decision, bool]:
-    """The node for ``m`` and what it takes there: the node where it fits now, else where
-    it fits after drains alone, else after requests end, else where loads under way stand
-    in the way; NeverFits only if it fits on no node."""
+    """The node for ``m`` and what it takes there: among the nodes that run its engine, the
+    node where it fits now, else where it fits after drains alone, else after requests end,
+    else where loads under way stand in the way; NeverFits only if it fits on none."""
     best: tuple[int, str, policy.Decision, bool] | None = None
     for node in s.nodes.values():
+        if node.engines is not None and m.spec.engine not in node.engines:
+            continue
         residents, use_spare = _residents(s, node, m)
         decision = policy.plan(residents, node.budget, m.id, m.spec.estimate)
         rank = _RANK[type(decision)]
@@ -206,7 +210,8 @@ def place(s: State, m: Model) -> tuple[str, policy.Decision, bool]:
             rank = 2
         if best is None or rank < best[0]:
             best = (rank, node.id, decision, use_spare)
-    assert best is not None
+    if best is None:  # no node runs its engine: waiting cannot help
+        return "", policy.NeverFits(m.spec.estimate, 0, 0), False
     return best[1], best[2], best[3]
 
 

@@ -178,11 +178,13 @@ class Spare:
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """Where workers run: its memory budget and its spare worker. Today one local node;
-    with a cluster, each of its machines."""
+    """Where workers run: its memory budget, its spare worker, the engines it runs. Today
+    one local node; with a cluster, each of its machines. (Its compute gate is the front's
+    ``ComputeGate``, one per node: front/admission.py.)"""
 
     id: str
     budget: int
+    engines: frozenset[str] | None = None  # the worker engines it runs; None: every one
     spares: bool = False  # it keeps a spare worker
     spare: Spare | None = None
     spare_engine: str | None = None  # the engine last loaded: the next spare's
