@@ -23,8 +23,10 @@ GEMMA = "gemma-3-270m"
 
 
 def _stream(url: str, path: str, body: dict[str, Any], first: threading.Event | None = None,
-            headers: dict[str, str] | None = None) -> tuple[int, list[str]]:
-    """POST a streamed request; every SSE line, in order. Raises if the body is truncated."""
+            headers: dict[str, str] | None = None, done: threading.Event | None = None
+            ) -> tuple[int, list[str]]:
+    """POST a streamed request; every SSE line, in order. Raises if the body is truncated.
+    ``first`` is set at its first line, ``done`` at its ``[DONE]``."""
     lines: list[str] = []
     with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True},
                       headers=headers, timeout=300) as resp:
@@ -33,6 +35,8 @@ def _stream(url: str, path: str, body: dict[str, Any], first: threading.Event | 
                 lines.append(line)
                 if first is not None:
                     first.set()
+                if done is not None and line == "data: [DONE]":
+                    done.set()
     return resp.status_code, lines
 
 

@@ -75,11 +75,15 @@ def test_a_spare_still_starting_never_freezes_the_front(
     config = _stale_plan_config(tmp_path, packaged_catalog)
     with serve(tmp_path, "--config", str(config), "--budget", "950000000") as server:
         wait_for(lambda: server.stats()["spare_worker"] is not None, 60, "the first spare")
-        with HealthWatch(server) as watch:
-            first = _complete(server, "g1")
-            second = _complete(server, "g2")
-        assert first.status_code == 200, first.text
-        assert second.status_code == 200, second.text
+        with HealthWatch(server) as watch, ThreadPoolExecutor(1) as pool:
+            answered = threading.Event()
+            second = pool.submit(lambda: answered.wait(300) and _complete(server, "g2"))
+            # g2 is asked the moment g1's answer ends: while the next spare starts
+            status, lines = _stream(server.url, "/v1/completions", {
+                "model": "g1", "prompt": "Once upon a time", "max_tokens": 4}, done=answered)
+            answer = second.result(timeout=300)
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        assert answer and answer.status_code == 200, answer and answer.text
         assert not watch.misses, f"/health went unanswered: {watch.misses[:3]}"
         stats = server.stats()
         assert stats["used_bytes"] <= stats["budget_bytes"]
