@@ -50,7 +50,7 @@ from bunkhouse.residency.state import (
     Waiter,
 )
 from bunkhouse.residency.timers import wake_at
-from bunkhouse.supervisor import supervision
+from bunkhouse.supervisor import restart, supervision
 
 __all__ = ["step", "wake_at"]
 
@@ -190,7 +190,7 @@ def _count_failure(s: State, m: Model, cause: str, detail: str | None, now: floa
     h, verdict = supervision.failed(s.options.restart, s.health[m.id], now,
                                     m.worker.spawned_at, served_s)
     m = replace(m, last_error=cause, last_error_detail=detail)
-    if isinstance(verdict, supervision.GiveUp):
+    if isinstance(verdict, restart.GiveUp):
         fx.append(msg.Publish(m.id, "gave_up",
                               f"{verdict.failures} failures in {verdict.window_s:.0f} s; "
                               f"cooling down {s.options.restart.cooldown_s:.0f} s: {cause}"))

@@ -33,29 +33,12 @@ class Health:
     suspensions: int = 0  # a probe that overlapped one proves nothing
 
 
-@dataclass(frozen=True, slots=True)
-class Respawn:
-    """Try again after ``delay_s`` seconds."""
-
-    delay_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class GiveUp:
-    """Past the restart budget: the model is failed until ``until``."""
-
-    until: float
-    failures: int
-    window_s: float
-
-
-Verdict = Respawn | GiveUp
-
-
 def failed(policy: RestartPolicy, health: Health, now: float, spawned_at: float,
-           served_s: float = 0.0) -> tuple[Health, Verdict]:
-    """Count one failure (a death, or a load that never became ready). A worker that served
-    for at least the budget's window ends a crash loop: earlier failures are forgotten."""
+           served_s: float = 0.0) -> tuple[Health, restart.Respawn | restart.GiveUp]:
+    """Count one failure (a death, or a load that never became ready): respawn after a
+    backoff, or give up (the model is failed until ``health.failed_until``). A worker that
+    served for at least the budget's window ends a crash loop: earlier failures are
+    forgotten."""
     failures = () if served_s >= policy.window_s else health.failures
     failures = (*failures, now)
     quick = now - spawned_at < policy.quick_death_s
@@ -64,10 +47,8 @@ def failed(policy: RestartPolicy, health: Health, now: float, spawned_at: float,
     health = replace(health, failures=failures[-(policy.max_restarts + 2):],
                      quick_deaths=quick_deaths)
     if isinstance(decision, restart.GiveUp):
-        until = now + policy.cooldown_s
-        return (replace(health, failed_until=until, delay_s=0.0),
-                GiveUp(until, decision.failures, decision.window_s))
-    return replace(health, delay_s=decision.delay_s), Respawn(decision.delay_s)
+        return replace(health, failed_until=now + policy.cooldown_s, delay_s=0.0), decision
+    return replace(health, delay_s=decision.delay_s), decision
 
 
 def cooling_s(health: Health, now: float) -> float | None:
