@@ -61,7 +61,9 @@ class Executor:
 
     def __init__(self, catalog: Catalog, events: EventLog, clock: Clock,
                  start_worker: StartWorker, flush: FlushSlots | None,
-                 spare: SparePool | None, probe_timeout_s: float) -> None:
+                 spare: SparePool | None, probe_timeout_s: float,
+                 make_lease: MakeLease) -> None:
+        """``make_lease(granted, worker, slots)``: what a waiter is handed for a lease."""
         self.catalog = catalog
         self.events = events
         self._clock = clock
@@ -69,8 +71,8 @@ class Executor:
         self._flush = flush
         self._spare = spare
         self._probe_timeout_s = probe_timeout_s
-        self.post: Callable[[Event], None] = lambda event: None
-        self.make_lease: MakeLease = lambda granted, worker, slots: granted
+        self.post: Callable[[Event], None] = lambda event: None  # the run loop's
+        self._make_lease = make_lease
         self.workers: dict[int, WorkerHandle] = {}
         self.futures: dict[int, asyncio.Future[Any]] = {}
         self._gates: dict[str, tuple[int, SlotGate]] = {}
@@ -151,7 +153,7 @@ class Executor:
                 self.post(msg.Release(value.model, value.lease))
                 return
             worker = self.workers[value.worker]
-            value = self.make_lease(value, worker, self.gate(state, value.model))
+            value = self._make_lease(value, worker, self.gate(state, value.model))
         if future is None or future.done():
             return
         if isinstance(value, BaseException):

@@ -104,11 +104,10 @@ class ResidencyManager:
         self._wall_offset = time.time() - self._clock.now()
         self._ids = itertools.count(1)
         executor = Executor(self.catalog, self.events, self._clock, start_worker, flush,
-                            spare, options.probe_timeout_s)
+                            spare, options.probe_timeout_s, self._lease)
         state = initial(options, [self.spec(m) for m in self.catalog],
                         spares=spare is not None, flush=flush is not None)
         self._loop = RunLoop(state, executor, self._clock)
-        executor.make_lease = self._lease
 
     def spec(self, model: CatalogModel) -> Spec:
         """What residency knows of a model: its settings, its estimate, the engine that runs
@@ -125,11 +124,16 @@ class ResidencyManager:
     def _post(self, event: msg.Event) -> None:
         self._loop.post(event)
 
-    async def _ask(self, make: Callable[[int], msg.Event]) -> Any:
-        """Send a command and wait for its answer (raised if it is an error)."""
+    def _future(self) -> tuple[int, asyncio.Future[Any]]:
+        """An id and the future its answer (a ``Resolve`` effect) will settle."""
         ident = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._loop.executor.futures[ident] = future
+        return ident, future
+
+    async def _ask(self, make: Callable[[int], msg.Event]) -> Any:
+        """Send a command and wait for its answer (raised if it is an error)."""
+        ident, future = self._future()
         self._post(make(ident))
         return await future
 
@@ -164,9 +168,7 @@ class ResidencyManager:
         await self._want(model_id, lease=False, reset=reset)
 
     async def _want(self, model_id: str, *, lease: bool, reset: bool = False) -> Any:
-        ident = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._loop.executor.futures[ident] = future
+        ident, future = self._future()
         self._post(msg.Want(model_id, ident, lease, reset))
         try:
             return await future
