@@ -604,6 +604,24 @@ def test_keep_alive_never_unloads_a_pinned_model() -> None:
     run(go())
 
 
+def test_a_model_held_for_another_takes_no_new_lease_but_counts_as_loaded() -> None:
+    async def go() -> None:
+        h = Host([model("a", 6), model("b", 6)], budget_gib=10)
+        lease = await h.manager.acquire(h.models["a"])
+        waiting = asyncio.create_task(h.use("b"))  # a is held for b: no new lease
+        await settle()
+        late = asyncio.create_task(h.use("a"))
+        await settle()
+        assert not late.done() and h.manager.status("a").waiting == 1
+        await h.manager.load("a")  # an operator's load: it is loaded, answered at once
+        lease.release()
+        await waiting  # b is served first, then a again
+        await late
+        assert h.starts == ["a", "b", "a"]
+
+    run(go())
+
+
 def test_a_load_whose_requests_all_left_evicts_nothing() -> None:
     async def go() -> None:
         h = Host([model("a", 6), model("b", 6)], budget_gib=10)

@@ -190,6 +190,8 @@ class World:
             if m.phase is Phase.READY and m.id not in s.held and not s.paused \
                     and not s.closing:
                 assert not m.waiters, f"{m.id} is ready and not held, yet requests wait"
+            if m.phase is Phase.READY and not s.paused and not s.closing:
+                assert all(w.lease for w in m.waiters), f"{m.id} is loaded, a load waits"
             if m.phase in HOLDING:
                 assert m.worker is not None
                 engines = s.nodes[m.worker.node].engines

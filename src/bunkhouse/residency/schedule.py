@@ -73,11 +73,19 @@ def schedule(s: State, now: float, fx: Fx) -> State:
 
 def _grant_all(s: State, now: float, fx: Fx) -> State:
     """Ready models give their waiters leases; one an operator unloads drains right
-    after (its waiters, there before the unload, served first)."""
+    after (its waiters, there before the unload, served first). A held model answers only
+    those who wanted it loaded without a lease (it is)."""
     if s.closing or s.paused:
         return s
     for m in list(s.models.values()):
-        if m.phase is not Phase.READY or m.id in s.held:
+        if m.phase is not Phase.READY:
+            continue
+        if m.id in s.held:
+            if any(not w.lease for w in m.waiters):
+                for w in m.waiters:
+                    if not w.lease:
+                        fx.append(msg.Resolve(w.id, None))
+                s = put(s, replace(m, waiters=tuple(w for w in m.waiters if w.lease)))
             continue
         if m.waiters:
             s = _grant(s, m, now, fx)
@@ -107,7 +115,8 @@ def _grant(s: State, m: Model, now: float, fx: Fx) -> State:
 
 def _plan_loads(s: State, now: float, fx: Fx) -> State:
     line = sorted((m for m in s.models.values() if wants_load(m)),
-                  key=lambda m: (_first_asked(m, now), m.id))
+                  key=lambda m: (_first_asked(m, now), min((w.id for w in m.waiters),
+                                                            default=0), m.id))
     cold = {m.node for m in s.models.values() if m.phase is Phase.LOADING}
     reserved: set[str] = set()  # the head's node, while only idle drains stand before it
     head: str | None = None
