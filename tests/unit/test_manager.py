@@ -301,6 +301,23 @@ def test_wait_is_bounded_then_insufficient_memory() -> None:
     run(go())
 
 
+def test_a_model_that_fits_is_loaded_while_another_waits_and_the_refusal_names_the_busy_one(
+        ) -> None:
+    async def go() -> None:
+        h = Host([model("g1", 4), model("g2", 4), model("q", 7)], budget_gib=10)
+        stream = await h.manager.acquire(h.models["g1"])  # g1 streams
+        waiting = asyncio.create_task(h.use("q"))  # q needs g1's room
+        await settle()
+        await h.use("g2")  # fits beside g1: loaded and answered meanwhile
+        assert h.starts == ["g1", "g2"] and not waiting.done()
+        h.advance(31)
+        with pytest.raises(InsufficientMemory, match=r"models in use \(g1\)"):
+            await waiting
+        stream.release()
+
+    run(go())
+
+
 def test_model_bigger_than_the_budget_fails_at_once_naming_both_sizes() -> None:
     async def go() -> None:
         h = Host([model("huge", 12)], budget_gib=10)

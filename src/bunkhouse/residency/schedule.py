@@ -174,8 +174,9 @@ def memory_error(s: State, m: Model) -> InsufficientMemory:
     blocking: Iterable[str] = ()
     if isinstance(decision, policy.MustWait):
         blocking = decision.blocking
-    elif isinstance(decision, policy.Room):
-        blocking = decision.hold
+    elif isinstance(decision, policy.Room):  # the models it needs gone that still run requests
+        blocking = [v for v in (*decision.evict, *decision.hold)
+                    if v != SPARE_ID and s.models[v].leases]
     return InsufficientMemory(
         f"model {m.id!r} needs {m.spec.estimate // MIB} MiB and {max(free, 0) // MIB} MiB "
         f"are free; models in use ({', '.join(b for b in blocking if b != SPARE_ID) or 'none'})"
