@@ -58,9 +58,6 @@ class FakeClock:
     def now(self) -> float:
         return self._now
 
-    def __call__(self) -> float:
-        return self._now
-
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         timer = _FakeTimer()
         heapq.heappush(self._timers, (when, next(self._order), timer, callback))

@@ -94,7 +94,7 @@ def advance_drain(s: State, m: Model, fx: Fx) -> Model:
     if m.phase is not Phase.DRAINING or d is None or d.stage is not Stage.LEASES \
             or m.worker is None or (m.leases and not s.closing):
         return m
-    if d.crashed or not m.worker.alive or not s.flush:
+    if not m.worker.alive or not s.flush:  # a dead worker has nothing to save
         fx.append(msg.Stop(m.id, m.worker.id))
         return replace(m, drain=replace(d, stage=Stage.STOP))
     fx.append(msg.Flush(m.id, m.worker.id, d.reason))

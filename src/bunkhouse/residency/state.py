@@ -93,7 +93,6 @@ class Stage(enum.Enum):
 class Drain:
     reason: str
     stage: Stage = Stage.LEASES
-    crashed: bool = False  # its worker died: nothing to save, nothing to wait for
 
 
 @dataclass(frozen=True, slots=True)

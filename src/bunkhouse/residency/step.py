@@ -213,9 +213,7 @@ def _exited(s: State, e: msg.WorkerExited, now: float, fx: Fx) -> State:
     fx.append(msg.Publish(m.id, "crashed", cause))
     worker = replace(m.worker, alive=False)
     m = replace(m, worker=worker, last_error=cause, last_error_detail=e.detail)
-    if m.phase is Phase.DRAINING:  # it was being stopped anyway: no respawn
-        assert m.drain is not None
-        m = replace(m, drain=replace(m.drain, crashed=True))
+    if m.phase is Phase.DRAINING:  # it was being stopped anyway: no respawn, no flush
         return put(s, advance_drain(s, m, fx))
     served_s = now - (worker.ready_at or now)
     s = _count_failure(s, m, cause, e.detail, now, fx, served_s=served_s)
@@ -223,7 +221,7 @@ def _exited(s: State, e: msg.WorkerExited, now: float, fx: Fx) -> State:
     if m.retired:
         m = replace(m, respawn=False)
     m = replace(set_phase(m, Phase.DRAINING, "crashed", fx, cause="crashed"),
-                drain=Drain("crashed", Stage.STOP, crashed=True))
+                drain=Drain("crashed", Stage.STOP))
     assert m.worker is not None
     fx.append(msg.Stop(m.id, m.worker.id))  # its requests are failing already
     return put(s, m)
