@@ -43,6 +43,20 @@ class MemoryEstimate:
                 + self.outputs)
 
 
+@dataclass(frozen=True, slots=True)
+class ConstraintCheck:
+    """One part of a request that the engine prepares before its first token (a grammar, a
+    JSON schema, the tools' schemas, sampler lists), as a request of its own to measure in a
+    disposable process: a one-word prompt, two tokens, and only this part.
+
+    ``param``: the field a refusal names; ``route``: ``"chat"`` or ``"completion"``, how the
+    probe runs ``body`` (worker/probe.py)."""
+
+    param: str
+    route: str
+    body: dict[str, Any]
+
+
 class EngineRefused(InvalidRequest):
     """The engine refused a request's input (a 400 ``invalid_request``, ``param`` the field
     it was about when known)."""
@@ -131,6 +145,13 @@ class EngineAdapter(Protocol):
 
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         """Refuse (InvalidRequest naming the field) an engine option given wrongly."""
+
+    def constraint_checks(self, path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
+        """The parts of the worker-bound ``body`` for ``path`` whose cost is measured before
+        a shared worker meets them (front/constraints.py); empty: nothing to measure."""
+
+    probe_module: str | None
+    """The module run as ``python -m`` to measure constraints on a model (None: none)."""
 
     def forwarded_fields(self) -> frozenset[str]:
         """Request fields beyond OpenAI's that this engine reads (passed through)."""

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from bunkhouse.api.tool_calls import call_schema
 from bunkhouse.engines import grammar_cost
 from bunkhouse.engines.contract import (
+    ConstraintCheck,
     EngineRefused,
     MemoryEstimate,
     Messages,
@@ -286,6 +288,45 @@ def saved_tokens(path: Path) -> list[int]:
     return tokens
 
 
+SAMPLER_LISTS = ("samplers", "dry_sequence_breakers", "logit_bias")
+"""Sampler settings given as lists, which llama.cpp turns into sampler state per request."""
+
+_PROBE_PROMPT = "hi"
+_PROBE_TOKENS = 2
+
+
+def constraint_checks(path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
+    """What of ``body`` llama.cpp prepares before the first token, one check each: a GBNF
+    ``grammar``, a ``json_schema``, a ``response_format`` with a schema (or JSON mode), the
+    ``tools``' call schema (as the grammar a tool call is held to once it starts: llama.cpp
+    builds it from the same schemas; the tools themselves are not sent, their text would be a
+    long prefill), and the sampler lists. The probe runs each on its own, on the route the
+    request takes, with a one-word prompt and two tokens."""
+    chat = path == "/v1/chat/completions"
+    parts: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(body.get("grammar"), str):
+        parts.append(("grammar", {"grammar": body["grammar"]}))
+    if isinstance(body.get("json_schema"), dict | bool):
+        parts.append(("json_schema", {"json_schema": body["json_schema"]}))
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") != "text":
+        parts.append(("response_format", {"response_format": response_format}))
+    tools = body.get("tools")
+    if chat and isinstance(tools, list) and tools and body.get("tool_choice") != "none":
+        parts.append(("tools", {"response_format": {
+            "type": "json_schema", "json_schema": {"name": "tool_call",
+                                                   "schema": call_schema(tools)}}}))
+    lists = {k: body[k] for k in SAMPLER_LISTS if body.get(k)}
+    if lists:
+        parts.append((next(iter(lists)), lists))
+    prompt: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": _PROBE_PROMPT}], "max_tokens": _PROBE_TOKENS}
+        if chat else {"prompt": _PROBE_PROMPT, "n_predict": _PROBE_TOKENS})
+    return [ConstraintCheck(param, "chat" if chat else "completion",
+                            {**prompt, **part, "stream": False, "cache_prompt": True})
+            for param, part in parts]
+
+
 def _build() -> str:
     try:
         return f"xllamacpp {importlib.metadata.version('xllamacpp')}"
@@ -332,6 +373,11 @@ class LlamaCpp:
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         check_extensions(body)
         grammar_cost.check_request(body)
+
+    probe_module: str | None = "bunkhouse.worker.probe"
+
+    def constraint_checks(self, path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
+        return constraint_checks(path, body)
 
     def forwarded_fields(self) -> frozenset[str]:
         return EXTENSION_FIELDS

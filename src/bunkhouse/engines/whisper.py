@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from bunkhouse.engines.contract import (
+    ConstraintCheck,
     EngineRefused,
     MemoryEstimate,
     Messages,
@@ -156,6 +157,11 @@ class Whisper:
 
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         return None
+
+    probe_module: str | None = None
+
+    def constraint_checks(self, path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
+        return []
 
     def forwarded_fields(self) -> frozenset[str]:
         return frozenset()

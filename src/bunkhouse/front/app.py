@@ -48,6 +48,7 @@ from bunkhouse.front.access import AccessLog
 from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate, Held, check_fits, refuse_before_load
 from bunkhouse.front.auth import Keys, Level, access
+from bunkhouse.front.constraints import ConstraintGate
 from bunkhouse.front.cors import Cors
 from bunkhouse.front.edge import prepare
 from bunkhouse.front.openapi import openapi
@@ -93,6 +94,7 @@ class Front:
         self.compute = compute
         self.max_body_bytes = max_body_bytes
         self.keys = keys or Keys()
+        self.constraints = ConstraintGate()  # what a grammar or schema costs, measured
         # Large bodies parsed at once: each takes a few times its size while pydantic checks
         # it, so sixteen 15 MiB bodies at once took the front past 1 GB.
         self._parsing = asyncio.Semaphore(2)
@@ -183,6 +185,7 @@ class Front:
             data, reader = _tool_reader(data)
         await refuse_before_load(model, path, data, functools.partial(_pair_table, model),
                                  cap=cap)
+        await self.constraints.check(model, path, data)  # before any worker meets it
         request.state.stream = bool(parsed.stream)
         shaped = _shape(model.id, shape, reader)
         admit = self._admit(request, model, path, data, cap)
@@ -646,6 +649,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
             await asyncio.gather(*hangups, return_exceptions=True)
             if keeper is not None:
                 await keeper.close()  # idle saves stop; each drain saves what is unsaved
+            front.constraints.close()
             await residency.close()
             residency.events.close()  # every event stream ends
             if keeper is not None:
