@@ -205,7 +205,7 @@ class ShuttingDown(BunkhouseError):
 
 
 class ServerBusy(BunkhouseError):
-    """A budget shared by all clients (request bodies being read, uploads) is
+    """A budget shared by all clients (request bodies being read, uploads, event streams) is
     full, or this client holds its share of it (bunkhouse/shares.py); retry shortly."""
 
     status = 503

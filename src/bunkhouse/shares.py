@@ -1,6 +1,6 @@
 """Budgets every client draws on, of which one client may hold only a share.
 
-A budget shared by all (request bodies being read, audio uploads held)
+A budget shared by all (request bodies being read, audio uploads held, event streams open)
 is one that a single client could otherwise fill and keep full: every other client's
 request would get 503 for as long as it liked. So each budget also bounds what one client
 holds (:data:`CLIENT_SHARE` of it). A client is its API key when the request carries a

@@ -1,12 +1,14 @@
 """Slow and greedy clients against the front's shared budgets, over real connections (the app
 behind uvicorn and bunkhouse's HTTP protocol, in a thread; no worker is ever reached): a
-body or an upload has a ceiling on its time, and one client holds at most its share of the
-bodies being read and the uploads held."""
+body or an upload has a ceiling on its time, one client holds at most its share of the
+bodies being read, the uploads held and the event streams, and a page of another site
+cannot open an event stream."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,7 @@ from bunkhouse import defaults
 from bunkhouse.front import audio
 from bunkhouse.front.auth import Keys
 from bunkhouse.front.heads import HeadLimits
+from bunkhouse.front.watch import MAX_READERS
 from bunkhouse.shares import CLIENT_SHARE, Shares
 from tests.helpers import app_without_workers, served, wait_for
 
@@ -143,6 +146,52 @@ def test_a_body_sent_steadily_is_closed_at_the_ceiling(tmp_path: Path, path: str
 
         wait_for(closed, 120, "the body's connection to close at the ceiling", 0.2)
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+@contextlib.contextmanager
+def _streams(url: str, count: int, headers: dict[str, str]) -> Iterator[list[int]]:
+    """``count`` event streams opened at once; yields their statuses (held open)."""
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(httpx.Client(
+            timeout=60, limits=httpx.Limits(max_connections=MAX_READERS + 8)))
+        statuses = []
+        for _ in range(count):
+            response = stack.enter_context(client.stream("GET", f"{url}/admin/events",
+                                                         headers=headers))
+            statuses.append(response.status_code)
+        yield statuses
+
+
+def test_one_client_holds_only_its_share_of_the_event_streams(tmp_path: Path) -> None:
+    share = MAX_READERS // CLIENT_SHARE
+    with served(app_without_workers(tmp_path, keys=KEYS)) as url:
+        greedy = {"authorization": "Bearer greedy"}
+        with _streams(url, share, greedy) as statuses:
+            assert statuses == [200] * share
+            busy = httpx.get(f"{url}/admin/events", headers=greedy, timeout=60)
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+            assert busy.headers["retry-after"] == "1"
+            # a key that matches none is no other client: it is refused at the door
+            assert httpx.get(f"{url}/admin/events", timeout=60,
+                             headers={"x-api-key": "made-up"}).status_code == 401
+            with _streams(url, 1, {"x-api-key": "other"}) as others:
+                assert others == [200]
+        with _streams(url, 1, greedy) as again:  # given back when they closed
+            assert again == [200]
+
+
+@pytest.mark.parametrize("dest", ["iframe", "embed", "object", "document", "empty"])
+def test_a_page_of_another_site_cannot_open_an_event_stream(tmp_path: Path, dest: str) -> None:
+    with served(app_without_workers(tmp_path)) as url:  # no keys: the stream is open
+        page = {"sec-fetch-site": "cross-site", "sec-fetch-dest": dest}
+        refused = httpx.get(f"{url}/admin/events", headers=page, timeout=60)
+        assert refused.status_code == 403 and "another site" in refused.json()["error"]["message"]
+        with _streams(url, 1, {"sec-fetch-site": "same-origin", "sec-fetch-dest": "empty"}) \
+                as console:
+            assert console == [200]
+        # the console's own stream, and curl's, are served; other pages' never count
+        with _streams(url, 1, {}) as plain:
+            assert plain == [200]
 
 
 def test_shares_bound_each_client_and_all_together() -> None:

@@ -600,7 +600,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     olla = OllamaRoutes(front)
     extras = Extras(front)
     metrics = Metrics(residency, front.compute, keeper)
-    watch = EventStream(residency.events, events_heartbeat_s)
+    watch = EventStream(residency.events, keys.client_of, events_heartbeat_s)
     console = Console()
     audio = Transcriptions(front, max_audio_bytes)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),
