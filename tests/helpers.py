@@ -150,3 +150,29 @@ def listening_socket(pid: int) -> str:
         if isinstance(conn.laddr, str) and conn.laddr.endswith(".sock"):
             return conn.laddr
     raise AssertionError(f"worker pid {pid} listens on no socket")
+
+
+@contextmanager
+def served(app: Any, limits: Any = None) -> Iterator[str]:
+    """``app`` behind uvicorn with bunkhouse's HTTP protocol (front/heads.py, ``limits``: a
+    HeadLimits) on a free loopback port, in a thread; yields its URL. Real connections, and
+    bounds a test may shrink, where a `bunkhouse serve` would take minutes."""
+    import threading
+
+    import uvicorn
+
+    from bunkhouse.front.heads import HeadLimits, bounded_http
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           http=bounded_http(limits or HeadLimits()),
+                                           log_level="warning", timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), 60, "uvicorn to start")
+        assert thread.is_alive(), "uvicorn did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(60)

@@ -66,6 +66,13 @@ closes."""
 BODY_MIN_RATE = 500
 """Bytes per second a slow body must keep up (see BODY_TIMEOUT_S)."""
 
+BODY_MAX_S = 300.0
+"""Seconds a client has at most to send a request body, however fast it keeps sending: the
+ceiling on BODY_TIMEOUT_S's growing deadline (Apache mod_reqtimeout's ``body=20-MAX``), which
+would give a 16 MiB body nine hours and a 25 MB upload fourteen while it holds its bytes of
+a shared budget. Five minutes send OpenAI's largest upload (25 MB) at 0.7 Mbit/s and the
+largest body (16 MiB) at 0.5 Mbit/s; then the connection closes."""
+
 LARGE_INPUT_BYTES = 64 * 1024
 """Request bodies and prompt texts from this size on are parsed, checked and measured on a
 thread, not on the event loop (a 16 MiB body takes a few hundred milliseconds of CPU)."""

@@ -205,7 +205,8 @@ class ShuttingDown(BunkhouseError):
 
 
 class ServerBusy(BunkhouseError):
-    """The front holds as many request bodies as it may; retry shortly."""
+    """A budget shared by all clients (request bodies being read, uploads, event streams) is
+    full, or this client holds its share of it (bunkhouse/shares.py); retry shortly."""
 
     status = 503
     code = "server_busy"

@@ -130,8 +130,9 @@ def test_level_of() -> None:
 def test_bodies_held_at_once_are_bounded() -> None:
     import asyncio
 
-    from bunkhouse.api.schemas import BodyBudget, read_body
+    from bunkhouse.api.schemas import read_body
     from bunkhouse.errors import ServerBusy
+    from bunkhouse.shares import Shares
 
     def request(chunks: list[bytes], gate: asyncio.Event) -> Request:
         async def receive() -> dict[str, object]:
@@ -142,7 +143,7 @@ def test_bodies_held_at_once_are_bounded() -> None:
         return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
 
     async def run() -> None:
-        budget, gate = BodyBudget(1000), asyncio.Event()
+        budget, gate = Shares(1000, "bytes", share=1000), asyncio.Event()
         slow = asyncio.create_task(read_body(request([b"a" * 600, b"b"], gate), 10_000, budget))
         await asyncio.sleep(0.1)
         assert budget.held == 600

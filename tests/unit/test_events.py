@@ -101,7 +101,7 @@ def test_a_resume_past_the_ring_or_after_a_restart_is_told_of_its_gap() -> None:
     log = EventLog(capacity=3)
     for i in range(5):
         log.emit("m", "pinned", str(i))
-    stream = EventStream(log)
+    stream = EventStream(log, lambda request: "")
     assert stream._gap(None) is None and stream._gap(2) is None and stream._gap(5) is None
     lost = stream._gap(0)
     assert lost is not None and (lost["missed_from"], lost["missed_to"]) == (1, 2)

@@ -82,7 +82,7 @@ def test_loopback_binds(bind: str, loopback: bool) -> None:
 
 
 def test_no_host_header_is_served() -> None:
-    assert SitePolicy().refusal("GET", Headers({})) is None
+    assert SitePolicy().refusal("GET", Headers({}), "/health") is None
 
 
 def test_an_http11_request_needs_exactly_one_host() -> None:
@@ -115,6 +115,8 @@ def test_an_http11_request_needs_exactly_one_host() -> None:
 def test_an_origin_named_with_cors_origin_may_send_simple_bodies() -> None:
     named = SitePolicy.for_bind("127.0.0.1", cors_origins=["https://App.example", "*"])
     browser = {"content-type": "text/plain", "sec-fetch-site": "cross-site"}
-    assert named.refusal("POST", Headers({**browser, "origin": "https://app.example"})) is None
-    assert named.refusal("POST", Headers({**browser, "origin": "https://evil.example"}))
+    assert named.refusal("POST", Headers({**browser, "origin": "https://app.example"}),
+                         "/v1/completions") is None
+    assert named.refusal("POST", Headers({**browser, "origin": "https://evil.example"}),
+                         "/v1/completions")
     assert named.trusted_origins == ("https://app.example",)  # never "*"

@@ -21,7 +21,8 @@ from pydantic import (
 )
 from starlette.requests import ClientDisconnect, Request
 
-from bunkhouse.errors import ClientGone, InvalidRequest, RequestTooLarge, ServerBusy
+from bunkhouse.errors import ClientGone, InvalidRequest, RequestTooLarge
+from bunkhouse.shares import Shares
 
 
 def text_bytes(value: Any) -> int:
@@ -320,26 +321,11 @@ def _param(data: Any, loc: tuple[int | str, ...], *, missing: bool) -> str | Non
     return ".".join(path) or None
 
 
-class BodyBudget:
-    """Request body bytes held at once, all requests together (one owner: the front)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, n: int) -> None:
-        if self.held + n > self.limit:
-            raise ServerBusy("the server is holding as many request bodies as it may; "
-                             "retry shortly")
-        self.held += n
-
-    def give(self, n: int) -> None:
-        self.held -= n
-
-
-async def read_body(request: Request, limit: int, budget: BodyBudget | None = None) -> bytes:
+async def read_body(request: Request, limit: int, budget: Shares | None = None,
+                    client: str = "") -> bytes:
     """The request body, or RequestTooLarge (413) as soon as it passes ``limit`` bytes, or
-    ServerBusy (503) when ``budget`` has no room for it while it is read."""
+    ServerBusy (503) when ``budget`` has no room for it, or ``client`` has held its share of
+    it, while it is read."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestTooLarge(f"request body is {declared} bytes; the limit is {limit}")
@@ -351,11 +337,11 @@ async def read_body(request: Request, limit: int, budget: BodyBudget | None = No
             if size > limit:
                 raise RequestTooLarge(f"request body is over the limit of {limit} bytes")
             if budget is not None:
-                budget.take(len(chunk))
+                budget.take(client, len(chunk))
             chunks.append(chunk)
     except ClientDisconnect as e:  # gone mid-body (or cut for sending it too slowly)
         raise ClientGone("the client disconnected before its request body was read") from e
     finally:
         if budget is not None:
-            budget.give(sum(len(c) for c in chunks))
+            budget.give(client, sum(len(c) for c in chunks))
     return b"".join(chunks)

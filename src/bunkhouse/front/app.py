@@ -22,7 +22,6 @@ from starlette.routing import Route
 from bunkhouse import __version__, defaults
 from bunkhouse.api import anthropic, infill
 from bunkhouse.api.schemas import (
-    BodyBudget,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -67,6 +66,7 @@ from bunkhouse.front.waiting import WaitingOptions, WaitingStream
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import Lease, ResidencyManager
 from bunkhouse.residency.slots import Slot, SlotGate
+from bunkhouse.shares import Shares
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ class Front:
         # Large bodies parsed at once: each takes a few times its size while pydantic checks
         # it, so sixteen 15 MiB bodies at once took the front past 1 GB.
         self._parsing = asyncio.Semaphore(2)
-        self._bodies = BodyBudget(defaults.BODIES_IN_FLIGHT_BYTES)  # while they are read
+        self._bodies = Shares(defaults.BODIES_IN_FLIGHT_BYTES,  # while they are read
+                              "request body bytes being read")
 
     def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
         def parse(body: bytes) -> tuple[Any, dict[str, Any]]:
@@ -297,8 +298,10 @@ class Front:
             self.keeper.slot_idle(model, engine, slots, slot)
 
     async def read(self, request: Request) -> bytes:
-        """The request's body, within the body size limit and the bytes in flight."""
-        return await read_body(request, self.max_body_bytes, self._bodies)
+        """The request's body, within the body size limit and the bytes in flight (the
+        client's share of them included)."""
+        return await read_body(request, self.max_body_bytes, self._bodies,
+                               self.keys.client_of(request))
 
     async def cpu(self, size: int, fn: Callable[..., R], *args: Any) -> R:
         """``fn(*args)``: inline for a small input; for a large one on a thread, two at a
@@ -600,7 +603,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     olla = OllamaRoutes(front)
     extras = Extras(front)
     metrics = Metrics(residency, front.compute, keeper)
-    watch = EventStream(residency.events, events_heartbeat_s)
+    watch = EventStream(residency.events, keys.client_of, events_heartbeat_s)
     console = Console()
     audio = Transcriptions(front, max_audio_bytes)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),

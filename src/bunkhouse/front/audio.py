@@ -40,7 +40,6 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from bunkhouse.api.schemas import BodyBudget
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.whisper import OPENAI_NAME
 from bunkhouse.defaults import MAX_AUDIO_BYTES
@@ -56,6 +55,7 @@ from bunkhouse.errors import (
 )
 from bunkhouse.front.admission import Held
 from bunkhouse.front.proxy import client_gone
+from bunkhouse.shares import Shares
 
 if TYPE_CHECKING:
     from bunkhouse.front.app import Front
@@ -63,7 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 UPLOADS_IN_FLIGHT_BYTES = 1 << 30
-"""Upload bytes held (on disk, while read and transcribed) by all requests together."""
+"""Upload bytes held (on disk, while read and transcribed) by all requests together; one
+client holds at most a share of them (bunkhouse/shares.py: a quarter, 256 MiB, ten uploads
+of OpenAI's 25 MB)."""
 
 FORM_OVERHEAD_BYTES = 64 * 1024
 """A form's bytes besides the file: boundaries, part headers, the option fields."""
@@ -191,10 +193,11 @@ class Upload:
     size: int = 0
 
 
-async def read_upload(request: Request, limit: int, budget: BodyBudget) -> Upload:
+async def read_upload(request: Request, limit: int, budget: Shares, client: str) -> Upload:
     """The multipart form of ``request`` with its ``file`` part, read as it arrives.
     Raises RequestTooLarge (413) past ``limit`` bytes of file (plus the form's overhead),
-    ServerBusy (503) when ``budget`` has no room, InvalidRequest (400) for a body that is not
+    ServerBusy (503) when ``budget`` has no room or ``client`` holds its share of it,
+    InvalidRequest (400) for a body that is not
     a multipart form with one file in ``file``, an empty file, or one that is not audio;
     ClientGone when the client leaves while sending."""
     ctype = request.headers.get("content-type", "")
@@ -214,7 +217,7 @@ async def read_upload(request: Request, limit: int, budget: BodyBudget) -> Uploa
             if taken + len(chunk) > bound:
                 raise RequestTooLarge(f"the upload is over the limit of {limit} bytes of "
                                       "audio (--max-audio)", param="file")
-            budget.take(len(chunk))
+            budget.take(client, len(chunk))
             taken += len(chunk)
             yield chunk
 
@@ -223,15 +226,15 @@ async def read_upload(request: Request, limit: int, budget: BodyBudget) -> Uploa
     try:
         form = await parser.parse()
     except MultiPartException as e:
-        budget.give(taken)
+        budget.give(client, taken)
         raise _form_error(e.message) from e
     except ClientDisconnect as e:
-        budget.give(taken)
+        budget.give(client, taken)
         raise ClientGone("the client disconnected before its upload was read") from e
     except BaseException:
-        budget.give(taken)
+        budget.give(client, taken)
         raise
-    upload = Upload(form, lambda: budget.give(taken))
+    upload = Upload(form, lambda: budget.give(client, taken))
     try:
         for name, value in form.multi_items():
             if name != "file" and isinstance(value, UploadFile):
@@ -286,7 +289,7 @@ class Transcriptions:
     def __init__(self, front: Front, max_audio_bytes: int = MAX_AUDIO_BYTES) -> None:
         self.front = front
         self.max_audio_bytes = max_audio_bytes
-        self._uploads = BodyBudget(UPLOADS_IN_FLIGHT_BYTES)
+        self._uploads = Shares(UPLOADS_IN_FLIGHT_BYTES, "audio upload bytes")
         self._settling: set[asyncio.Task[None]] = set()  # abandoned ones, until idle
 
     def model(self, name: str | None) -> CatalogModel:
@@ -300,7 +303,8 @@ class Transcriptions:
         return model
 
     async def create(self, request: Request) -> Response:
-        upload = await read_upload(request, self.max_audio_bytes, self._uploads)
+        upload = await read_upload(request, self.max_audio_bytes, self._uploads,
+                                   self.front.keys.client_of(request))
         try:
             options = parse_fields(upload.form)
             model = self.model(options.model)

@@ -154,6 +154,16 @@ class Keys:
             return ""
         return hashlib.sha256(b"bunkhouse-owner:" + key.encode()).hexdigest()[:32]
 
+    def client_of(self, request: Request) -> str:
+        """Who holds a share of the shared budgets (bunkhouse/shares.py): a hash of the
+        request's key when it is a configured one, else its remote address (a key that
+        matches none would let one client pass as many)."""
+        key = presented_key(request)
+        if key is not None and (self.client or self.admin) \
+                and _matches(key, (*self.client, *self.admin)):
+            return "key:" + hashlib.sha256(b"bunkhouse-client:" + key.encode()).hexdigest()[:32]
+        return "address:" + (request.client.host if request.client else "")
+
     def guard(self, level: Level, handler: Handler) -> Handler:
         async def guarded(request: Request) -> Response:
             self.check(request, level)

@@ -19,8 +19,9 @@ keeps uvicorn's parser and everything else; we write it because uvicorn has no s
   or its last answer ended: 408 and the connection closes (idle kept-alive connections are
   closed sooner by uvicorn's keep-alive timeout);
 - a body not complete :data:`~bunkhouse.defaults.BODY_TIMEOUT_S` after its head, plus a second
-  per :data:`~bunkhouse.defaults.BODY_MIN_RATE` bytes received: the connection closes (the
-  app sees the client gone).
+  per :data:`~bunkhouse.defaults.BODY_MIN_RATE` bytes received, and at most
+  :data:`~bunkhouse.defaults.BODY_MAX_S` after it whatever the rate: the connection closes
+  (the app sees the client gone).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class HeadLimits:
     timeout_s: float = defaults.HEAD_TIMEOUT_S
     body_timeout_s: float = defaults.BODY_TIMEOUT_S
     body_min_rate: int = defaults.BODY_MIN_RATE
+    body_max_s: float = defaults.BODY_MAX_S
 
 
 class _HeadRefused(Exception):
@@ -88,10 +90,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _body_check(self) -> None:
         """The body's deadline: BODY_TIMEOUT_S after its head, a second more per
-        BODY_MIN_RATE bytes received."""
+        BODY_MIN_RATE bytes received, BODY_MAX_S after its head at most."""
         self._body_timer = None
-        deadline = (self._body_started + self.limits.body_timeout_s
-                    + self._body_bytes / self.limits.body_min_rate)
+        deadline = self._body_started + min(
+            self.limits.body_timeout_s + self._body_bytes / self.limits.body_min_rate,
+            self.limits.body_max_s)
         left = deadline - self.loop.time()
         if left > 0:
             self._body_timer = self.loop.call_later(left, self._body_check)
@@ -161,8 +164,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         self._body_started, self._body_bytes = self.loop.time(), 0
         if self._body_timer is None:
-            self._body_timer = self.loop.call_later(self.limits.body_timeout_s,
-                                                    self._body_check)
+            self._body_timer = self.loop.call_later(
+                min(self.limits.body_timeout_s, self.limits.body_max_s), self._body_check)
 
     def on_body(self, body: bytes) -> None:
         self._unparsed = 0

@@ -16,6 +16,10 @@ Ollama applies them, checked before any route:
   (``Sec-Fetch-Site: cross-site``, or an ``Origin`` that is neither this server nor a
   loopback address, a local name or an allowed host). ``curl -d`` sends such a content type
   too, but no ``Origin``: it keeps working, as Ollama's and llama.cpp's docs show it.
+- **Cross-site streams.** A long-lived stream (``GET /admin/events``) is refused to a
+  request from another site, however it is loaded: a page's iframes, embeds and objects send
+  no ``Origin`` but ``Sec-Fetch-Site: cross-site``, and held every event stream open, so the
+  console's own got 503.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ log = logging.getLogger(__name__)
 _SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded",
                            "multipart/form-data"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_STREAMS = frozenset({"/admin/events"})
+"""Routes a GET holds open for as long as the client likes: the residency event stream (a
+generation's stream is a POST, and runs out with its tokens)."""
 
 
 def is_loopback_bind(host: str) -> bool:
@@ -93,7 +100,7 @@ class SitePolicy:
         return any(a == "*" or a == name or (a.startswith(".") and name.endswith(a))
                    for a in self.allowed_hosts)
 
-    def refusal(self, method: str, headers: Headers) -> str | None:
+    def refusal(self, method: str, headers: Headers, path: str) -> str | None:
         """Why this request is refused (403), or None to serve it."""
         host = headers.get("host")
         if self.loopback_only and host is not None and not self.local_name(_hostname(host)):
@@ -104,6 +111,9 @@ class SitePolicy:
         if method in _BODY_METHODS and self._simple_body(headers) and self._cross_site(headers):
             return ("a cross-site request with a form or text/plain body is refused; send "
                     "the body as application/json")
+        if path in _STREAMS and self._cross_site(headers):
+            return ("a page of another site may not open this stream (in an iframe, embed "
+                    "or object, or with an EventSource unless --cors-origin names its origin)")
         return None
 
     @staticmethod
@@ -148,7 +158,8 @@ class SiteGuard:
             if len(hosts) > 1 or (not hosts and scope.get("http_version") == "1.1"):
                 err = InvalidRequest("an HTTP/1.1 request needs exactly one Host header "
                                      "(RFC 9112)")
-            elif (reason := self.policy.refusal(scope["method"], headers)) is not None:
+            elif (reason := self.policy.refusal(scope["method"], headers,
+                                                scope["path"])) is not None:
                 log.warning("refused %s %s: %s", scope["method"], scope["path"][:200], reason)
                 err = Forbidden(reason)
             if err is not None:

@@ -8,15 +8,18 @@ again at 1), the stream begins with a ``gap`` message (no id) saying which were 
 client knows to re-read the state (``GET /v1/models``). A comment line every
 ``heartbeat_s`` keeps proxies from closing a quiet stream. A reader that falls behind is
 dropped (residency never waits for it), and every stream ends when the server stops. At most
-:data:`MAX_READERS` streams are open at once; each event's message is encoded once, at its
-emit, whoever sends it.
+:data:`MAX_READERS` streams are open at once, at most a quarter of them by one client (its
+key, or its address without keys: bunkhouse/shares.py), so that no client holds them all;
+a web page of another site cannot open one (front/site.py). Each event's message is encoded
+once, at its emit, whoever sends it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -24,16 +27,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from bunkhouse.errors import InvalidRequest, ServerBusy
+from bunkhouse.errors import InvalidRequest
 from bunkhouse.residency.events import EventLog, Subscription
+from bunkhouse.shares import Shares
 
 HEARTBEAT_S = 15.0
 """Seconds of silence before a comment line is sent (as llama.cpp's ``--sse-ping-interval``
 and sse-starlette's default ping)."""
 
 MAX_READERS = 64
-"""Event streams open at once (a console tab holds one); more get 503 ``server_busy``.
-Each costs a queue and, on resuming, a write of up to the ring's 1,000 events."""
+"""Event streams open at once (a console tab holds one); more get 503 ``server_busy``, as do
+more than a client's share of them (a quarter: 16). Each costs a queue and, on resuming, a
+write of up to the ring's 1,000 events."""
 
 SEND_TIMEOUT_S = 30.0
 """Seconds one message may take to send before the reader is dropped as stuck."""
@@ -56,21 +61,27 @@ class _Subscribed(EventSourceResponse):
     """sse-starlette's response, closing its subscription when it ends (even one whose
     stream never started: its client left first)."""
 
-    def __init__(self, subscription: Subscription, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, subscription: Subscription, release: Callable[[], None], *args: Any,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.subscription = subscription
+        self.release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.subscription.close()
+            self.release()
 
 
 class EventStream:
-    def __init__(self, events: EventLog, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, events: EventLog, client_of: Callable[[Request], str],
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         self.events = events
+        self.client_of = client_of  # who holds a stream (front/auth.py Keys.client_of)
         self.heartbeat_s = heartbeat_s
+        self.open = Shares(MAX_READERS, "event streams")
 
     async def follow(self, request: Request) -> Response:
         after = _after(request)
@@ -78,12 +89,12 @@ class EventStream:
         if gap is not None and after is not None and after > self.events.last_seq:
             after = 0  # a restarted server: everything it still holds is new to the client
 
-        if self.events.readers >= MAX_READERS:
-            raise ServerBusy(f"{MAX_READERS} event streams are open already; close one, or "
-                             "retry shortly")
-        # subscribed in the same step as the check (no await between: the bound holds
-        # however many connect at once), closed when the response ends however it ends
+        client = self.client_of(request)
+        self.open.take(client, 1)  # 503 server_busy past the bound or the client's share
+        # subscribed in the same step as the count (no await between: the bound holds
+        # however many connect at once), both ended when the response ends however it ends
         subscription = self.events.subscribe(after)
+        release = functools.partial(self.open.give, client, 1)
 
         async def messages() -> AsyncIterator[ServerSentEvent | bytes]:
             try:
@@ -98,7 +109,7 @@ class EventStream:
 
         # at a stop, sse-starlette lets the stream end on its own for a moment: the server's
         # last event ("stopping") is sent, then the log's close ends it
-        return _Subscribed(subscription, messages(), ping=self.heartbeat_s,
+        return _Subscribed(subscription, release, messages(), ping=self.heartbeat_s,
                                    send_timeout=SEND_TIMEOUT_S, shutdown_grace_period=2.0,
                                    headers={"cache-control": "no-cache",
                                             "x-accel-buffering": "no"})
