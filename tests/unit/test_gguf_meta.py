@@ -76,3 +76,8 @@ def test_packaged_models_metadata(packaged_catalog: Catalog) -> None:
     assert (gemma.architecture, gemma.block_count, gemma.sliding_window) == ("gemma3", 18, 512)
     assert (gemma.head_count_kv, gemma.key_length) == (1, 256)
     assert not gemma.has_chat_template
+    assert (qwen.vocab_size, gemma.vocab_size) == (151936, 262144)
+    for model_id in ("qwen2.5-coder-0.5b-instruct", "gemma-3-270m"):  # within every budget
+        model = packaged_catalog.get(model_id)
+        fields, _ = read_fields(model.path, frozenset({"tokenizer.ggml.tokens"}))
+        assert len(fields["tokenizer.ggml.tokens"]) == model.info.vocab_size
