@@ -114,11 +114,51 @@ def hostile_headers() -> Iterator[tuple[str, bytes]]:
 
 
 def write_all(directory: Path) -> list[Path]:
-    """Every hostile header as ``directory/NN.gguf``."""
+    """Every hostile header as ``directory/hNN.gguf``, the sparse ones as ``sNN.gguf``."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, (_, data) in enumerate(hostile_headers()):
         path = directory / f"h{i:02d}.gguf"
         path.write_bytes(data)
         paths.append(path)
+    for i, (_, parts) in enumerate(sparse_headers()):
+        paths.append(write_sparse(directory / f"s{i:02d}.gguf", parts))
     return paths
+
+
+Part = bytes | int
+"""A sparse file's part: bytes as they are, or an int: a hole of that many zero bytes."""
+
+
+def write_sparse(path: Path, parts: list[Part]) -> Path:
+    """``parts`` as one file whose holes take no disk (they read as zeros)."""
+    with path.open("wb") as f:
+        for part in parts:
+            if isinstance(part, int):
+                f.seek(part, 1)
+            else:
+                f.write(part)
+        f.truncate()
+    return path
+
+
+def sparse_headers() -> Iterator[tuple[str, list[Part]]]:
+    """Headers declaring more than their disk holds: a few KiB each on disk, GiBs to a reader
+    that takes the header's word for it (zeros read as empty strings and arrays)."""
+    template = kv("tokenizer.chat_template", T.STRING, Q.pack(1 << 30))
+    yield "chat template of 1 GiB", [header([arch(), template]), 1 << 30]
+    description = kv("general.description", T.STRING, Q.pack(1 << 30))
+    yield "description of 1 GiB", [header([arch(), description]), 1 << 30,
+                                   u32("llama.context_length", 2048)]
+    empty = 12  # an empty array of bytes: type 0 (UINT8), count 0
+    arrays = [header([arch()], kv_count=33)]
+    for i in range(32):
+        arrays += [kv(f"x{i}", T.ARRAY, struct.pack("<I", T.ARRAY) + Q.pack(1 << 20)),
+                   empty << 20]
+    yield "32 arrays of 2^20 empty arrays", arrays
+    tokens = [header([arch(), kv("tokenizer.ggml.model", T.STRING, string("llama"))],
+                     kv_count=3),
+              kv("tokenizer.ggml.tokens", T.ARRAY, struct.pack("<I", T.STRING) + Q.pack(100))]
+    for _ in range(100):
+        tokens += [Q.pack(1 << 20), 1 << 20]
+    yield "100 tokens of 1 MiB", tokens

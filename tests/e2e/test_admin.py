@@ -15,7 +15,7 @@ import pytest
 
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
-from tests.helpers import wait_for
+from tests.helpers import wait_for, write_tiny_gguf
 
 ADMIN = {"authorization": "Bearer admin-e2e"}
 GEMMA = "gemma-3-270m"
@@ -85,6 +85,26 @@ def test_delete_while_a_stream_runs_is_202_and_the_stream_finishes(host: Server)
     assert lines[-1] == "data: [DONE]" and len(lines) > 100
     wait_for(lambda: httpx.get(f"{host.url}/v1/models/busy").status_code == 404, 10,
              "the drained model to leave the catalog")
+
+
+def test_a_refused_registration_and_a_delete_leave_nothing_behind(host: Server) -> None:
+    """A refused registration left an empty KV snapshot directory and two /metrics series."""
+    root = host.root  # type: ignore[attr-defined]
+    kv = host.log.parent / "kv"  # serve's --kv-cache-dir
+    before = set(kv.iterdir())
+    broken = write_tiny_gguf(root / "broken.gguf")  # a header llama.cpp then refuses
+    resp = httpx.post(f"{host.url}/v1/models", headers=ADMIN, timeout=120,
+                      json={"id": "broken", "path": str(broken)})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "path", resp.text
+    resp = httpx.post(f"{host.url}/v1/models", headers=ADMIN, timeout=120,
+                      json={"id": "gone", "path": str(root / "g.gguf")})
+    assert resp.status_code == 200, resp.text
+    assert httpx.delete(f"{host.url}/v1/models/gone", headers=ADMIN).status_code == 204
+    assert set(kv.iterdir()) == before
+    metrics = httpx.get(f"{host.url}/metrics").text
+    assert 'model="broken"' not in metrics and 'model="gone"' not in metrics
+    ids = [m["id"] for m in httpx.get(f"{host.url}/v1/models").json()["data"]]
+    assert "broken" not in ids and "gone" not in ids
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -175,7 +175,7 @@ def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(
 
     from gguf import GGUFValueType
 
-    from bunkhouse.catalog.gguf_meta import MAX_ARRAY_ITEMS
+    from bunkhouse.catalog.gguf_meta import MAX_HEADER_ITEMS
     from tests import hostile_gguf
     hostile = hostile_gguf.write_all(tmp_path / "models")
     listing = subprocess.run([sys.executable, "-m", "bunkhouse", "models", "--no-packaged",
@@ -183,10 +183,11 @@ def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
     assert "skipping" in listing.stderr
-    # The most items an array may hold, each an empty string: a slow scan, then a 400.
+    # The most items a header may hold (its key is one), each an empty string: the slowest
+    # scan, then a 400.
     root = tmp_path / "root"
     root.mkdir()
-    items = MAX_ARRAY_ITEMS
+    items = MAX_HEADER_ITEMS - 1
     slow = root / "slow.gguf"
     with slow.open("wb") as f:
         f.write(hostile_gguf.header([hostile_gguf.kv("x", GGUFValueType.ARRAY, b"")]))
@@ -204,11 +205,13 @@ def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(
 
         poller = threading.Thread(target=poll)
         poller.start()
+        front = psutil.Process(server.proc.pid)
+        before = front.memory_info().rss
         try:
             for i, path in enumerate([slow, *hostile]):
                 target = root / f"h{i}.gguf"
                 if path != slow:
-                    target.write_bytes(path.read_bytes())
+                    os.link(path, target)  # sparse files stay sparse
                 resp = httpx.post(f"{server.url}/v1/models", headers=ADMIN, timeout=120,
                                   json={"id": f"r{i}", "path": str(slow if path == slow
                                                                    else target)})
@@ -219,6 +222,10 @@ def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(
             done.set()
             poller.join()
         assert answered and set(answered) == {200}
+        # a sparse file declaring a 1 GiB chat template once took the front to 2 GiB
+        status = Path(f"/proc/{front.pid}/status").read_text()
+        peak = int(status.split("VmHWM:")[1].split()[0]) << 10
+        assert peak - before < 256 << 20
 
 
 def test_every_part_of_a_split_model_is_checked_and_counted(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+import tracemalloc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,13 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from bunkhouse.catalog import CatalogModel, build_catalog
-from bunkhouse.catalog.gguf_meta import GGUFInfo, read_gguf_info
+from bunkhouse.catalog.gguf_meta import (
+    MAX_KEPT_BYTES,
+    MAX_STRING_BYTES,
+    GGUFInfo,
+    read_fields,
+    read_gguf_info,
+)
 from bunkhouse.config import EngineOptions, Settings
 from bunkhouse.engines import engine_for
 from bunkhouse.errors import GGUFError
@@ -67,6 +74,46 @@ def test_random_damage_to_a_valid_header(data: st.DataObject) -> None:
         path = Path(d) / "r.gguf"
         path.write_bytes(bytes(raw))
         _scan(path)
+
+
+SPARSE = dict(hostile_gguf.sparse_headers())
+VOCAB = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.model"})
+
+
+def _outcome(scan: Callable[[], object]) -> str:
+    try:
+        scan()
+    except GGUFError as e:
+        return str(e)
+    return "read"
+
+
+@pytest.mark.parametrize(("name", "info", "vocab"), [
+    ("chat template of 1 GiB", "tokenizer.chat_template is a string of 1073741824", "read"),
+    ("description of 1 GiB", "read", "read"),  # not needed: seeked over, never read
+    ("100 tokens of 1 MiB", "read", f"limit of {MAX_KEPT_BYTES} bytes"),
+])
+def test_a_string_declared_huge_costs_no_more_than_the_budgets(
+        tmp_path: Path, name: str, info: str, vocab: str) -> None:
+    """A sparse file of a few KiB declaring a 1 GiB chat template took the front from 76 to
+    2,169 MiB; now a kept string has a cap, others are never read, and all kept is bounded."""
+    path = hostile_gguf.write_sparse(tmp_path / "s.gguf", SPARSE[name])
+    tracemalloc.start()
+    try:
+        outcomes = (_outcome(lambda: read_gguf_info(path)),
+                    _outcome(lambda: read_fields(path, VOCAB)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info in outcomes[0] and vocab in outcomes[1]
+    assert peak < MAX_KEPT_BYTES + 2 * MAX_STRING_BYTES
+
+
+def test_the_whole_header_has_one_budget_of_items(tmp_path: Path) -> None:
+    """32 arrays of 2^20 empty arrays, each under any per-array bound, took 141 s to scan."""
+    path = hostile_gguf.write_sparse(tmp_path / "s.gguf", SPARSE["32 arrays of 2^20 empty arrays"])
+    with pytest.raises(GGUFError, match="items a scan visits in a whole header"):
+        read_gguf_info(path)
 
 
 def test_the_catalog_scan_skips_every_hostile_file_with_a_warning(

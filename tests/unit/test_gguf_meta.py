@@ -28,8 +28,10 @@ def test_reads_serving_facts(tmp_path: Path) -> None:
 
 def test_agrees_with_the_gguf_package_reader(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "m.gguf", vocab=5000)
-    fields, tensor_count = read_fields(path)
     reader = gguf.GGUFReader(str(path))
+    texts = frozenset(name for name, field in reader.fields.items()
+                      if gguf.GGUFValueType.STRING in field.types)
+    fields, tensor_count = read_fields(path, strings=texts)
     assert tensor_count == len(reader.tensors)
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):
@@ -38,6 +40,8 @@ def test_agrees_with_the_gguf_package_reader(tmp_path: Path) -> None:
             assert fields[name] is None or fields[name] == list(field.contents())
         else:
             assert fields[name] == pytest.approx(field.contents()), name
+    unasked = read_fields(path)[0]  # strings not asked for: seeked over, never read
+    assert texts and all(unasked.get(name) is None for name in texts)
 
 
 def test_no_chat_template(tmp_path: Path) -> None:
@@ -72,3 +76,8 @@ def test_packaged_models_metadata(packaged_catalog: Catalog) -> None:
     assert (gemma.architecture, gemma.block_count, gemma.sliding_window) == ("gemma3", 18, 512)
     assert (gemma.head_count_kv, gemma.key_length) == (1, 256)
     assert not gemma.has_chat_template
+    assert (qwen.vocab_size, gemma.vocab_size) == (151936, 262144)
+    for model_id in ("qwen2.5-coder-0.5b-instruct", "gemma-3-270m"):  # within every budget
+        model = packaged_catalog.get(model_id)
+        fields, _ = read_fields(model.path, frozenset({"tokenizer.ggml.tokens"}))
+        assert len(fields["tokenizer.ggml.tokens"]) == model.info.vocab_size

@@ -205,8 +205,24 @@ def test_private_files_and_purge(tmp_path: Path) -> None:
     for suffix in (".bin", ".json"):
         assert stat.S_IMODE(os.stat(model_dir / f"{digest}{suffix}").st_mode) == 0o600
     assert store.purge("org/model:q4") == 1
-    assert not list(model_dir.iterdir())
+    assert not model_dir.exists()  # emptied: gone too (made again at the next save)
     assert store.purge() == 1 and store.stats.bytes == 0
+
+
+def test_a_model_directory_that_holds_nothing_is_removed(tmp_path: Path) -> None:
+    """A model gone for good (a refused registration) left an empty directory behind."""
+    store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
+    empty, kept, foreign = (store.model_dir(m) for m in ("empty", "kept", "foreign"))
+    _save(store, "kept", [1])
+    (foreign / "notes.txt").write_text("not the store's")
+    for model in ("empty", "kept", "foreign"):
+        store.drop_empty(model)
+    assert not empty.exists() and kept.is_dir() and (foreign / "notes.txt").is_file()
+    store.close()
+    left = tmp_path / "kv" / "left-from-an-earlier-run"
+    left.mkdir()
+    SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock()).close()
+    assert not left.exists() and kept.is_dir()
 
 
 def _slot_file(path: Path, words: list[int], magic: int = 0x67677371, version: int = 4,

@@ -3,14 +3,18 @@
 The header is scanned with the ``gguf`` package's type codes and key names, but without its
 ``GGUFReader``: that reader builds a numpy view of every tokenizer string (6-10 s for a
 150k-token vocabulary on 2 cores), while serving needs a dozen scalars. The scanner below
-skips the large arrays by their lengths and reads the rest (about 50 ms), and the unit tests
+skips the large arrays by their lengths and reads the rest (about 50-100 ms), and the unit tests
 check it against ``GGUFReader`` on the same files.
 
-A model file is untrusted input (a download, a runtime registration). Every count and length
-the header declares is checked against the bytes the file has left before it is used, arrays
-nest at most :data:`MAX_ARRAY_DEPTH` deep, an array holds at most :data:`MAX_ARRAY_ITEMS`
-items and a header at most :data:`MAX_KEYS` keys; anything else wrong is a ``GGUFError``,
-never another exception. The scan is blocking file work: the front runs it off the event loop.
+A model file is untrusted input (a download, a runtime registration, a sparse file that
+declares GiBs in a few KiB of disk). Every count and length the header declares is checked
+against the bytes the file has left before it is used; arrays nest at most
+:data:`MAX_ARRAY_DEPTH` deep; the whole scan visits at most :data:`MAX_HEADER_ITEMS` items
+one by one (arrays of numbers are seeked over whole) and a header holds at most
+:data:`MAX_KEYS` keys; only the strings a caller names are read, each at most
+:data:`MAX_STRING_BYTES`, and everything kept takes at most :data:`MAX_KEPT_BYTES`. Anything
+else wrong is a ``GGUFError``, never another exception. The scan is blocking file work: the
+front runs it off the event loop.
 """
 
 from __future__ import annotations
@@ -33,16 +37,40 @@ _MAX_KEPT_ARRAY = 4096
 MAX_ARRAY_DEPTH = 8
 """Arrays of arrays nest at most this deep (real models nest none)."""
 
-MAX_ARRAY_ITEMS = 1 << 22
-"""Items in one array: 4,194,304, 16x the largest vocabulary shipped today (Gemma 3's 262,144
-tokens); it bounds the scan's time on a file of tiny items (about 1 s on one core)."""
+MAX_HEADER_ITEMS = 1 << 21
+"""Items a scan visits one by one, in the whole header: keys, the strings of string arrays,
+the arrays of nested arrays and the numbers of the short arrays it keeps. 2,097,152: 7x the
+303,323 of Qwen2.5's tokens and merges, 8x Gemma 3's 262,144 tokens (the largest vocabulary
+shipped today); about a second of scanning on a loaded core (0.3 us a string, 0.55 us a
+nested array). Arrays of numbers are seeked over in one step, at no cost per item."""
 
 MAX_KEYS = 1 << 16
 """Metadata keys in one header (real models have tens)."""
 
+MAX_KEY_BYTES = 65535
+"""Bytes in one metadata key: the GGUF specification's bound."""
+
+MAX_STRING_BYTES = 1 << 20
+"""Bytes in one string the scan keeps (a chat template, the architecture, a vocabulary token):
+1 MiB. Real chat templates are at most tens of KiB (Qwen2.5-Coder's is 2.5 KiB), tokens at
+most hundreds of bytes. A longer one is a GGUFError naming its key; strings the scan does not
+keep are seeked over, never read, whatever their length."""
+
+MAX_KEPT_BYTES = 1 << 26
+"""Memory the values a scan keeps may take, all together: 64 MiB, counting each key, string
+and number kept as its bytes plus :data:`_OBJECT_BYTES`. Gemma 3's vocabulary, the largest
+read, counts 19 MiB (262,144 tokens of 2.3 MB)."""
+
+_OBJECT_BYTES = 64
+"""What one kept Python value costs besides its bytes (a str object is 49-80 bytes, an int
+28-32, plus its slot in a list or dict): a round figure, on the side of caution."""
+
 MAX_VALUE = 1 << 48
 """Largest count or size a model's metadata may state; beyond it (or negative, or not a finite
 number) the key counts as absent."""
+
+_U64 = struct.Struct("<Q")
+_ARRAY_HEAD = struct.Struct("<IQ")  # an array's item type and count
 
 _SCALAR_FORMATS: dict[int, str] = {
     GGUFValueType.UINT8: "<B",
@@ -57,6 +85,7 @@ _SCALAR_FORMATS: dict[int, str] = {
     GGUFValueType.INT64: "<q",
     GGUFValueType.FLOAT64: "<d",
 }
+_ITEM_BYTES = {vtype: struct.calcsize(fmt) for vtype, fmt in _SCALAR_FORMATS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +116,16 @@ class GGUFInfo:
 
 
 class _Cursor:
-    """Little-endian reads over a buffer, with a clear error at a truncated file."""
+    """Little-endian reads over a buffer, with a clear error at a truncated file, and the
+    scan's budgets: items visited (:data:`MAX_HEADER_ITEMS`), bytes kept
+    (:data:`MAX_KEPT_BYTES`)."""
 
     def __init__(self, buf: Any, path: Path) -> None:
         self.buf = buf
         self.pos = 0
         self.path = path
+        self.items_left = MAX_HEADER_ITEMS
+        self.kept_left = MAX_KEPT_BYTES
 
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
@@ -102,74 +135,124 @@ class _Cursor:
         self.pos += size
         return value
 
-    def string(self) -> str:
-        raw = self.raw_string()
-        return raw.decode("utf-8", errors="replace")
-
-    def raw_string(self) -> bytes:
-        length = self.unpack("<Q")
+    def string(self, what: str, limit: int = MAX_STRING_BYTES) -> str:
+        """A string the scan keeps: at most ``limit`` bytes (else a GGUFError naming
+        ``what``), charged to the kept bytes."""
+        length: int = self.unpack("<Q")
+        if length > limit:
+            raise GGUFError(f"{self.path}: GGUF {what} is a string of {length} bytes at byte "
+                            f"{self.pos - 8}, over the limit of {limit}")
+        self.keep(length + _OBJECT_BYTES, what)
         end = self.pos + length
         if end > len(self.buf):
             raise GGUFError(f"{self.path}: truncated GGUF string at byte {self.pos}")
         raw = bytes(self.buf[self.pos : end])
         self.pos = end
-        return raw
+        return raw.decode("utf-8", errors="replace")
+
+    def skip_strings(self, n: int) -> None:
+        """Seek over ``n`` strings, reading only their lengths (the scan's hot loop)."""
+        buf, pos, size, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        for _ in range(n):
+            if pos + 8 > size:
+                raise GGUFError(f"{self.path}: truncated GGUF string at byte {pos}")
+            pos += 8 + unpack(buf, pos)[0]
+        if pos > size:
+            raise GGUFError(f"{self.path}: truncated GGUF string at byte {self.pos}")
+        self.pos = pos
 
     def skip(self, n: int) -> None:
         if self.pos + n > len(self.buf):
             raise GGUFError(f"{self.path}: truncated GGUF value at byte {self.pos}")
         self.pos += n
 
-    def count(self, min_item_bytes: int, limit: int, what: str) -> int:
+    def keep(self, nbytes: int, what: str) -> None:
+        """Charge ``nbytes`` of kept values (a GGUFError naming ``what`` past the budget)."""
+        self.kept_left -= nbytes
+        if self.kept_left < 0:
+            raise GGUFError(f"{self.path}: GGUF {what} at byte {self.pos} takes the values "
+                            f"kept past the limit of {MAX_KEPT_BYTES} bytes")
+
+    def count(self, min_item_bytes: int, what: str, *, limit: int | None = None,
+              visited: bool = True) -> int:
         """A declared count of items, each taking at least ``min_item_bytes``: refused when
-        over ``limit`` or when the file has not that many bytes left."""
+        the file has not that many bytes left or over ``limit``; items the scan visits one by
+        one are charged to its budget of :data:`MAX_HEADER_ITEMS`."""
         n: int = self.unpack("<Q")
-        if n > limit or n * min_item_bytes > len(self.buf) - self.pos:
+        if visited and n > self.items_left:
             raise GGUFError(f"{self.path}: GGUF header declares {n} {what} at byte "
-                            f"{self.pos - 8}, more than the file can hold or than the "
-                            f"limit of {limit}")
+                            f"{self.pos - 8}, past the {MAX_HEADER_ITEMS} items a scan "
+                            f"visits in a whole header ({self.items_left} left)")
+        if (limit is not None and n > limit) or n * min_item_bytes > len(self.buf) - self.pos:
+            bound = "" if limit is None else f" or than the limit of {limit}"
+            raise GGUFError(f"{self.path}: GGUF header declares {n} {what} at byte "
+                            f"{self.pos - 8}, more than the file can hold{bound}")
+        if visited:
+            self.items_left -= n
         return n
 
 
-def _value(cur: _Cursor, vtype: int) -> Any:
-    if vtype == GGUFValueType.STRING:
-        return cur.string()
+def _value(cur: _Cursor, key: str, vtype: int) -> Any:
     if vtype == GGUFValueType.ARRAY:
         return _array(cur)
     fmt = _SCALAR_FORMATS.get(vtype)
     if fmt is None:
         raise GGUFError(f"{cur.path}: unknown GGUF value type {vtype} at byte {cur.pos}")
+    cur.keep(_OBJECT_BYTES, key)
     return cur.unpack(fmt)
 
 
 def _array(cur: _Cursor, depth: int = 1) -> list[Any] | None:
+    """A short array of numbers at the top level, as a list; None for anything else, which
+    is seeked over (strings one by one, nested arrays and long arrays of numbers whole)."""
     if depth > MAX_ARRAY_DEPTH:
         raise GGUFError(f"{cur.path}: GGUF arrays nested deeper than {MAX_ARRAY_DEPTH} at "
                         f"byte {cur.pos}")
     etype = cur.unpack("<I")
     if etype == GGUFValueType.STRING:
-        for _ in range(cur.count(8, MAX_ARRAY_ITEMS, "strings")):
-            cur.skip(cur.unpack("<Q"))
+        cur.skip_strings(cur.count(8, "strings"))
         return None
     if etype == GGUFValueType.ARRAY:
-        for _ in range(cur.count(12, MAX_ARRAY_ITEMS, "arrays")):
-            _array(cur, depth + 1)
+        _skip_arrays(cur, cur.count(12, "arrays"), depth + 1)
         return None
-    fmt = _SCALAR_FORMATS.get(etype)
-    if fmt is None:
+    size = _ITEM_BYTES.get(etype)
+    if size is None:
         raise GGUFError(f"{cur.path}: unknown GGUF array type {etype} at byte {cur.pos}")
-    size = struct.calcsize(fmt)
-    count = cur.count(size, 1 << 62, "numbers")  # skipped in one step: no item limit
-    if count > _MAX_KEPT_ARRAY:
+    start = cur.pos
+    count = cur.count(size, "numbers", visited=False)  # skipped in one step: no item limit
+    if depth > 1 or count > _MAX_KEPT_ARRAY:
         cur.skip(size * count)
         return None
-    return [cur.unpack(fmt) for _ in range(count)]
+    cur.pos = start
+    count = cur.count(size, "numbers")  # kept: each is an item and a value
+    cur.keep(count * _OBJECT_BYTES, "array of numbers")
+    values = list(struct.unpack_from(f"<{count}{_SCALAR_FORMATS[etype][1]}", cur.buf, cur.pos))
+    cur.pos += size * count
+    return values
+
+
+def _skip_arrays(cur: _Cursor, n: int, depth: int) -> None:
+    """Seek over ``n`` arrays nested ``depth`` deep: each of numbers in one step (the hot
+    loop), any other through :func:`_array` (strings, arrays, errors)."""
+    buf, size, head = cur.buf, len(cur.buf), _ARRAY_HEAD.unpack_from
+    for _ in range(n):
+        pos = cur.pos
+        etype, count = head(buf, pos) if pos + 12 <= size else (-1, 0)
+        item = _ITEM_BYTES.get(etype)
+        if item is None or depth > MAX_ARRAY_DEPTH:
+            _array(cur, depth)  # raises, or reads what it holds
+            continue
+        end = pos + 12 + count * item
+        if end > size:
+            raise GGUFError(f"{cur.path}: truncated GGUF array at byte {pos}")
+        cur.pos = end
 
 
 def read_fields(path: Path, strings: frozenset[str] = frozenset()
                 ) -> tuple[dict[str, Any], int]:
-    """All scalar and short numeric-array metadata of ``path``, and its tensor count; the
-    string arrays named in ``strings`` (e.g. the vocabulary) are read too, as lists."""
+    """The number and short numeric-array metadata of ``path``, and its tensor count; the
+    strings and string arrays of the keys named in ``strings`` (e.g. the chat template, the
+    vocabulary) are read too, arrays as lists. Other strings are seeked over, never read."""
     try:
         # O_NONBLOCK: a FIFO swapped in for a model file must not block the open
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -186,11 +269,23 @@ def read_fields(path: Path, strings: frozenset[str] = frozenset()
         os.close(fd)
 
 
-def _string_array(cur: _Cursor) -> list[str]:
+def _string_array(cur: _Cursor, key: str) -> list[str]:
     etype = cur.unpack("<I")
     if etype != GGUFValueType.STRING:
         raise GGUFError(f"{cur.path}: expected an array of strings at byte {cur.pos}")
-    return [cur.string() for _ in range(cur.count(8, MAX_ARRAY_ITEMS, "strings"))]
+    n = cur.count(8, "strings")
+    buf, size, unpack = cur.buf, len(cur.buf), _U64.unpack_from
+    values = []
+    for _ in range(n):  # cur.string inlined (the vocabulary's 150k-262k tokens)
+        pos = cur.pos
+        length = unpack(buf, pos)[0] if pos + 8 <= size else -1
+        cur.kept_left -= length + _OBJECT_BYTES
+        if not 0 <= length <= MAX_STRING_BYTES or pos + 8 + length > size or cur.kept_left < 0:
+            cur.kept_left += length + _OBJECT_BYTES
+            return [cur.string(key)]  # raises the error that fits
+        values.append(buf[pos + 8 : pos + 8 + length].decode("utf-8", errors="replace"))
+        cur.pos = pos + 8 + length
+    return values
 
 
 def _read_header(cur: _Cursor, strings: frozenset[str]) -> tuple[dict[str, Any], int]:
@@ -200,23 +295,28 @@ def _read_header(cur: _Cursor, strings: frozenset[str]) -> tuple[dict[str, Any],
     version = cur.unpack("<I")
     if version not in (2, 3):
         raise GGUFError(f"{cur.path}: unsupported GGUF version {version}")
-    tensor_count = cur.count(0, 1 << 24, "tensors")  # tensor infos follow the metadata
-    kv_count = cur.count(12, MAX_KEYS, "metadata keys")  # key length, type, value
+    # tensor infos follow the metadata: not read
+    tensor_count = cur.count(0, "tensors", limit=1 << 24, visited=False)
+    kv_count = cur.count(12, "metadata keys", limit=MAX_KEYS)  # key length, type, value
     fields: dict[str, Any] = {}
     for _ in range(kv_count):
-        key = cur.string()
-        if len(key) > 65535:  # the GGUF spec's bound on key length
-            raise GGUFError(f"{cur.path}: a GGUF metadata key of {len(key)} bytes")
+        key = cur.string(f"metadata key at byte {cur.pos}", MAX_KEY_BYTES)
         vtype = cur.unpack("<I")
         if key in strings and vtype == GGUFValueType.ARRAY:
-            fields[key] = _string_array(cur)
+            fields[key] = _string_array(cur, key)
+        elif vtype == GGUFValueType.STRING:
+            if key in strings:
+                fields[key] = cur.string(key)
+            else:
+                cur.skip_strings(1)
         elif vtype == GGUFValueType.ARRAY:
             start = cur.pos
             fields[key] = _array(cur)
             if fields[key] is None:  # skipped: keep its length
-                fields[f"{key}.count"] = struct.unpack_from("<Q", cur.buf, start + 4)[0]
+                cur.keep(_OBJECT_BYTES, key)
+                fields[f"{key}.count"] = _U64.unpack_from(cur.buf, start + 4)[0]
         else:
-            fields[key] = _value(cur, vtype)
+            fields[key] = _value(cur, key, vtype)
     return fields, tensor_count
 
 
@@ -233,9 +333,12 @@ def _int(fields: dict[str, Any], key: str) -> int | None:
     return int(value)
 
 
+_INFO_STRINGS = frozenset({"general.architecture", "general.name", "tokenizer.chat_template"})
+
+
 def read_gguf_info(path: Path) -> GGUFInfo:
     """Read the serving-relevant metadata of the GGUF file at ``path``."""
-    fields, tensor_count = read_fields(path)
+    fields, tensor_count = read_fields(path, _INFO_STRINGS)
     arch = fields.get("general.architecture")
     if not isinstance(arch, str) or not 0 < len(arch) <= 64:
         raise GGUFError(f"{path}: GGUF file has no general.architecture (a short string)")

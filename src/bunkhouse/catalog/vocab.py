@@ -78,7 +78,7 @@ def _token_bytes(token: str, model: str, decoder: dict[str, int]) -> bytes:
 def pair_table(path: Path, mtime_ns: int) -> PairTable | None:
     """The pair table of the GGUF at ``path`` (cached per file version), or None when its
     vocabulary is of a kind this bound does not understand. Raises GGUFError."""
-    fields, _ = read_fields(path, strings=frozenset({_TOKENS_KEY}))
+    fields, _ = read_fields(path, strings=frozenset({_TOKENS_KEY, _MODEL_KEY}))
     model, tokens = fields.get(_MODEL_KEY), fields.get(_TOKENS_KEY)
     if model not in ("gpt2", "llama") or not isinstance(tokens, list) or not tokens:
         return None

@@ -15,12 +15,14 @@ Two kinds of figures:
   the workers); load time (from the ``ready`` event).
 
 Label values are bounded: ``model`` only takes catalog ids (a request for an unknown model
-is counted under ``-``), ``route`` the route's template (``unmatched`` for a 404),
-``protocol`` and ``cause`` a fixed set each.
+is counted under ``-``), and a model gone for good (deleted, a refused registration, removed
+from the configuration) takes its series with it; ``route`` the route's template
+(``unmatched`` for a 404), ``protocol`` and ``cause`` a fixed set each.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,7 +184,19 @@ class Metrics:
         self.load_time = Histogram("bunkhouse_model_load_seconds", "seconds from a load's "
                                    "start to its worker being ready", ["model"],
                                    buckets=LOAD_BUCKETS, registry=reg)
+        self._requests_of: dict[str, set[tuple[str, str, str, str]]] = {}  # model -> labels
         residency.events.listen(self.on_event)
+        residency.events.on_forget(self.forget)
+
+    def forget(self, model_id: str) -> None:
+        """A model gone for good: its series go too."""
+        for metric in (self.first_token, self.queue_wait, self.tokens_in, self.tokens_out,
+                       self.load_time, *self.engine.values()):
+            with contextlib.suppress(KeyError):
+                metric.remove(model_id)
+        for labels in self._requests_of.pop(model_id, set()):
+            with contextlib.suppress(KeyError):
+                self.requests.remove(*labels)
 
     def on_event(self, event: Event) -> None:
         if event.kind == "ready" and isinstance(event.data.get("load_s"), (int, float)):
@@ -194,10 +208,13 @@ class Metrics:
         state: dict[str, Any] = scope.get("state") or {}
         route = state.get("route", "unmatched")
         model = state.get("model", "-")
-        self.requests.labels(route, protocol_of(route, scope.get("method", "")),
-                             str(status or 0), model).inc()
+        if model not in self.residency.catalog:  # gone meanwhile (e.g. this request deleted it)
+            model = "-"
+        labels = (route, protocol_of(route, scope.get("method", "")), str(status or 0), model)
+        self.requests.labels(*labels).inc()
         if model == "-":
             return
+        self._requests_of.setdefault(model, set()).add(labels)
         if state.get("stream") and first_s is not None and status == 200:
             self.first_token.labels(model).observe(first_s)
         if isinstance(state.get("queue_s"), float):

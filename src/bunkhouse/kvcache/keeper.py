@@ -124,6 +124,13 @@ class SnapshotKeeper:
         self._flushing = asyncio.Lock()  # drains flush one model at a time
         self._timers: set[asyncio.TimerHandle] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        events.on_forget(self.forget)
+
+    def forget(self, model_id: str) -> None:
+        """A model gone for good: its counts go, and its directory if it holds no snapshot
+        (snapshots stay until they are purged or pushed out, for an id registered again)."""
+        self._counts.pop(model_id, None)
+        self.store.drop_empty(model_id)
 
     # -- keys ---------------------------------------------------------------------------
 

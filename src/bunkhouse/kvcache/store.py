@@ -216,6 +216,12 @@ def _release(key: Path) -> None:
             del _HELD[key]
 
 
+def _rmdir_if_empty(path: Path) -> None:
+    """Remove ``path`` if it is an empty directory (anything else in it stays)."""
+    with contextlib.suppress(OSError):  # not empty, gone, not a directory (a link)
+        path.rmdir()
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{_STAGING}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -313,6 +319,11 @@ class SnapshotStore:
             path.mkdir(mode=0o700, exist_ok=True)
         return path
 
+    def drop_empty(self, model_id: str) -> None:
+        """Remove the model's directory if it holds nothing (made again when needed)."""
+        if not self._read_only:
+            _rmdir_if_empty(self.root / _dir_name(model_id))
+
     def worker_dir(self, model_id: str) -> Path | None:
         """:meth:`model_dir` for a worker's start: None (the worker saves nothing, and says
         so in the log) rather than an error that would fail the model's load."""
@@ -343,6 +354,8 @@ class SnapshotStore:
                     self._remove(path)  # its sidecar was never written
                 elif name.endswith(_SIDECAR):
                     self._index(model_dir, path)
+            if not self._read_only:
+                _rmdir_if_empty(model_dir)  # a model's that never kept a snapshot
         self.stats.bytes = sum(e.bytes for e in self._entries.values())
 
     def _remove(self, path: Path) -> None:
@@ -568,6 +581,8 @@ class SnapshotStore:
             for entry in victims:
                 self._discard(entry.folder, entry.digest,
                               model_id=entry.model_id)
+            for folder in {entry.folder for entry in victims}:
+                _rmdir_if_empty(folder)  # made again at its model's next save
             return len(victims)
 
     def snapshots(self, model_id: str | None = None) -> list[tuple[str, str, int]]:

@@ -99,17 +99,16 @@ class EventLog:
         self._seq = 0
         self.by_model: dict[tuple[str, str], int] = {}  # (model, kind) -> count
         self.drains: dict[tuple[str, str], int] = {}  # (model, cause) -> count
+        self._totals: dict[str, int] = {}  # kind -> count, forgotten models' included
         self._subscribers: set[Subscription] = set()
         self._listeners: list[Callable[[Event], None]] = []
+        self._forgetters: list[Callable[[str], None]] = []
         self.closed = False
 
     @property
     def counts(self) -> dict[str, int]:
-        """Events by kind, all models together."""
-        totals: dict[str, int] = {}
-        for (_, kind), count in self.by_model.items():
-            totals[kind] = totals.get(kind, 0) + count
-        return totals
+        """Events by kind, all models together (those since removed included)."""
+        return dict(self._totals)
 
     @property
     def last_seq(self) -> int:
@@ -129,6 +128,7 @@ class EventLog:
         event = _encoded(Event(self._seq, time.time(), model, kind, reason, data))
         self._events.append(event)
         self.by_model[(model, kind)] = self.by_model.get((model, kind), 0) + 1
+        self._totals[kind] = self._totals.get(kind, 0) + 1
         if kind != "load_progress":  # progress has its own, rarer, log line
             log.info("model %s: %s (%s)", model, kind, reason)
         for listener in self._listeners:
@@ -143,6 +143,23 @@ class EventLog:
     def listen(self, listener: Callable[[Event], None]) -> None:
         """Call ``listener(event)`` with every event as it is emitted (it must not block)."""
         self._listeners.append(listener)
+
+    def on_forget(self, forgetter: Callable[[str], None]) -> None:
+        """Call ``forgetter(model_id)`` when a model is gone for good (it must not block)."""
+        self._forgetters.append(forgetter)
+
+    def forget(self, model_id: str) -> None:
+        """A model is gone for good (deleted, a refused registration, removed from the
+        configuration): its counts go, and every part of the front that keeps something per
+        model drops it (the ring keeps its events, as it keeps any)."""
+        for counts in (self.by_model, self.drains):
+            for key in [k for k in counts if k[0] == model_id]:
+                del counts[key]
+        for forgetter in self._forgetters:
+            try:
+                forgetter(model_id)
+            except Exception:
+                log.exception("model %s: forgetting it failed", model_id)
 
     def recent(self, limit: int = 100) -> list[Event]:
         return list(self._events)[-limit:]

@@ -142,6 +142,7 @@ class Executor:
         elif isinstance(e, msg.CatalogRemove):
             if e.model in self.catalog:
                 self.catalog.remove(e.model)
+            self.events.forget(e.model)  # what the front keeps per model goes with it
         elif isinstance(e, msg.CatalogAdopt):
             self.catalog.adopt(e.catalog, e.keep)
 
