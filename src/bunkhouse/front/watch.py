@@ -1,11 +1,12 @@
 """``GET /admin/events``: residency's events as Server-Sent Events, with sse-starlette.
 
-Each event is one SSE message: ``id`` is its sequence number, ``data`` its JSON
-(``seq, time, model, kind, reason, data``). A client that reconnects with ``Last-Event-ID``
-(or ``?after=N``) gets what followed from the in-memory ring (residency/events.py), then live
-events. If the ring no longer holds them all, or the server restarted (its numbers begin
-again at 1), the stream begins with a ``gap`` message (no id) saying which were lost, so a
-client knows to re-read the state (``GET /v1/models``). A comment line every
+Each event is one SSE message: ``id`` is its sequence number, ``data`` its JSON (``seq,
+time, model, kind, reason, data``, and ``detail`` for an admin-key caller where the event
+has one: a server path, a worker's output). A client that reconnects with ``Last-Event-ID``
+(or ``?after=N``) gets what followed from the in-memory ring (residency/events.py), then
+live events. If the ring no longer holds them all, or the server restarted (its numbers
+begin again at 1), the stream begins with a ``gap`` message (no id) saying which were lost,
+so a client knows to re-read the state (``GET /v1/models``). A comment line every
 ``heartbeat_s`` keeps proxies from closing a quiet stream. A reader that falls behind is
 dropped (residency never waits for it), and every stream ends when the server stops. At most
 :data:`MAX_READERS` streams are open at once; each event's message is encoded once, at its
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -68,12 +69,16 @@ class _Subscribed(EventSourceResponse):
 
 
 class EventStream:
-    def __init__(self, events: EventLog, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, events: EventLog, heartbeat_s: float = HEARTBEAT_S,
+                 admin: Callable[[Request], bool] = lambda request: False) -> None:
+        """``admin(request)``: whether the caller sees events' details (an admin key)."""
         self.events = events
         self.heartbeat_s = heartbeat_s
+        self.admin = admin
 
     async def follow(self, request: Request) -> Response:
         after = _after(request)
+        detail = self.admin(request)
         gap = self._gap(after)
         if gap is not None and after is not None and after > self.events.last_seq:
             after = 0  # a restarted server: everything it still holds is new to the client
@@ -90,9 +95,9 @@ class EventStream:
                 if gap is not None:
                     yield ServerSentEvent(data=json.dumps(gap), event="gap")
                 if subscription.backlog:  # one write, each message encoded at its emit
-                    yield b"".join(e.sse for e in subscription.backlog)
+                    yield b"".join(e.message(detail) for e in subscription.backlog)
                 while (event := await subscription.next()) is not None:
-                    yield event.sse  # quiet spells: sse-starlette's ping covers them
+                    yield event.message(detail)  # quiet spells: sse-starlette's ping covers them
             finally:
                 subscription.close()
 
