@@ -180,6 +180,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--responses-keep", type=_count, default=defaults.RESPONSES_KEEP,
                        metavar="N", help="stored responses kept, oldest dropped first "
                                          "(%(default)s; 0 stores none)")
+    serve.add_argument("--responses-max", type=_size, default=defaults.RESPONSES_MAX_BYTES,
+                       metavar="SIZE",
+                       help="bytes the stored responses may take together, oldest dropped "
+                            "first (1GiB); a request that could not be stored within it "
+                            "gets 400 naming store")
     serve.add_argument("--responses-days", type=_positive, metavar="DAYS",
                        default=defaults.RESPONSES_MAX_AGE_S / 86400,
                        help="stored responses older than this are dropped (%(default)g)")
@@ -433,6 +438,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             kv_cache_max=args.kv_cache_max,
             responses_keep=args.responses_keep,
             responses_max_age_s=args.responses_days * 86400,
+            responses_max_bytes=args.responses_max,
         )
         if args.responses_db:
             settings = dataclasses.replace(settings, responses_db=args.responses_db)
@@ -631,7 +637,7 @@ def _response_store(settings: Settings) -> ResponseStore | None:
         log.info("responses not stored (--responses-keep 0)")
         return None
     return ResponseStore(settings.responses_db, settings.responses_keep,
-                         settings.responses_max_age_s)
+                         settings.responses_max_age_s, settings.responses_max_bytes)
 
 
 def _raise_open_files_limit(target: int = 65536) -> None:
