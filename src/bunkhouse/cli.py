@@ -180,6 +180,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--responses-keep", type=_count, default=defaults.RESPONSES_KEEP,
                        metavar="N", help="stored responses kept, oldest dropped first "
                                          "(%(default)s; 0 stores none)")
+    serve.add_argument("--responses-max", type=_size, default=defaults.RESPONSES_MAX_BYTES,
+                       metavar="SIZE",
+                       help="bytes the stored responses may take together, oldest dropped "
+                            "first (1GiB); a request that could not be stored within it "
+                            "gets 400 naming store")
     serve.add_argument("--responses-days", type=_positive, metavar="DAYS",
                        default=defaults.RESPONSES_MAX_AGE_S / 86400,
                        help="stored responses older than this are dropped (%(default)g)")
@@ -289,16 +294,32 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _keys(given: list[str], files: list[Path], env: str) -> tuple[str, ...]:
-    """Keys from flags, files (one a line, # comments) and a comma-separated variable."""
-    keys = list(given)
+def _keys(given: list[str], files: list[Path], env: str, flag: str) -> tuple[str, ...]:
+    """Keys from flags, files (one a line, # comments) and a comma-separated variable.
+
+    Fails closed: a flag, file or variable that is given but yields no key is a ConfigError
+    naming it (else a key file left empty would start the server open to anyone)."""
+    keys = []
+    for key in given:
+        if not key.strip():
+            raise ConfigError(f"{flag} was given an empty key; give a key, or drop the flag")
+        keys.append(key.strip())
     for path in files:
         try:
             lines = path.expanduser().read_text().splitlines()
         except OSError as e:
             raise ConfigError(f"cannot read key file {path}: {e.strerror}") from e
-        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    keys += [k.strip() for k in os.environ.get(env, "").split(",") if k.strip()]
+        found = [s for line in lines if (s := line.strip()) and not s.startswith("#")]
+        if not found:
+            raise ConfigError(f"key file {path} ({flag}-file) holds no key, only blank or "
+                              "comment lines; put one key a line in it, or drop the flag")
+        keys += found
+    if env in os.environ:
+        found = [s for k in os.environ[env].split(",") if (s := k.strip())]
+        if not found:
+            raise ConfigError(f"${env} is set but holds no key; give comma-separated keys, "
+                              "or unset it")
+        keys += found
     return tuple(keys)
 
 
@@ -408,13 +429,16 @@ def settings_from(args: argparse.Namespace) -> Settings:
             allowed_roots=tuple(args.allowed_root),
             allowed_hosts=tuple(args.allowed_host),
             cors_origins=tuple(args.cors_origin),
-            api_keys=_keys(args.api_key, args.api_key_file, "BUNKHOUSE_API_KEYS"),
-            admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS"),
+            api_keys=_keys(args.api_key, args.api_key_file, "BUNKHOUSE_API_KEYS",
+                           "--api-key"),
+            admin_keys=_keys(args.admin_key, args.admin_key_file, "BUNKHOUSE_ADMIN_KEYS",
+                             "--admin-key"),
             max_body_bytes=args.max_body,
             max_audio_bytes=args.max_audio,
             kv_cache_max=args.kv_cache_max,
             responses_keep=args.responses_keep,
             responses_max_age_s=args.responses_days * 86400,
+            responses_max_bytes=args.responses_max,
         )
         if args.responses_db:
             settings = dataclasses.replace(settings, responses_db=args.responses_db)
@@ -613,7 +637,7 @@ def _response_store(settings: Settings) -> ResponseStore | None:
         log.info("responses not stored (--responses-keep 0)")
         return None
     return ResponseStore(settings.responses_db, settings.responses_keep,
-                         settings.responses_max_age_s)
+                         settings.responses_max_age_s, settings.responses_max_bytes)
 
 
 def _raise_open_files_limit(target: int = 65536) -> None:

@@ -202,6 +202,7 @@ class Settings:
     responses_db: Path = field(default_factory=lambda: default_data_dir() / "responses.db")
     responses_keep: int = d.RESPONSES_KEEP  # stored Responses API answers; 0: none stored
     responses_max_age_s: float = d.RESPONSES_MAX_AGE_S
+    responses_max_bytes: int = d.RESPONSES_MAX_BYTES  # all stored responses together
     ready_timeout_s: float = d.READY_TIMEOUT_S
     stop_grace_s: float = d.STOP_GRACE_S
     log_level: str = "info"

@@ -108,6 +108,12 @@ KV_CACHE_MAX_BYTES = 32 * 1024**3
 
 RESPONSES_KEEP = 10_000
 """Stored Responses API answers kept, oldest dropped first (``--responses-keep``)."""
+RESPONSES_MAX_BYTES = 1024**3
+"""Bytes the stored Responses API answers may take together, oldest dropped first
+(``--responses-max``): 1 GiB, room for RESPONSES_KEEP answers of 100 KiB each (a conversation
+is stored again with each turn), and for the largest single row: one answer to a request
+at the body limit (16 MiB) echoes its ``text.format`` and tools and holds its input twice,
+about 48 MiB. Rows alone are no bound: a 15.7 MB schema made a 2-token answer 15.7 MB."""
 RESPONSES_MAX_AGE_S = 30 * 86400.0
 """Age at which a stored response is dropped: 30 days, as OpenAI keeps stored responses
 (``--responses-days``)."""

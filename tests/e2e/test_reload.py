@@ -110,3 +110,43 @@ def test_sighup_adds_removes_mid_stream_and_refuses_a_broken_file(
              "--admin-key", "adm"], capture_output=True, text=True, timeout=120)
         assert reloaded.returncode == 0 and "added: none" in reloaded.stdout
         assert httpx.get(f"{server.url}/v1/models/g").json()["default"] is True  # kept
+
+
+def test_a_refused_reload_tells_clients_no_path_and_an_emptied_key_file_is_refused(
+        tmp_path: Path) -> None:
+    """Client keys read /stats and /admin/events: a refused reload's event says so without
+    the server's paths, which the log and admin keys get. A reload whose key file has come to
+    hold no key is refused: the server never opens."""
+    config, keys = tmp_path / "bunkhouse.toml", tmp_path / "client.keys"
+    _write(config, "include_packaged = false\n")
+    keys.write_text("client-1\n")
+    client = {"authorization": "Bearer client-1"}
+    with serve(tmp_path / "serve", "--config", str(config), "--api-key-file", str(keys),
+               "--admin-key", "adm", "--spare-worker", "off", "--no-source", "hf_cache",
+               "--no-source", "ollama", "--no-source", "lmstudio") as server:
+        _write(config, "include_packaged = \n")
+        refused = httpx.post(f"{server.url}/admin/reload", headers=ADMIN, timeout=120)
+        assert refused.status_code == 400 and str(config) in refused.json()["error"]["message"]
+        keys.write_text("# the key was here\n\n")
+        _write(config, "include_packaged = false\n")
+        refused = httpx.post(f"{server.url}/admin/reload", headers=ADMIN, timeout=120)
+        assert refused.status_code == 400 and str(keys) in refused.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/v1/models").status_code == 401  # still closed
+        assert httpx.get(f"{server.url}/v1/models", headers=client).status_code == 200
+
+        stats = httpx.get(f"{server.url}/stats", headers=client).json()
+        seen = [e for e in stats["events"] if e["kind"] == "config refused"]
+        assert len(seen) == 2 and str(tmp_path) not in json.dumps(stats)
+        assert all("detail" not in e for e in seen)
+        with httpx.stream("GET", f"{server.url}/admin/events?after=0", headers=client,
+                          timeout=60) as stream:
+            lines = []
+            for line in stream.iter_lines():
+                lines.append(line)
+                if line.startswith("data:") and '"seq": 2' in line:
+                    break
+        assert "config refused" in "\n".join(lines) and str(tmp_path) not in "\n".join(lines)
+        admin = httpx.get(f"{server.url}/stats", headers=ADMIN).json()
+        details = [e["detail"] for e in admin["events"] if e["kind"] == "config refused"]
+        assert str(config) in details[0] and str(keys) in details[1]
+        assert str(keys) in server.log.read_text()

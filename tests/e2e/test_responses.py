@@ -25,7 +25,8 @@ TERSE = "You are terse. Answer in a few words."
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serve(tmp_path_factory.mktemp("responses"), "--preload", QWEN) as running:
+    with serve(tmp_path_factory.mktemp("responses"), "--preload", QWEN,
+               "--responses-max", "4MiB") as running:
         yield running
 
 
@@ -155,6 +156,39 @@ def test_bad_input_is_a_400_naming_the_field(server: Server, body: dict[str, Any
     error = resp.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert len(error["message"]) < 1000  # a client's value is quoted cut short
+
+
+def test_a_deleted_response_leaves_every_file_of_the_store(server: Server) -> None:
+    """Deleted is gone: once DELETE answers, no file of the database (the file, its WAL,
+    its shared memory) holds the response's text, with the server still running."""
+    marker = "quokka-7d41e9-marmalade"
+    db = server.log.parent / "responses.db"
+
+    def holding() -> list[str]:
+        return [f.name for f in db.parent.glob("responses.db*")
+                if marker.encode() in f.read_bytes()]
+
+    with sdk(server) as client:
+        made = ask(client, f"Repeat this word: {marker}", max_output_tokens=4)
+        client.responses.retrieve(made.id)  # after the store's queued write
+        assert holding()
+        client.responses.delete(made.id)
+        assert holding() == []
+        ask(client, "Say hi.")  # later writes bring nothing back
+        assert holding() == []
+
+
+def test_a_response_too_large_to_store_is_a_400_naming_store(server: Server) -> None:
+    """The store is bounded by bytes (here --responses-max 4MiB): a request whose stored
+    answer could never fit is refused before any work, naming store."""
+    schema = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "string", "description": "d" * 5_000_000}}}
+    resp = httpx.post(f"{server.url}/v1/responses", timeout=120, json={
+        "model": QWEN, "input": "go", "max_output_tokens": 2,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}})
+    assert resp.status_code == 400, resp.text[:300]
+    error = resp.json()["error"]
+    assert error["param"] == "store" and "store: false" in error["message"]
 
 
 def test_unknown_ids_are_404s(server: Server) -> None:

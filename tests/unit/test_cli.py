@@ -240,3 +240,24 @@ def test_a_folder_model_whose_name_has_control_characters_is_skipped(tmp_path: P
     (tmp_path / "good.gguf").write_bytes(b"GGUF")
     (tmp_path / "bad\x1b[31m\nname.gguf").write_bytes(b"GGUF")
     assert [model_id for model_id, _ in gguf_files(tmp_path)] == ["good"]
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--admin-key"])
+def test_a_key_source_that_yields_no_key_fails_closed_at_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        flag: str) -> None:
+    """A key file, variable or flag given without a key is an error naming it: the server
+    never starts open to anyone because a key file was left empty."""
+    empty = tmp_path / "empty.keys"
+    empty.write_text("\n   \n# the key goes here\n  # indented comment\n")
+    serve = ["serve", "--no-packaged", "--port", "1"]
+    assert main([*serve, f"{flag}-file", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"key file {empty}" in err and "holds no key" in err
+    assert main([*serve, flag, " "]) == 2
+    assert f"{flag} was given an empty key" in capsys.readouterr().err
+    env = "BUNKHOUSE_API_KEYS" if flag == "--api-key" else "BUNKHOUSE_ADMIN_KEYS"
+    for value in ("", " , "):
+        monkeypatch.setenv(env, value)
+        assert main(serve) == 2
+        assert f"${env} is set but holds no key" in capsys.readouterr().err

@@ -40,6 +40,25 @@ def test_each_event_is_encoded_once_as_one_sse_message() -> None:
     assert json.loads(data[6:]) == event.as_dict() and "sse" not in event.as_dict()
 
 
+def test_an_events_detail_reaches_only_the_log_and_admins(caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """Every client key reads events (/stats, /admin/events): a server path or a worker's
+    output goes in the detail, which the public form leaves out."""
+    import json
+
+    with caplog.at_level("INFO", "bunkhouse.residency"):
+        event = EventLog().emit("*", "config refused", "SIGHUP: the configuration has an "
+                                "error", "/srv/secret/bunkhouse.toml is not valid TOML")
+    assert "/srv/secret" in caplog.text  # the log has it
+    assert "detail" not in event.as_dict() and b"/srv/secret" not in event.message()
+    assert event.as_dict(detail=True)["detail"].startswith("/srv/secret")
+    admin = json.loads(event.message(detail=True).decode().split("\n")[1][6:])
+    assert admin == event.as_dict(detail=True)
+    plain = EventLog().emit("m", "pinned", "operator")
+    assert plain.message(detail=True) == plain.message() and "detail" not in \
+        plain.as_dict(detail=True)
+
+
 def test_a_slow_reader_is_dropped_and_never_slows_the_emitter(monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
     monkeypatch.setattr(ev, "SUBSCRIBER_QUEUE", 3)

@@ -18,6 +18,7 @@ from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import (
+    BunkhouseError,
     InsufficientMemory,
     ModelFailed,
     ModelTooLarge,
@@ -324,6 +325,27 @@ def test_model_bigger_than_the_budget_fails_at_once_naming_both_sizes() -> None:
         with pytest.raises(ModelTooLarge, match=r"needs \d+ MiB but the memory budget is 10240"):
             await h.use("huge")
         assert h.starts == []
+
+    run(go())
+
+
+def test_a_load_failing_with_a_foreign_error_tells_clients_no_path() -> None:
+    """An error that is not ours (an OSError naming a file) fails the load with a message
+    any client may read; the path goes only to the detail (the log and admins)."""
+    class Broken(Host):
+        async def start(self, m: CatalogModel, use_spare: bool = False) -> FakeWorker:
+            raise FileNotFoundError(2, "No such file", "/srv/private/models/a.gguf")
+
+    async def go() -> None:
+        h = Broken([model("a")])
+        with pytest.raises(BunkhouseError) as caught:
+            await h.use("a")
+        assert "/srv/private" not in caught.value.message
+        assert "/srv/private" in (caught.value.detail or "")
+        failed = [e for e in h.manager.events.recent() if e.kind == "failed"]
+        assert failed and all("/srv/private" not in e.reason for e in failed)
+        assert all(b"/srv/private" not in e.message() for e in h.manager.events.recent())
+        assert "/srv/private" in (failed[0].as_dict(detail=True)["detail"] or "")
 
     run(go())
 

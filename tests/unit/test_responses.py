@@ -274,6 +274,72 @@ def test_retention_keeps_the_newest_by_count_and_drops_old_ones(tmp_path: Path) 
     asyncio.run(run())
 
 
+def _files_hold(path: Path, marker: bytes) -> list[str]:
+    """Which of the database's files (the file, -wal, -shm, -journal) hold ``marker``."""
+    return [f.name for f in path.parent.glob(f"{path.name}*") if marker in f.read_bytes()]
+
+
+def _marked(n: int, marker: str) -> tuple[dict[str, Any], list[dict[str, Any]],
+                                          list[dict[str, Any]]]:
+    said = {"role": "user", "content": f"my secret is {marker}"}
+    return ({**_response(n), "output": [{"type": "message", "content": marker}]},
+            [{"id": "i", **said}], [said, {"role": "assistant", "content": marker}])
+
+
+def test_a_deleted_or_dropped_response_leaves_every_file_of_the_store(tmp_path: Path) -> None:
+    """Deleted is gone: the text of a response deleted by a client, or dropped by count or
+    bytes, is in none of the files (database, WAL, shared memory) once the call returns,
+    while the store stays open and after later writes."""
+    path = tmp_path / "r.db"
+
+    async def run() -> None:
+        store = ResponseStore(path, max_count=3, max_bytes=100_000)
+        await store.open()
+        store.put("", *_marked(1, "MARKER-DELETED-7f3a"))
+        store.put("", *_marked(2, "MARKER-KEPT-91bc"))
+        assert await store.response("resp_1", "") is not None
+        assert _files_hold(path, b"MARKER-DELETED-7f3a")  # it was written somewhere
+        assert await store.delete("resp_1", "")
+        assert _files_hold(path, b"MARKER-DELETED-7f3a") == []
+        assert _files_hold(path, b"MARKER-KEPT-91bc")  # the others stay
+        for n in range(3, 6):  # pushes resp_2 out by count
+            store.put("", *_marked(n, f"MARKER-LATER-{n}"))
+        assert await store.response("resp_2", "") is None
+        assert _files_hold(path, b"MARKER-KEPT-91bc") == []
+        big = "x" * 15_000  # held 4 times in a row: two rows are over the byte budget
+        store.put("", *_marked(6, "MARKER-BIG-6" + big))
+        store.put("", *_marked(7, "MARKER-BIG-7" + big))
+        assert await store.response("resp_6", "") is None
+        assert await store.response("resp_7", "") is not None
+        assert _files_hold(path, b"MARKER-BIG-6") == []
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_the_store_is_bounded_by_bytes_and_a_row_over_them_is_not_stored(
+        tmp_path: Path) -> None:
+    path = tmp_path / "r.db"
+
+    async def run() -> None:
+        store = ResponseStore(path, max_bytes=10_000)
+        await store.open()
+        with pytest.raises(InvalidRequest) as refused:
+            store.check(10_001)  # a request that can never fit: 400 naming store
+        assert refused.value.param == "store" and "store: false" in refused.value.message
+        store.check(10_000)
+        for n in range(20):  # ~2,400 bytes each: at most four fit
+            store.put("", _response(n), [{"text": "y" * 800}], [{"content": "z" * 1_500}])
+        kept = [n for n in range(20) if await store.response(f"resp_{n}", None)]
+        assert kept == [16, 17, 18, 19]
+        store.put("", _response(99), [{"text": "w" * 20_000}], [])  # alone over the budget
+        assert await store.response("resp_99", None) is None
+        assert [n for n in range(20) if await store.response(f"resp_{n}", None)] == kept
+        await store.close()
+
+    asyncio.run(run())
+
+
 def test_an_unusable_path_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
 

@@ -375,17 +375,17 @@ class Front:
             described["last_error_detail"] = status.last_error_detail
         return described
 
-    def _admin(self, request: Request) -> bool:
+    def is_admin(self, request: Request) -> bool:
         return self.keys.level_of(request) is Level.ADMIN
 
     async def list_models(self, request: Request) -> Response:
-        detail = self._admin(request)
+        detail = self.is_admin(request)
         data = [self.model_object(m, detail=detail) for m in self.catalog]
         return JSONResponse({"object": "list", "data": data})
 
     async def get_model(self, request: Request) -> Response:
         model = self.catalog.get(request.path_params["model_id"])
-        return JSONResponse(self.model_object(model, detail=self._admin(request)))
+        return JSONResponse(self.model_object(model, detail=self.is_admin(request)))
 
     async def health(self, request: Request) -> Response:
         """Liveness, open to all; each model's state only to a caller the client key (or
@@ -397,7 +397,7 @@ class Front:
 
     async def stats(self, request: Request) -> Response:
         r = self.residency
-        detail = self._admin(request)
+        detail = self.is_admin(request)
         budget, used = r.options.budget_bytes, r.used_bytes()
         return JSONResponse({
             "budget_bytes": budget,
@@ -409,7 +409,7 @@ class Front:
             "pause": r.pause_status(),  # an operator's pause (POST /admin/pause)
             "spare_worker": r.spare_status(),  # the worker kept for the next load, if any
             "event_counts": r.events.counts,
-            "events": [e.as_dict() for e in r.events.recent(100)],
+            "events": [e.as_dict(detail) for e in r.events.recent(100)],
         })
 
 
@@ -603,7 +603,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     olla = OllamaRoutes(front)
     extras = Extras(front)
     metrics = Metrics(residency, front.compute, keeper)
-    watch = EventStream(residency.events, keys.client_of, events_heartbeat_s)
+    watch = EventStream(residency.events, keys.client_of, events_heartbeat_s, front.is_admin)
     console = Console()
     audio = Transcriptions(front, max_audio_bytes)
     admin = Admin(catalog, residency, admin_options or AdminOptions(),

@@ -40,7 +40,11 @@ class Reloader:
             except BunkhouseError as e:
                 log.error("configuration not reloaded (%s): %s; the running configuration "
                           "stays", why, e.message)
-                self._residency.events.emit("*", "config refused", f"{why}: {e.message}")
+                # every client key reads events: the error (paths) is the detail, for the
+                # log and admins; the admin's reload call answers it in full
+                self._residency.events.emit(
+                    "*", "config refused", f"{why}: the configuration has an error (the "
+                    "server log has it); the running configuration stays", e.full_message())
                 raise InvalidRequest(f"the configuration was not reloaded: {e.message}; "
                                      "the running configuration stays") from e
             change = await self._residency.apply_catalog(catalog)

@@ -14,11 +14,19 @@ Every database call runs on one thread of its own, in the order made: that threa
 writer (WAL mode lets other readers of the file in), a write never blocks the event loop, and
 a read made after a write (a client's ``GET`` after ``response.completed``) sees it.
 
-Retention: at most ``max_count`` responses and none older than ``max_age_s`` seconds, applied
-at start, after each write and before a lookup a minute after the last pass, oldest first; a
-lookup never returns one past its age. Only a new or empty file, or one this class made (its
-``bunkhouse`` table says so), is opened for writing: another file is left untouched. The file
-and its WAL are private (0600) in a private directory (0700): it holds conversations.
+Retention: at most ``max_count`` responses, at most ``max_bytes`` bytes of them together, and
+none older than ``max_age_s`` seconds, applied at start, after each write and before a lookup
+a minute after the last pass, oldest first; a lookup never returns one past its age. A single
+response larger than ``max_bytes`` is not stored (logged); the route refuses beforehand a
+request that could not fit (front/responses.py).
+
+Deleted is gone: ``secure_delete`` zeroes what a delete frees, and after every delete (a
+client's, or retention's) the WAL is checkpointed into the file and truncated, so the text
+of a deleted response is in none of the files (the database, its ``-wal`` and ``-shm``).
+
+Only a new or empty file, or one this class made (its ``bunkhouse`` table says so), is opened
+for writing: another file is left untouched. The file and its WAL are private (0600) in a
+private directory (0700): it holds conversations.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bunkhouse import defaults
-from bunkhouse.errors import BunkhouseError
+from bunkhouse.errors import BunkhouseError, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +62,22 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
     owner TEXT NOT NULL,
     created REAL NOT NULL,
+    bytes INTEGER NOT NULL DEFAULT 0,
     response TEXT NOT NULL,
     items TEXT NOT NULL,
     conversation TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
 """
+
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
+CREATE INDEX IF NOT EXISTS responses_size ON responses (created, bytes);
+"""
+# (created, bytes): the byte budget's pass reads the index only, never the rows' text
+
+_BYTES = ("length(CAST(response AS BLOB)) + length(CAST(items AS BLOB)) "
+          "+ length(CAST(conversation AS BLOB))")
+"""A row's size, for rows of a file made before sizes were kept."""
 
 
 class ResponseStoreError(BunkhouseError):
@@ -76,10 +94,12 @@ class ResponseStore:
     Raises ResponseStoreError from :meth:`open` if the file cannot be made or read."""
 
     def __init__(self, path: Path, max_count: int = defaults.RESPONSES_KEEP,
-                 max_age_s: float = defaults.RESPONSES_MAX_AGE_S) -> None:
+                 max_age_s: float = defaults.RESPONSES_MAX_AGE_S,
+                 max_bytes: int = defaults.RESPONSES_MAX_BYTES) -> None:
         self.path = path
         self.max_count = max_count
         self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None
         self._retained = 0.0  # time.monotonic() of the last retention pass
@@ -119,7 +139,12 @@ class ResponseStore:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=10000")
+            db.execute("PRAGMA secure_delete=ON")  # a delete zeroes what it frees
             db.executescript(_SCHEMA)
+            if "bytes" not in {row[1] for row in db.execute("PRAGMA table_info(responses)")}:
+                db.execute("ALTER TABLE responses ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0")
+                db.execute(f"UPDATE responses SET bytes = {_BYTES}")
+            db.executescript(_INDEXES)
             db.execute("INSERT OR IGNORE INTO bunkhouse (key, value) VALUES ('format', ?)",
                         (_MARK,))
         except (OSError, sqlite3.Error) as e:
@@ -140,17 +165,38 @@ class ResponseStore:
     def _retain(self) -> None:
         db = self._conn()
         self._retained = time.monotonic()
+        before = db.total_changes
         db.execute("DELETE FROM responses WHERE created < ?", (time.time() - self.max_age_s,))
         db.execute("DELETE FROM responses WHERE created < (SELECT created FROM responses "
                    "ORDER BY created DESC LIMIT 1 OFFSET ?)", (self.max_count - 1,))
+        db.execute("DELETE FROM responses WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
+                   "sum(bytes) OVER (ORDER BY created DESC, rowid DESC) AS newer "
+                   "FROM responses) WHERE newer > ?)", (self.max_bytes,))
+        if db.total_changes != before:
+            self._scrub()
+
+    def _scrub(self) -> None:
+        """Deleted rows out of every file: their pages (zeroed by secure_delete) written
+        back into the database, and the WAL, which still held their text, truncated."""
+        busy, _, _ = self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            log.warning("the response store %s: another process reading it kept the WAL "
+                        "from being truncated; deleted responses stay in %s-wal until the "
+                        "next delete", self.path, self.path)
 
     def _put(self, owner: str, response: dict[str, Any], items: list[dict[str, Any]],
              conversation: list[dict[str, Any]]) -> None:
+        texts = (json.dumps(response), json.dumps(items), json.dumps(conversation))
+        size = sum(len(text.encode()) for text in texts)
+        if size > self.max_bytes:
+            log.warning("response %s not stored: its %d bytes are over the store's %d "
+                        "(--responses-max); a later previous_response_id naming it will get "
+                        "404", response.get("id"), size, self.max_bytes)
+            return
         self._conn().execute(
-            "INSERT OR REPLACE INTO responses (id, owner, created, response, items, "
-            "conversation) VALUES (?, ?, ?, ?, ?, ?)",
-            (response["id"], owner, time.time(), json.dumps(response), json.dumps(items),
-             json.dumps(conversation)))
+            "INSERT OR REPLACE INTO responses (id, owner, created, bytes, response, items, "
+            "conversation) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (response["id"], owner, time.time(), size, *texts))
         self._retain()
 
     def _get(self, column: str, response_id: str, owner: str | None) -> Any:
@@ -167,6 +213,8 @@ class ResponseStore:
     def _delete(self, response_id: str, owner: str | None) -> bool:
         cur = self._conn().execute("DELETE FROM responses WHERE id = ? AND (owner = ? OR ?)",
                                    (response_id, owner or "", owner is None))
+        if cur.rowcount > 0:
+            self._scrub()  # gone from the files before the delete answers
         return cur.rowcount > 0
 
     def _close(self) -> None:
@@ -175,10 +223,16 @@ class ResponseStore:
             self._db = None
 
     # -- from the event loop -----------------------------------------------------------
-    def check(self) -> None:
-        """Raise ResponseStoreError (503) unless the store is open."""
+    def check(self, size: int = 0) -> None:
+        """Raise ResponseStoreError (503) unless the store is open, and InvalidRequest (400
+        naming ``store``) if an answer of at least ``size`` bytes can never fit it."""
         if self._thread is None:
             raise self._unavailable("not open (see the log at start)")
+        if size > self.max_bytes:
+            raise InvalidRequest(
+                f"this response cannot be stored: the request and the conversation it "
+                f"continues take {size} bytes, over the {self.max_bytes} bytes this server "
+                "keeps for stored responses; send store: false", param="store")
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._thread is None:

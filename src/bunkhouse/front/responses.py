@@ -6,6 +6,7 @@ the stored responses (front/response_store.py): ``GET`` and ``DELETE /v1/respons
 from __future__ import annotations
 
 import functools
+import json
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -47,6 +48,7 @@ class ResponsesRoutes:
         items = await front.cpu(len(body), responses.check_request, given)
         owner = front.keys.owner(request)
         history: list[dict[str, Any]] = []
+        history_bytes = 0
         previous = given.get("previous_response_id")
         if previous:
             found = (await self.store.conversation(previous, owner)
@@ -56,11 +58,14 @@ class ResponsesRoutes:
                     f"previous response {shown(previous)} not found (never stored, deleted, or "
                     "past the server's retention)", param="previous_response_id")
             history = found
+            history_bytes = len(await front.cpu(len(body), _encoded, history))
         data = await front.cpu(len(body), responses.to_chat, given, items, history)
         parsed = await front.cpu(len(body), validate, ChatCompletionRequest, data)
         store = self.store if given.get("store", True) is not False else None
         if store is not None:
-            store.check()  # an answer asked to be stored, that cannot be, is a 503
+            # an answer asked to be stored, that cannot be, is a 503; one that can never fit
+            # the store's bytes (it holds the request and the conversation again) a 400
+            store.check(len(body) + history_bytes)
         given = {**given, "store": store is not None}  # as the response will say
 
         def shape(model_id: str) -> ResponsesShape:
@@ -110,6 +115,10 @@ class ResponsesRoutes:
         if found is None:
             raise _not_found(response_id)
         return found
+
+
+def _encoded(value: Any) -> bytes:
+    return json.dumps(value).encode()
 
 
 def _not_found(response_id: str) -> NotFound:

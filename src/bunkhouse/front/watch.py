@@ -1,11 +1,12 @@
 """``GET /admin/events``: residency's events as Server-Sent Events, with sse-starlette.
 
-Each event is one SSE message: ``id`` is its sequence number, ``data`` its JSON
-(``seq, time, model, kind, reason, data``). A client that reconnects with ``Last-Event-ID``
-(or ``?after=N``) gets what followed from the in-memory ring (residency/events.py), then live
-events. If the ring no longer holds them all, or the server restarted (its numbers begin
-again at 1), the stream begins with a ``gap`` message (no id) saying which were lost, so a
-client knows to re-read the state (``GET /v1/models``). A comment line every
+Each event is one SSE message: ``id`` is its sequence number, ``data`` its JSON (``seq,
+time, model, kind, reason, data``, and ``detail`` for an admin-key caller where the event
+has one: a server path, a worker's output). A client that reconnects with ``Last-Event-ID``
+(or ``?after=N``) gets what followed from the in-memory ring (residency/events.py), then
+live events. If the ring no longer holds them all, or the server restarted (its numbers
+begin again at 1), the stream begins with a ``gap`` message (no id) saying which were lost,
+so a client knows to re-read the state (``GET /v1/models``). A comment line every
 ``heartbeat_s`` keeps proxies from closing a quiet stream. A reader that falls behind is
 dropped (residency never waits for it), and every stream ends when the server stops. At most
 :data:`MAX_READERS` streams are open at once, at most a quarter of them by one client (its
@@ -77,14 +78,19 @@ class _Subscribed(EventSourceResponse):
 
 class EventStream:
     def __init__(self, events: EventLog, client_of: Callable[[Request], str],
-                 heartbeat_s: float = HEARTBEAT_S) -> None:
+                 heartbeat_s: float = HEARTBEAT_S,
+                 admin: Callable[[Request], bool] = lambda request: False) -> None:
+        """``client_of(request)``: who holds a stream (front/auth.py Keys.client_of);
+        ``admin(request)``: whether the caller sees events' details (an admin key)."""
         self.events = events
         self.client_of = client_of  # who holds a stream (front/auth.py Keys.client_of)
         self.heartbeat_s = heartbeat_s
         self.open = Shares(MAX_READERS, "event streams")
+        self.admin = admin
 
     async def follow(self, request: Request) -> Response:
         after = _after(request)
+        detail = self.admin(request)
         gap = self._gap(after)
         if gap is not None and after is not None and after > self.events.last_seq:
             after = 0  # a restarted server: everything it still holds is new to the client
@@ -101,9 +107,9 @@ class EventStream:
                 if gap is not None:
                     yield ServerSentEvent(data=json.dumps(gap), event="gap")
                 if subscription.backlog:  # one write, each message encoded at its emit
-                    yield b"".join(e.sse for e in subscription.backlog)
+                    yield b"".join(e.message(detail) for e in subscription.backlog)
                 while (event := await subscription.next()) is not None:
-                    yield event.sse  # quiet spells: sse-starlette's ping covers them
+                    yield event.message(detail)  # quiet spells: sse-starlette's ping covers them
             finally:
                 subscription.close()
 

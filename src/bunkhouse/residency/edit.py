@@ -49,11 +49,13 @@ def put_node(s: State, n: Node) -> State:
     return replace(s, nodes={**s.nodes, n.id: n})
 
 
-def set_phase(m: Model, new: Phase, reason: str, fx: Fx, **data: Any) -> Model:
-    """``m`` in its new phase, published; an illegal transition is a bug."""
+def set_phase(m: Model, new: Phase, reason: str, fx: Fx, detail: str | None = None,
+              **data: Any) -> Model:
+    """``m`` in its new phase, published (``detail``: for the log and admins only); an
+    illegal transition is a bug."""
     if new not in TRANSITIONS[m.phase]:
         raise RuntimeError(f"{m.id}: illegal {m.phase.value} -> {new.value}")
-    fx.append(msg.Publish(m.id, new.value, reason, data))
+    fx.append(msg.Publish(m.id, new.value, reason, data, detail))
     return replace(m, phase=new)
 
 

@@ -43,25 +43,43 @@ def drain_cause(reason: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Event:
+    """One event. ``reason`` is for any reader: it names no server path and quotes no worker
+    output or file contents; those go in ``detail``, which only the log and admin-key
+    callers see (docs/security.md, "Errors tell a client no internals")."""
+
     seq: int
     time: float  # wall clock, seconds since the epoch
     model: str
     kind: str  # the new state (loading, ready, draining, absent, failed) or what happened
     reason: str
     data: dict[str, Any] = field(default_factory=dict)  # figures: bytes, seconds, cause
+    detail: str | None = None  # internals: for the log and admins only
     sse: bytes = field(default=b"", repr=False, compare=False)  # its SSE message, made once
+    sse_detail: bytes = field(default=b"", repr=False, compare=False)  # with the detail
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, detail: bool = False) -> dict[str, Any]:
+        """The event as JSON data; its ``detail`` only if asked (an admin's read) and set."""
         out = asdict(self)
-        del out["sse"]
+        del out["sse"], out["sse_detail"]
+        if not detail or self.detail is None:
+            del out["detail"]
         return out
+
+    def message(self, detail: bool = False) -> bytes:
+        """Its SSE message, with the detail or not."""
+        return self.sse_detail if detail else self.sse
 
 
 def _encoded(event: Event) -> Event:
-    """The event with its SSE message (``id`` and one ``data`` line: JSON has no newline),
-    encoded once however many readers send it."""
-    body = json.dumps(event.as_dict(), default=str)
-    return replace(event, sse=f"id: {event.seq}\ndata: {body}\n\n".encode())
+    """The event with its SSE messages (``id`` and one ``data`` line: JSON has no newline),
+    without and with its detail, encoded once however many readers send them."""
+    def sse(detail: bool) -> bytes:
+        body = json.dumps(event.as_dict(detail), default=str)
+        return f"id: {event.seq}\ndata: {body}\n\n".encode()
+
+    public = sse(False)
+    return replace(event, sse=public,
+                   sse_detail=public if event.detail is None else sse(True))
 
 
 class Subscription:
@@ -119,18 +137,22 @@ class EventLog:
         """The oldest event the ring still holds (None: none yet)."""
         return self._events[0].seq if self._events else None
 
-    def emit(self, model: str, kind: str, reason: str, **data: Any) -> Event:
+    def emit(self, model: str, kind: str, reason: str, detail: str | None = None,
+             **data: Any) -> Event:
+        """Publish an event. ``reason``: what any reader may see (no server path, no worker
+        output); ``detail``: the internals, for the log and admin-key callers."""
         self._seq += 1
         if kind == "draining":
             data.setdefault("cause", drain_cause(reason))
             key = (model, data["cause"])
             self.drains[key] = self.drains.get(key, 0) + 1
-        event = _encoded(Event(self._seq, time.time(), model, kind, reason, data))
+        event = _encoded(Event(self._seq, time.time(), model, kind, reason, data, detail))
         self._events.append(event)
         self.by_model[(model, kind)] = self.by_model.get((model, kind), 0) + 1
         self._totals[kind] = self._totals.get(kind, 0) + 1
         if kind != "load_progress":  # progress has its own, rarer, log line
-            log.info("model %s: %s (%s)", model, kind, reason)
+            log.info("model %s: %s (%s)%s", model, kind, reason,
+                     "" if detail is None else f": {detail}")
         for listener in self._listeners:
             try:
                 listener(event)

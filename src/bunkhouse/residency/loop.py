@@ -110,7 +110,7 @@ class Executor:
         if isinstance(e, msg.Resolve):
             self._resolve(state, e)
         elif isinstance(e, msg.Publish):
-            self.events.emit(e.model, e.kind, e.reason, **e.data)
+            self.events.emit(e.model, e.kind, e.reason, detail=e.detail, **e.data)
         elif isinstance(e, msg.Spawn):
             self._spawns[e.worker] = self._task(self._spawn_worker(e))
         elif isinstance(e, msg.CancelSpawn):
@@ -199,8 +199,9 @@ class Executor:
             return
         except Exception as error:
             log.exception("model %s: load failed", e.model)
-            self.post(msg.LoadFailed(e.model, e.worker,
-                                     BunkhouseError(f"model {e.model!r}: {error}")))
+            self.post(msg.LoadFailed(e.model, e.worker, BunkhouseError(
+                f"model {e.model!r} failed to load (an internal error; the server log has "
+                "it)", detail=f"{type(error).__name__}: {error}")))
             return
         finally:
             self._spawns.pop(e.worker, None)

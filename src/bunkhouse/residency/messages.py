@@ -337,12 +337,14 @@ class DropSpare:
 
 @dataclass(frozen=True, slots=True)
 class Publish:
-    """A residency event: logged, counted, streamed (residency/events.py)."""
+    """A residency event: logged, counted, streamed (residency/events.py). ``reason`` is
+    for any reader; ``detail`` (paths, a worker's output) for the log and admins only."""
 
     model: str
     kind: str
     reason: str
     data: Mapping[str, Any] = field(default_factory=dict)
+    detail: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

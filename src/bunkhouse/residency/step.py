@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from bunkhouse.errors import (
+    BunkhouseError,
     ModelFailed,
     ModelNotFound,
     ShuttingDown,
@@ -171,11 +172,14 @@ def _load_failed(s: State, e: msg.LoadFailed, now: float, fx: Fx) -> State:
     if e.error is None:  # cancelled: a delete, or the front's close
         m = replace(set_phase(m, Phase.ABSENT, "load cancelled", fx), worker=None, drain=None)
         return absent(s, m, now, fx)
-    message = getattr(e.error, "message", str(e.error))
-    detail = getattr(e.error, "detail", None)
+    # what any reader may see; the detail (paths, output) is for the log and admins only
+    if isinstance(e.error, BunkhouseError):
+        message, detail = e.error.message, e.error.detail
+    else:
+        message, detail = f"model {m.id!r} failed to load", str(e.error)
     s = _count_failure(s, m, message, detail, now, fx)
     m = replace(s.models[m.id], worker=None, respawn=False)
-    m = refuse(set_phase(m, Phase.FAILED, message, fx), e.error, fx)
+    m = refuse(set_phase(m, Phase.FAILED, message, fx, detail), e.error, fx)
     if m.retired:
         return forget(s, m, fx)
     return put(s, m)
@@ -193,7 +197,8 @@ def _count_failure(s: State, m: Model, cause: str, detail: str | None, now: floa
     if isinstance(verdict, restart.GiveUp):
         fx.append(msg.Publish(m.id, "gave_up",
                               f"{verdict.failures} failures in {verdict.window_s:.0f} s; "
-                              f"cooling down {s.options.restart.cooldown_s:.0f} s: {cause}"))
+                              f"cooling down {s.options.restart.cooldown_s:.0f} s: {cause}",
+                              detail=detail))
         m = replace(m, respawn=False, not_before=0.0)
     else:
         m = replace(m, respawn=True, not_before=now + verdict.delay_s)
@@ -210,7 +215,7 @@ def _exited(s: State, e: msg.WorkerExited, now: float, fx: Fx) -> State:
         return put(s, replace(m, last_error=cause, last_error_detail=e.detail)) \
             if e.cause else s
     s = put_health(s, m.id, replace(h, counted=e.worker))
-    fx.append(msg.Publish(m.id, "crashed", cause))
+    fx.append(msg.Publish(m.id, "crashed", cause, detail=e.detail))
     worker = replace(m.worker, alive=False)
     m = replace(m, worker=worker, last_error=cause, last_error_detail=e.detail)
     if m.phase is Phase.DRAINING:  # it was being stopped anyway: no respawn, no flush
@@ -254,7 +259,8 @@ def _stopped(s: State, e: msg.WorkerStopped, now: float, fx: Fx) -> State:
     reason = m.drain.reason
     cooling = supervision.cooling_s(s.health[m.id], now) is not None
     if cooling and not s.closing:  # its crash loop gave up: it rests until the cool-down
-        m = set_phase(m, Phase.FAILED, f"stopped ({reason}); {m.last_error}", fx)
+        m = set_phase(m, Phase.FAILED, f"stopped ({reason}); {m.last_error}", fx,
+                      m.last_error_detail)
     else:
         m = set_phase(m, Phase.ABSENT, f"stopped ({reason})", fx)
     m = replace(m, worker=None, measured=None, drain=None)
