@@ -25,6 +25,7 @@ from bunkhouse.config import Settings
 from bunkhouse.front.admin import AdminOptions
 from bunkhouse.front.app import build_app
 from bunkhouse.front.auth import Keys
+from bunkhouse.front.constraints import ConstraintGate
 from bunkhouse.front.response_store import ResponseStore
 from bunkhouse.front.site import SitePolicy
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
@@ -61,6 +62,14 @@ def _engine(request: httpx.Request) -> httpx.Response:
     return _reply(chunk)
 
 
+class Unmeasured(ConstraintGate):
+    """No constraint is measured: the workers are fakes (the probe is tested against a real
+    model in tests/e2e/test_constraints.py)."""
+
+    async def check(self, model: CatalogModel, path: str, body: dict[str, Any]) -> None:
+        return None
+
+
 class MockWorker(FakeWorker):
     def __init__(self, model: CatalogModel) -> None:
         super().__init__(model, transport=httpx.MockTransport(_engine))
@@ -77,7 +86,8 @@ def _app(root: Path) -> Any:
     return build_app(catalog, residency, keys=Keys(admin=["fuzz"]),
                      responses=ResponseStore(root / "responses.db"),
                      admin_options=AdminOptions(allow_runtime_load=True, roots=(root,)),
-                     site=SitePolicy(allowed_hosts=("testserver",)))  # the test client's Host
+                     site=SitePolicy(allowed_hosts=("testserver",)),  # the test client's Host
+                     constraints=Unmeasured())
 
 
 ROOT = Path(tempfile.mkdtemp(prefix="bh-fuzz-"))

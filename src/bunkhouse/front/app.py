@@ -85,7 +85,8 @@ class Front:
     def __init__(self, catalog: Catalog, residency: ResidencyManager,
                  compute: ComputeGate, max_body_bytes: int = DEFAULT_MAX_BODY,
                  keys: Keys | None = None, keeper: SnapshotKeeper | None = None,
-                 strict_context: bool = False, waiting: WaitingOptions | None = None) -> None:
+                 strict_context: bool = False, waiting: WaitingOptions | None = None,
+                 constraints: ConstraintGate | None = None) -> None:
         self.catalog = catalog
         self.waiting = waiting or WaitingOptions()
         self.strict_context = strict_context
@@ -94,7 +95,7 @@ class Front:
         self.compute = compute
         self.max_body_bytes = max_body_bytes
         self.keys = keys or Keys()
-        self.constraints = ConstraintGate()  # what a grammar or schema costs, measured
+        self.constraints = constraints or ConstraintGate()  # what a grammar costs, measured
         # Large bodies parsed at once: each takes a few times its size while pydantic checks
         # it, so sixteen 15 MiB bodies at once took the front past 1 GB.
         self._parsing = asyncio.Semaphore(2)
@@ -186,7 +187,6 @@ class Front:
             data, reader = _tool_reader(data)
         await refuse_before_load(model, path, data, functools.partial(_pair_table, model),
                                  cap=cap)
-        await self.constraints.check(model, path, data)  # before any worker meets it
         request.state.stream = bool(parsed.stream)
         shaped = _shape(model.id, shape, reader)
         admit = self._admit(request, model, path, data, cap)
@@ -227,6 +227,8 @@ class Front:
         request.state.load_s = time.monotonic() - queued  # its model's load, if it waited
         held = Held(lease)
         with self._releasing(lease, held, model.id):
+            # measured apart from the worker, before it meets it (front/constraints.py)
+            await self.constraints.check(model, path, data)
             engine = lease.worker.engine
             keeper = self.keeper if self.keeper and self.keeper.active(model) else None
             pinned = keeper is not None and _pinnable(path, data)
@@ -578,7 +580,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
               cors_origins: Sequence[str] = (),
               events_heartbeat_s: float = 15.0,
               waiting: WaitingOptions | None = None,
-              max_audio_bytes: int = MAX_AUDIO_BYTES) -> Starlette:
+              max_audio_bytes: int = MAX_AUDIO_BYTES,
+              constraints: ConstraintGate | None = None) -> Starlette:
     """The front's ASGI app. ``site``: the Host and cross-site rules (front/site.py); the
     default serves loopback names only, as when bound to 127.0.0.1. ``responses``: where
     Responses API answers are stored (opened at startup; None: none are). ``reloader``: how
@@ -587,6 +590,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
     ``events_heartbeat_s``: seconds of silence on ``GET /admin/events`` before a comment
     line is sent. ``waiting``: how a streamed request that waits is answered meanwhile
     (front/waiting.py). ``max_audio_bytes``: the largest audio upload (front/audio.py).
+    ``constraints``: what measures requests' constraints (front/constraints.py; default: a
+    probe process per model).
     """
     from bunkhouse.front.audio import Transcriptions
     from bunkhouse.front.console import Console
@@ -598,7 +603,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, preload: Sequence[s
 
     keys = keys or Keys()
     front = Front(catalog, residency, compute or ComputeGate(), max_body_bytes, keys, keeper,
-                  strict_context, waiting)
+                  strict_context, waiting, constraints)
     stored = ResponsesRoutes(front, responses)
     olla = OllamaRoutes(front)
     extras = Extras(front)
