@@ -176,3 +176,30 @@ def served(app: Any, limits: Any = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def silent_flac(seconds: float, rate: int = 16_000, layout: str = "mono",
+                declared_s: float | None = None) -> bytes:
+    """A FLAC file of ``seconds`` of silence, made with PyAV (an hour of it is 656 KB);
+    ``declared_s``: what its header (STREAMINFO's total samples) says instead, a lie."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="flac") as container:
+        stream = container.add_stream("flac", rate=rate, layout=layout)
+        block = 1 << 16
+        zeros = np.zeros((len(av.AudioLayout(layout).channels), block), dtype=np.int16)
+        for start in range(0, int(seconds * rate), block):
+            frame = av.AudioFrame.from_ndarray(zeros, format="s16p", layout=layout)
+            frame.sample_rate, frame.pts = rate, start
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    data = bytearray(out.getvalue())
+    if declared_s is not None:  # the low 36 bits of STREAMINFO's bytes 10-17
+        fields = int.from_bytes(data[18:26], "big") & ~((1 << 36) - 1)
+        data[18:26] = (fields | int(declared_s * rate)).to_bytes(8, "big")
+    return bytes(data)

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests.e2e.server import Server, serve
-from tests.helpers import wait_for
+from tests.helpers import silent_flac, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -336,6 +336,24 @@ def test_bad_uploads_get_4xx_without_touching_the_worker(server: Server,
     again = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())}, timeout=300)
     assert again.status_code == 200
     _heard(again.json()["text"])
+
+
+def test_audio_longer_than_the_bound_is_refused_naming_file(server: Server) -> None:
+    """An hour of silence is a 656 KB FLAC: refused from its header, and one whose header
+    says 1 s refused as it is decoded, both before any transcription (a deadline far below
+    the minutes the hour took to transcribe); the worker then transcribes speech."""
+    url = f"{server.url}/v1/audio/transcriptions"
+    hour = silent_flac(3600)
+    assert len(hour) < MAX_AUDIO  # within --max-audio: its bytes are no bound on it
+    for name, data in (("hour.flac", hour), ("lying.flac", silent_flac(1800, declared_s=1))):
+        refused = httpx.post(url, files={"file": (name, data)}, timeout=120)
+        assert refused.status_code == 413, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "file" and "1,500 s" in error["message"], error
+    spoken = httpx.post(url, files={"file": ("a.wav", FIXTURE.read_bytes())}, timeout=300)
+    assert spoken.status_code == 200, spoken.text
+    _heard(spoken.json()["text"])
+    assert not server.stats()["event_counts"].get("crashed")
 
 
 def _chat(server: Server, max_tokens: int = 8, stream: bool = False,

@@ -3,9 +3,11 @@ and Whisper model directories in the catalog."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from starlette.datastructures import FormData, Headers, UploadFile
@@ -15,6 +17,7 @@ from bunkhouse.config import Settings, load_config_file
 from bunkhouse.errors import ConfigError, InvalidRequest
 from bunkhouse.front.audio import looks_like_audio, parse_fields, srt, timestamp, vtt
 from bunkhouse.residency.estimate import estimate
+from tests.helpers import silent_flac
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "speech.wav"
 
@@ -149,3 +152,56 @@ def test_a_whisper_directory_without_its_tokenizer_is_refused_by_name(tmp_path: 
     shutil.rmtree(own)
     with pytest.raises(ConfigError, match="no Whisper model directory"):
         build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)))
+
+
+def _decoded(data: bytes, **limits: Any) -> int:
+    """What the Whisper worker's decoder writes for ``data``: 16 kHz mono samples."""
+    from bunkhouse.worker.engines.whisper import decode
+
+    return decode(io.BytesIO(data), io.BytesIO(), **limits)
+
+
+def test_audio_within_the_bounds_is_decoded_whole() -> None:
+    from bunkhouse.worker.engines.whisper import MAX_AUDIO_S, MAX_DECODED_SAMPLES
+
+    assert abs(_decoded(FIXTURE.read_bytes()) - 7.55 * 16_000) < 16_000
+    assert MAX_DECODED_SAMPLES >= MAX_AUDIO_S * 48_000 * 2  # 48 kHz stereo fits
+    ten = _decoded(silent_flac(10, rate=48_000, layout="stereo"), max_s=11,
+                   max_samples=11 * 48_000 * 2)
+    assert 10 * 16_000 <= ten <= 11 * 16_000
+
+
+def test_audio_declared_longer_than_the_bound_is_refused_before_decoding() -> None:
+    from bunkhouse.worker.engines.whisper import AudioTooLong
+
+    with pytest.raises(AudioTooLong) as refused:
+        _decoded(silent_flac(20), max_s=10)
+    assert "(20 s)" in str(refused.value) or "(21 s)" in str(refused.value)  # the header's
+
+
+def test_audio_whose_header_understates_it_is_refused_as_it_is_decoded() -> None:
+    import av
+
+    from bunkhouse.worker.engines.whisper import AudioTooLong
+
+    lying = silent_flac(20, declared_s=1)
+    with av.open(io.BytesIO(lying)) as container:
+        assert container.duration is not None and container.duration <= 2_000_000
+    with pytest.raises(AudioTooLong) as refused:
+        _decoded(lying, max_s=10)
+    assert "longer than the limit of 10 s" in str(refused.value)
+
+
+def test_audio_decoding_to_too_many_samples_is_refused_whatever_its_length() -> None:
+    """A high rate and many channels multiply the decoder's work (an 8-channel 384 kHz file
+    is 32 times a stereo 48 kHz one of the same length): the bound counts samples."""
+    from bunkhouse.worker.engines.whisper import AudioTooLong
+
+    stereo = silent_flac(10, rate=96_000, layout="stereo")
+    with pytest.raises(AudioTooLong) as declared:  # the header says so
+        _decoded(stereo, max_s=60, max_samples=60 * 16_000)
+    assert "samples" in str(declared.value)
+    lying = silent_flac(10, rate=96_000, layout="stereo", declared_s=0.1)
+    with pytest.raises(AudioTooLong) as counted:  # the frames say so
+        _decoded(lying, max_s=60, max_samples=60 * 16_000)
+    assert "samples" in str(counted.value)

@@ -32,7 +32,7 @@ from bunkhouse.engines.contract import (
     SlotState,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
-from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
+from bunkhouse.errors import EngineUnavailable, InvalidRequest, RequestTooLarge, envelope
 
 if TYPE_CHECKING:
     from bunkhouse.catalog import CatalogModel
@@ -95,8 +95,8 @@ class WhisperClient(WorkerHTTP):
     async def transcribe(self, audio: AsyncIterator[bytes], size: int,
                          options: dict[str, Any]) -> httpx.Response:
         """Send ``size`` bytes of an upload; the open NDJSON answer (the caller reads and
-        closes it). A refusal of the file (not audio, too long) is EngineRefused naming
-        ``file``; a worker that cannot be reached, EngineUnavailable."""
+        closes it). A refusal of the file is EngineRefused (not audio) or RequestTooLarge
+        (too long), naming ``file``; a worker that cannot be reached, EngineUnavailable."""
         resp = await self._send(self._http.build_request(
             "POST", ROUTE, params={"options": json.dumps(options)}, content=audio,
             headers={"content-length": str(size), "content-type": "application/octet-stream"}))
@@ -108,6 +108,8 @@ class WhisperClient(WorkerHTTP):
             finally:
                 await resp.aclose()
             status, err = error_object(resp.status_code, body)
+            if status == 413:
+                raise RequestTooLarge(err["error"]["message"], param=err["error"]["param"])
             if status < 500:
                 raise EngineRefused(err["error"]["message"], param=err["error"]["param"])
             raise EngineUnavailable(f"model {self._model_id!r}: {err['error']['message']}")

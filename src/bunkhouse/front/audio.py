@@ -7,8 +7,9 @@ declared length says so) and by the uploads held at once (503 ``server_busy``). 
 model is loaded the file is checked to begin like an audio container (WAV, MP3, FLAC, Ogg,
 MP4/M4A, WebM/Matroska, AIFF, AMR, AAC): a text file renamed ``.wav`` is a 400 at once. The
 decoding itself runs in the worker (worker/engines/whisper.py): a file that only looks like
-audio is refused there with a 400, and a decoder crash takes down that worker, never the
-front.
+audio is refused there with a 400, one holding more audio than a transcription may take
+(its declared duration, then what its frames hold) with a 413, both naming ``file``, and a
+decoder crash takes down that worker, never the front.
 
 A transcription is admitted like a generation: a lease on the model (loading it, evicting
 least recently used models to make room), its one slot, and a compute turn (front/admission.py

@@ -1,4 +1,5 @@
-"""The front's OpenAPI description (`GET /openapi.json`), built from the edge's own schemas."""
+"""The front's OpenAPI description (`GET /openapi.json`) of every route the app serves (a
+test holds it to the app's route table), built from the edge's own schemas."""
 
 from __future__ import annotations
 
@@ -32,10 +33,13 @@ def _body(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
 
 
 def _op(summary: str, ok: str, body: dict[str, Any] | None = None,
-        params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        params: list[dict[str, Any]] | None = None, media: tuple[str, ...] = ()
+        ) -> dict[str, Any]:
+    """An operation answering ``ok`` with a JSON object (or text of the ``media`` types)."""
+    content = {m: {"schema": {"type": "string"}} for m in media} or _JSON_OBJECT
     op: dict[str, Any] = {"summary": summary,
                           "responses": {ok: {"description": "success",
-                                             "content": _JSON_OBJECT}, **_ERRORS}}
+                                             "content": content}, **_ERRORS}}
     if body:
         op["requestBody"] = body
     if params:
@@ -135,6 +139,43 @@ def _transcription_body() -> dict[str, Any]:
         "type": "object", "required": ["file"], "properties": props}}}}
 
 
+def _object_body(props: dict[str, Any], required: list[str] | None = None,
+                 needed: bool = True) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": props}
+    if required:
+        schema["required"] = required
+    return {"required": needed, "content": {"application/json": {"schema": schema}}}
+
+
+def _ollama_embed_body(legacy: bool) -> dict[str, Any]:
+    """Ollama's ``/api/embed`` (``input``: a text or texts) or ``/api/embeddings``
+    (``prompt``: one text), as its docs/api.md describes the fields served."""
+    text = {"type": "string"}
+    field = ("prompt", text) if legacy else (
+        "input", {"anyOf": [text, {"type": "array", "minItems": 1, "items": text}]})
+    return _object_body({"model": text, field[0]: field[1], "truncate": {"type": "boolean"},
+                         "keep_alive": {"anyOf": [text, {"type": "number"}]}},
+                        ["model", field[0]])
+
+
+def _not_served(name: str, method: str) -> dict[str, Any]:
+    """One of Ollama's routes that change its model store: answered 501, saying why."""
+    op = _op(f"Ollama's {name}: not served (bunkhouse changes no model files); 501 with "
+             "the reason", "501")
+    op["responses"]["501"] = {"description": "not served: the reason, as Ollama's errors",
+                              "content": _JSON_OBJECT}
+    if method == "post":
+        op["requestBody"] = _object_body({}, needed=False)
+    return op
+
+
+_EVENTS_AFTER = [
+    {"name": "after", "in": "query", "required": False,
+     "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}},
+    {"name": "Last-Event-ID", "in": "header", "required": False,
+     "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}}]
+
+
 def _pause_body() -> dict[str, Any]:
     return {"required": False, "content": {"application/json": {"schema": {
         "type": "object", "properties": {
@@ -160,9 +201,11 @@ def openapi(version: str) -> dict[str, Any]:
             "get": _op("one model", "200", params=_MODEL_ID),
             "delete": _op("drain and unload; runtime models leave the catalog (admin)", "204",
                           params=_MODEL_ID)},
-        **{f"/v1/models/{{model_id}}/{action}": {"post": _op(
-            f"{action} a catalog model (admin)", "200", params=_MODEL_ID)}
-           for action in ("load", "unload", "pin", "unpin")},
+        "/v1/models/{model_id}/{action}": {"post": _op(
+            "load, unload (204 once freed, 202 while requests drain), pin or unpin a "
+            "catalog model (admin)", "200", params=[*_MODEL_ID, {
+                "name": "action", "in": "path", "required": True,
+                "schema": {"enum": ["load", "unload", "pin", "unpin"]}}])},
         "/v1/messages": {"post": _op("Anthropic Messages (SSE with stream); errors in "
                                      "Anthropic's envelope", "200", _messages_body(True))},
         "/v1/messages/count_tokens": {"post": _op("Anthropic: the prompt's tokens", "200",
@@ -189,8 +232,17 @@ def openapi(version: str) -> dict[str, Any]:
         "/detokenize": {"post": _op("llama.cpp: the text of token ids", "200", detok)},
         "/apply-template": {"post": _op("llama.cpp: the prompt chat messages become", "200",
                                         chat)},
-        "/api/embed": {"post": _op("Ollama embeddings of input (a text or texts)", "200")},
-        "/api/embeddings": {"post": _op("Ollama's older embeddings of one prompt", "200")},
+        "/api/embed": {"post": _op("Ollama embeddings of input (a text or texts)", "200",
+                                   _ollama_embed_body(False))},
+        "/api/embeddings": {"post": _op("Ollama's older embeddings of one prompt", "200",
+                                        _ollama_embed_body(True))},
+        "/api/show": {"post": _op("Ollama: a model's details and capabilities", "200",
+                                  _object_body({"model": {"type": "string"},
+                                                "name": {"type": "string"},
+                                                "verbose": {"type": "boolean"}}))},
+        **{f"/api/{name}": {"post": _not_served(name, "post")}
+           for name in ("pull", "push", "create", "copy")},
+        "/api/delete": {"delete": _not_served("delete", "delete")},
         "/api/tags": {"get": _op("Ollama: every model", "200")},
         "/api/ps": {"get": _op("Ollama: the loaded models", "200")},
         "/api/version": {"get": _op("Ollama: the server's version", "200")},
@@ -199,7 +251,8 @@ def openapi(version: str) -> dict[str, Any]:
         "/admin/reload": {"post": _op("re-read the config file and model folders (admin); "
                                       "the ids added, removed and changed", "200")},
         "/admin/default": {"post": _op("switch the default model: {\"model\": ID} (admin)",
-                                       "200")},
+                                       "200", _object_body({"model": {"type": "string"}},
+                                                           ["model"]))},
         "/admin/pause": {"post": _op("hold every model paused once the requests in flight "
                                      "finished, for max_s seconds at most (admin)", "200",
                                      _pause_body())},
@@ -209,7 +262,19 @@ def openapi(version: str) -> dict[str, Any]:
                                                   "200", params=_MODEL_ID)},
         "/health": {"get": _op("liveness and every model's state", "200")},
         "/stats": {"get": _op("memory budget, models and recent events", "200")},
-        "/metrics": {"get": _op("residency in Prometheus' text format", "200")},
+        "/metrics": {"get": _op("residency in Prometheus' text format", "200",
+                                media=("text/plain",))},
+        "/admin/events": {"get": _op(
+            "residency's events as Server-Sent Events, live, from after the sequence number "
+            "given (after, or Last-Event-ID on reconnecting)", "200", params=_EVENTS_AFTER,
+            media=("text/event-stream",))},
+        "/openapi.json": {"get": _op("this description of every route", "200")},
+        "/": {"get": _op("the web console's page", "200", media=("text/html",))},
+        "/console/{name}": {"get": _op("one of the web console's files (script, style)",
+                                       "200", params=[{"name": "name", "in": "path",
+                                                       "required": True,
+                                                       "schema": {"type": "string"}}],
+                                       media=("text/javascript", "text/css"))},
     }
     return {"openapi": "3.1.0", "info": {"title": "bunkhouse", "version": version},
             "paths": paths, "components": {"schemas": schemas}}

@@ -10,13 +10,17 @@ has the shape of every worker's (engines/whisper.py is its front side):
   the client sent them. The answer is NDJSON, one object per line: ``{"type": "info",
   "language", "duration"}``, then a ``{"type": "segment", ...}`` per segment as it is
   transcribed, then ``{"type": "done"}``; an error after the first line is ``{"type":
-  "error", "message"}``. Input that is not audio is a 400 before any line, with an OpenAI
-  error object naming the field ``file``.
+  "error", "message"}``. Input that is not audio is a 400 before any line, and audio longer
+  than :data:`MAX_AUDIO_S` (or decoding to more than :data:`MAX_DECODED_SAMPLES`) a 413, with
+  an OpenAI error object naming the field ``file``.
 
 Decoding runs here, not in the front: a decoder that crashes on a hostile file takes this
 worker down (the supervisor restarts it), never the endpoint. Audio is decoded with PyAV, as
-faster-whisper decodes it, to 16 kHz mono, as the upload (spooled to a temporary file) is
-read, and transcribed in windows of :data:`WINDOW_S` seconds: faster-whisper builds its whole
+faster-whisper decodes it, to 16 kHz mono, all of it before the answer begins (a few seconds
+at most: an hour of FLAC decodes in under one): the container's declared duration is checked
+first, then what the frames hold as they are decoded, since a header can understate it. The
+samples go to a temporary file (48 MiB at most) and are transcribed in windows of
+:data:`WINDOW_S` seconds: faster-whisper builds its whole
 input's spectrogram at once (about 0.9 MiB per second of audio, measured with tiny.en), so the
 window bounds the worker's memory whatever the file's length. Each window is conditioned on
 the text of the one before.
@@ -51,49 +55,102 @@ WINDOW_S = 120
 MAX_BODY_BYTES = 1 << 30
 """The largest body the worker reads (the front bounds uploads far lower: --max-audio)."""
 
+MAX_AUDIO_S = 1_500.0
+"""The most seconds of audio one upload may hold: OpenAI's maximum for its transcription
+models (gpt-4o-transcribe refuses longer audio, "longer than 1500 seconds which is the maximum
+for this model"; 25 MB of 128 kbit/s MP3, OpenAI's upload limit, is 26 minutes). Without it a
+656 KB FLAC of an hour of silence held the one Whisper slot for 5 minutes on 2 cores."""
+
+MAX_DECODED_SAMPLES = int(MAX_AUDIO_S) * 48_000 * 2
+"""The most samples an upload may decode to before it is resampled, all channels counted:
+:data:`MAX_AUDIO_S` of 48 kHz stereo (the rate of video and of most recorders). Decoding
+costs what the file's own rate and channels make it: 25 minutes at 384 kHz in 8 channels is
+32 times as much."""
+
 COMPUTE_TYPE = "int8"
 """CTranslate2's weights on CPU: int8 (faster-whisper's advice for CPU, a quarter of float32)."""
 
 
 class AudioError(Exception):
-    """The upload is not audio this worker can decode, or too long; the message says which."""
+    """The upload is not audio this worker can decode; the message says why."""
 
 
-def windows(upload: BinaryIO, window_s: float = WINDOW_S) -> Iterator[Any]:
-    """The audio of ``upload`` (any container and codec FFmpeg knows), decoded as it is
-    read, as 16 kHz mono int16 numpy arrays of ``window_s`` seconds (the last one shorter).
-    Frames FFmpeg cannot decode are skipped, as faster-whisper's own decoder skips them.
-    Raises AudioError: no audio stream, nothing decodable."""
+class AudioTooLong(AudioError):
+    """The upload holds more audio than one transcription may take (a 413)."""
+
+
+def decode(upload: BinaryIO, pcm: BinaryIO, max_s: float = MAX_AUDIO_S,
+           max_samples: int = MAX_DECODED_SAMPLES) -> int:
+    """Decode all of ``upload`` (any container and codec FFmpeg knows) into ``pcm`` as
+    16 kHz mono int16 samples; the number written. Frames FFmpeg cannot decode are skipped,
+    as faster-whisper's own decoder skips them. Raises AudioTooLong when the container
+    declares, or its frames turn out to hold, more than ``max_s`` seconds or ``max_samples``
+    samples before resampling (all channels at the file's own rate); AudioError: no audio
+    stream, nothing decodable."""
     import av
-    import numpy as np
 
-    size = int(window_s * SAMPLE_RATE)
-    chunks: list[Any] = []
-    held = 0
-    sent = False
+    written = 0
     try:
         with av.open(upload, mode="r", metadata_errors="ignore") as container:
             stream = next((s for s in container.streams if s.type == "audio"), None)
             if stream is None:
                 raise AudioError("the file has no audio stream")
+            _check_declared(container, stream, max_s, max_samples)
             resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
+            decoded = 0
             for frame in itertools.chain(_frames(container, stream), [None]):
+                if frame is not None:
+                    decoded += frame.samples * max(1, frame.layout.nb_channels)
+                    if decoded > max_samples:
+                        raise _too_many_samples(max_samples)
                 for out in resampler.resample(frame):
                     samples = out.to_ndarray().reshape(-1)
-                    chunks.append(samples)
-                    held += len(samples)
-                    while held >= size:
-                        audio = np.concatenate(chunks)
-                        yield audio[:size]
-                        sent = True
-                        chunks, held = [audio[size:]], len(audio) - size
+                    written += len(samples)
+                    if written > max_s * SAMPLE_RATE:
+                        raise _too_long(max_s)
+                    pcm.write(samples.tobytes())
     except (av.error.FFmpegError, ValueError, IndexError, OSError) as e:
         why = getattr(e, "strerror", None) or str(e)
         raise AudioError(f"the file is not audio that can be decoded ({why})") from e
-    if held:
-        yield np.concatenate(chunks)
-    elif not sent:
+    if not written:
         raise AudioError("the file holds no audio that can be decoded")
+    return written
+
+
+def _check_declared(container: Any, stream: Any, max_s: float, max_samples: int) -> None:
+    """Refuse what the container's header says is too long, before anything is decoded
+    (the header may understate it: :func:`decode` counts as it goes)."""
+    seconds = [container.duration / 1_000_000 if container.duration else 0.0]
+    if stream.duration and stream.time_base:
+        seconds.append(float(stream.duration * stream.time_base))
+    declared = max(seconds)
+    if declared > max_s:
+        raise _too_long(max_s, declared)
+    channels = stream.codec_context.channels or 1
+    if declared * (stream.sample_rate or 0) * channels > max_samples:
+        raise _too_many_samples(max_samples)
+
+
+def _too_long(max_s: float, declared: float | None = None) -> AudioTooLong:
+    length = f" ({declared:,.0f} s)" if declared is not None else ""
+    return AudioTooLong(f"the audio is longer{length} than the limit of {max_s:,.0f} s "
+                        "a transcription may take; split it")
+
+
+def _too_many_samples(max_samples: int) -> AudioTooLong:
+    return AudioTooLong(f"the audio decodes to more than {max_samples:,} samples (all "
+                        "channels at its own rate); resample it to 48 kHz stereo or less, "
+                        "or split it")
+
+
+def windows(pcm: BinaryIO, window_s: float = WINDOW_S) -> Iterator[Any]:
+    """The 16 kHz mono int16 samples :func:`decode` wrote to ``pcm``, from its start, as
+    numpy arrays of ``window_s`` seconds (the last one shorter)."""
+    import numpy as np
+
+    pcm.seek(0)
+    while block := pcm.read(int(window_s * SAMPLE_RATE) * 2):
+        yield np.frombuffer(block, dtype=np.int16)
 
 
 def _frames(container: Any, stream: Any) -> Iterator[Any]:
@@ -213,7 +270,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(400, "options must be a JSON object and the body's length given")
             return
         engine = self.server.engine
-        with engine.busy, tempfile.TemporaryFile() as upload:
+        with engine.busy, tempfile.TemporaryFile() as upload, \
+                tempfile.TemporaryFile() as pcm:
             left = length
             while left:  # spooled to disk: the worker's memory does not grow with uploads
                 block = self.rfile.read(min(left, 1 << 20))
@@ -230,30 +288,35 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(400, f"language {language!r}: this model transcribes {only}",
                             "language")
                 return
-            audio = windows(upload)
-            try:
-                first = next(audio)  # a file that is not audio is refused before the 200
+            try:  # all of it before the 200, so that a refusal is a 4xx
+                decode(upload, pcm)
+            except AudioTooLong as e:
+                self._error(413, str(e), "file")
+                return
             except AudioError as e:
                 self._error(400, str(e), "file")
                 return
-            self.send_response(200)
-            self.send_header("content-type", "application/x-ndjson")
-            self.end_headers()
-            try:
-                for line in transcribe(engine.model, itertools.chain([first], audio),
-                                       options):
-                    if _peer_gone(self.connection):  # a write to a closed peer may succeed
-                        log.info("transcription stopped: the front went away")
-                        return
-                    self.wfile.write(json.dumps(line).encode() + b"\n")
-                    self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
-                log.info("transcription stopped: the front went away")
-            except Exception as e:  # the engine's failure: said in the stream, then ended
-                log.exception("transcription failed")
-                with contextlib.suppress(OSError):
-                    self.wfile.write(json.dumps({"type": "error",
-                                                 "message": str(e)[:500]}).encode() + b"\n")
+            self._stream(windows(pcm), options)
+
+    def _stream(self, audio: Iterator[Any], options: dict[str, Any]) -> None:
+        """Answer 200 and the transcript's lines as they come, until the front goes away."""
+        self.send_response(200)
+        self.send_header("content-type", "application/x-ndjson")
+        self.end_headers()
+        try:
+            for line in transcribe(self.server.engine.model, audio, options):
+                if _peer_gone(self.connection):  # a write to a closed peer may succeed
+                    log.info("transcription stopped: the front went away")
+                    return
+                self.wfile.write(json.dumps(line).encode() + b"\n")
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("transcription stopped: the front went away")
+        except Exception as e:  # the engine's failure: said in the stream, then ended
+            log.exception("transcription failed")
+            with contextlib.suppress(OSError):
+                self.wfile.write(json.dumps({"type": "error",
+                                             "message": str(e)[:500]}).encode() + b"\n")
 
 
 class WhisperEngine:
