@@ -90,6 +90,27 @@ def test_deeply_nested_json_is_400(client: TestClient) -> None:
     assert resp.status_code == 400 and "nests deeper" in resp.json()["error"]["message"]
 
 
+def test_a_body_of_millions_of_values_is_400_before_it_is_parsed(tmp_path: Path) -> None:
+    """16 MiB of ``[{},{},...]`` in an unknown field parsed into 400 MB of objects."""
+    body = b'{"prompt": "x", "junk": [' + b",".join([b"{}"] * 5_000_000) + b"]}"
+    with TestClient(app_without_workers(tmp_path, keys=KEYS),
+                    base_url="http://localhost") as client:
+        resp = client.post("/v1/completions", content=body,
+                           headers={"x-api-key": "client-secret"})
+    assert resp.status_code == 400 and "JSON values" in resp.json()["error"]["message"]
+
+
+def test_a_million_token_ids_and_long_texts_are_still_read() -> None:
+    """The count is about values, not bytes: strings of any length count once."""
+    from bunkhouse.api.schemas import MAX_JSON_VALUES, json_values, parse_json_object
+
+    ids = b'{"tokens": [' + b",".join([b"151643"] * 1_048_576) + b"]}"
+    assert len(parse_json_object(ids)["tokens"]) == 1_048_576
+    text = b'{"prompt": "' + b'a, [b], {c}, ' * 1_000_000 + b'"}'
+    assert json_values(text) < 10 < MAX_JSON_VALUES
+    assert parse_json_object(text)["prompt"].startswith("a, [b]")
+
+
 def test_every_route_is_in_the_access_table_and_the_table_names_no_dead_route(
         tmp_path: Path) -> None:
     from starlette.routing import Route

@@ -7,6 +7,7 @@ OpenAI clients expect. Types are strict: ``"stream": "yes"`` is a 400, not a gue
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -224,6 +225,10 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or InvalidRequest saying what is wrong with it."""
     if not body:
         raise InvalidRequest("request body is empty; send a JSON object")
+    values = json_values(body)
+    if values > MAX_JSON_VALUES:
+        raise InvalidRequest(f"request body holds about {values:,} JSON values (at most "
+                             f"{MAX_JSON_VALUES:,}); send fewer items")
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -246,6 +251,23 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 MAX_JSON_DEPTH = 64
+
+MAX_JSON_VALUES = 2_000_000
+"""Values (objects, arrays, strings, numbers, literals) in one body. Parsed, each takes up
+to 72 bytes in Python: ``[{},{},...]`` read 16 MiB into 400 MB. Twice ``/detokenize``'s
+million token ids, the most any field takes."""
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_values(body: bytes) -> int:
+    """About how many values the JSON text ``body`` holds (at least as many), counted
+    without parsing it: each takes at least two bytes (``1,``), so a short body is not
+    read; else its strings are taken out and its separators and openings counted."""
+    if len(body) < 2 * MAX_JSON_VALUES:
+        return len(body) // 2 + 1
+    bare = _STRING.sub(b'""', body)
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
 
 
 def _walk(value: Any) -> tuple[int, bool]:

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from bunkhouse.api.schemas import text_bytes
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.vocab import PairTable
+from bunkhouse.catalog.vocab import PairTable, pair_table
 from bunkhouse.defaults import LARGE_INPUT_BYTES
 from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import Messages
-from bunkhouse.errors import ContextLengthExceeded, InvalidRequest
+from bunkhouse.errors import ContextLengthExceeded, GGUFError, InvalidRequest
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from bunkhouse.residency.manager import Lease
@@ -345,6 +348,37 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
         need = tokens + max(max_tokens, 1)
         if need > limit:
             raise _too_long(model, path, tokens, max_tokens, need, limit, at_least=True)
+
+
+def trained_limit(model: CatalogModel) -> int:
+    """Tokens a text may have where it need not fit a slot (counting, tokenizing): what the
+    model was trained for, or its configured context if larger. Megabytes of text past it
+    took the worker gigabytes."""
+    return max(model.info.context_length or 0, model.options.context)
+
+
+async def check_text_length(model: CatalogModel, text: str, param: str) -> None:
+    """InvalidRequest (400, ``param``) for a text of more than :func:`trained_limit` tokens
+    by its lower bound (catalog/vocab.py), found without the engine."""
+    limit = trained_limit(model)
+    if len(text.encode()) <= limit:
+        return  # a token is at least one byte
+    pairs = await model_pair_table(model)
+    tokens = 0 if pairs is None else await _min_tokens(pairs, [text])
+    if tokens > limit:
+        raise InvalidRequest(
+            f"{param} is at least {tokens} tokens, more than model {model.id!r} takes "
+            f"({limit}, its trained context); send it in parts", param=param)
+
+
+async def model_pair_table(model: CatalogModel) -> PairTable | None:
+    """The model's vocabulary pair table, read off the event loop once per file version."""
+    try:
+        mtime_ns = model.path.stat().st_mtime_ns
+        return await asyncio.to_thread(pair_table, model.path, mtime_ns)
+    except (OSError, GGUFError) as e:
+        log.warning("model %s: no token bound from its vocabulary: %s", model.id, e)
+        return None
 
 
 async def _min_tokens(pairs: PairTable, texts: list[str]) -> int:

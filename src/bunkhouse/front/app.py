@@ -32,12 +32,10 @@ from bunkhouse.api.schemas import (
 )
 from bunkhouse.api.tool_calls import ToolCallReader, check_tool_choice
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.catalog.vocab import PairTable, pair_table
 from bunkhouse.engines.contract import EngineClient, Messages
 from bunkhouse.errors import (
     BunkhouseError,
     EngineUnavailable,
-    GGUFError,
     MethodNotAllowed,
     NotFound,
     Paused,
@@ -45,11 +43,18 @@ from bunkhouse.errors import (
 )
 from bunkhouse.front.access import AccessLog
 from bunkhouse.front.admin import Admin, AdminOptions
-from bunkhouse.front.admission import ComputeGate, Held, check_fits, refuse_before_load
+from bunkhouse.front.admission import (
+    ComputeGate,
+    Held,
+    check_fits,
+    model_pair_table,
+    refuse_before_load,
+    trained_limit,
+)
 from bunkhouse.front.auth import Keys, Level, access
 from bunkhouse.front.constraints import ConstraintGate
 from bunkhouse.front.cors import Cors
-from bunkhouse.front.edge import prepare
+from bunkhouse.front.edge import known_only, prepare
 from bunkhouse.front.openapi import openapi
 from bunkhouse.front.protocols import (
     AnthropicShape,
@@ -104,7 +109,7 @@ class Front:
 
     def generation(self, path: str, schema: Schema) -> Callable[[Request], Awaitable[Response]]:
         def parse(body: bytes) -> tuple[Any, dict[str, Any]]:
-            data = parse_json_object(body)
+            data = known_only(schema, parse_json_object(body))
             return validate(schema, data), data
 
         async def handler(request: Request) -> Response:
@@ -157,9 +162,8 @@ class Front:
         # counted even past one slot (agents count to decide when to compact), but not past
         # what the model was trained for: megabytes of text took the worker gigabytes
         await refuse_before_load(model, "/v1/chat/completions", data,
-                                 functools.partial(_pair_table, model), cap=True,
-                                 limit=max(model.info.context_length or 0,
-                                           model.options.context))
+                                 functools.partial(model_pair_table, model), cap=True,
+                                 limit=trained_limit(model))
         lease = await self.residency.acquire(model)
         try:
             tokens = await lease.worker.engine.tokenize(data)
@@ -185,7 +189,7 @@ class Front:
         reader = None
         if path == "/v1/chat/completions":  # after prepare: it checks the tools as given
             data, reader = _tool_reader(data)
-        await refuse_before_load(model, path, data, functools.partial(_pair_table, model),
+        await refuse_before_load(model, path, data, functools.partial(model_pair_table, model),
                                  cap=cap)
         request.state.stream = bool(parsed.stream)
         shaped = _shape(model.id, shape, reader)
@@ -413,16 +417,6 @@ class Front:
             "event_counts": r.events.counts,
             "events": [e.as_dict(detail) for e in r.events.recent(100)],
         })
-
-
-async def _pair_table(model: CatalogModel) -> PairTable | None:
-    """The model's vocabulary pair table, read off the event loop once per file version."""
-    try:
-        mtime_ns = model.path.stat().st_mtime_ns
-        return await asyncio.to_thread(pair_table, model.path, mtime_ns)
-    except (OSError, GGUFError) as e:
-        log.warning("model %s: no token bound from its vocabulary: %s", model.id, e)
-        return None
 
 
 def _tool_reader(data: dict[str, Any]) -> tuple[dict[str, Any], ToolCallReader | None]:

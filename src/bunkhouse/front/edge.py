@@ -64,6 +64,21 @@ def _forwarded_fields(schema: type[BaseModel], engine: str) -> frozenset[str]:
     return known_fields(schema) | ENGINES[engine].forwarded_fields()
 
 
+def known_only(schema: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the fields no engine reads, dropped as soon as it is parsed so that
+    an unknown field's value (up to the body's size, parsed) is not held for the request's
+    life."""
+    kept = _any_engine_fields(schema)
+    if all(k in kept for k in data):
+        return data
+    return {k: v for k, v in data.items() if k in kept}
+
+
+@functools.cache
+def _any_engine_fields(schema: type[BaseModel]) -> frozenset[str]:
+    return frozenset().union(*(_forwarded_fields(schema, name) for name in ENGINES))
+
+
 MAX_TOOLS_BYTES = 256 * 1024  # the tools' JSON: the template renders them into every prompt
 
 

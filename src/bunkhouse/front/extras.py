@@ -5,7 +5,9 @@ no compute turn: the engine answers them on its HTTP threads without decoding. `
 generates, so it takes the one generation path (``Front.generate``), not this module.
 
 Each request is checked here before the engine sees it (types, token ids inside the model's
-vocabulary, chat on a model with a template); the engine's answer is relayed as it is.
+vocabulary, chat on a model with a template, a text to tokenize and token ids to detokenize no
+longer than the model's trained context: 15.6 MB to ``/tokenize`` grew a worker by 840 MiB
+past its memory estimate); the engine's answer is relayed as it is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from bunkhouse.api.schemas import ChatCompletionRequest, TokenId, parse_json_obj
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines.llamacpp import TEMPLATED_FIELDS
 from bunkhouse.errors import InvalidRequest
+from bunkhouse.front.admission import check_text_length, trained_limit
 from bunkhouse.front.edge import check_generates, prepare
 
 if TYPE_CHECKING:
@@ -66,10 +69,16 @@ class Extras:
 
     async def tokenize(self, request: Request) -> Response:
         _, parsed, model = await self._parse(request, TokenizeRequest)
+        await check_text_length(model, parsed.content, "content")
         return await self._relay(model.id, "/tokenize", parsed.model_dump(exclude={"model"}))
 
     async def detokenize(self, request: Request) -> Response:
         _, parsed, model = await self._parse(request, DetokenizeRequest)
+        limit = trained_limit(model)
+        if len(parsed.tokens) > limit:  # its text would be that long
+            raise InvalidRequest(f"tokens: {len(parsed.tokens)} token ids, more than model "
+                                 f"{model.id!r} takes ({limit}, its trained context); send "
+                                 "them in parts", param="tokens")
         vocab = model.info.vocab_size
         if vocab:  # an id past the vocabulary is not the engine's to meet
             for i, token in enumerate(parsed.tokens):
