@@ -520,6 +520,54 @@ def test_a_worker_that_stops_answering_probes_is_replaced() -> None:
     run(go())
 
 
+def test_a_stall_while_a_constrained_request_is_prepared_is_that_requests_not_the_models(
+        ) -> None:
+    """Three workers in a row stall on requests whose constraints passed the probe: each is
+    replaced, each request is blamed, and the model never counts a failure (with a restart
+    budget of 2 it would be failed by the third)."""
+    async def go() -> None:
+        h = Host([model("a")], probe_interval_s=5,
+                 restart=RestartPolicy(max_restarts=2, backoff_s=0.001, cooldown_s=60))
+        for n in range(3):
+            lease = await h.manager.acquire(h.models["a"])
+            other = await h.manager.acquire(h.models["a"])  # another client's request
+            lease.preparing(True)
+            h.workers[-1].answers = False
+            for _ in range(2):
+                h.advance(5)
+                await settle()
+                await _until(h, lambda: h.manager.snapshot().health["a"].probing is None)
+            await _until(h, lambda n=n: h.workers[n].stopped)
+            assert lease.blamed() and not other.blamed()
+            assert h.manager.snapshot().health["a"].failures == ()
+            lease.release()
+            other.release()
+            await _until(h, lambda: not h.manager.snapshot().models["a"].blamed)
+        await h.use("a")
+        assert h.state("a") == "ready" and len(h.workers) == 4
+
+    run(go())
+
+
+def test_a_stall_after_a_constrained_request_was_answered_is_the_models() -> None:
+    async def go() -> None:
+        h = Host([model("a")], probe_interval_s=5)
+        lease = await h.manager.acquire(h.models["a"])
+        lease.preparing(True)
+        lease.preparing(False)  # its answer began
+        h.workers[0].answers = False
+        for _ in range(2):
+            h.advance(5)
+            await settle()
+            await _until(h, lambda: h.manager.snapshot().health["a"].probing is None)
+        await _until(h, lambda: h.workers[0].stopped)
+        assert not lease.blamed()
+        assert len(h.manager.snapshot().health["a"].failures) == 1
+        lease.release()
+
+    run(go())
+
+
 def test_a_suspended_worker_is_not_probed_and_a_probe_across_a_suspension_counts_nothing(
         ) -> None:
     async def go() -> None:

@@ -32,10 +32,12 @@ from bunkhouse.api.schemas import (
 )
 from bunkhouse.api.tool_calls import ToolCallReader, check_tool_choice
 from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import EngineClient, Messages
 from bunkhouse.errors import (
     BunkhouseError,
     EngineUnavailable,
+    InvalidRequest,
     MethodNotAllowed,
     NotFound,
     Paused,
@@ -260,7 +262,9 @@ class Front:
         if admitted is None:
             return Response(status_code=499)
         lease, held, data = admitted.lease, admitted.held, admitted.data
-        with self._releasing(lease, held, model.id):  # forward may have closed it already
+        constrained = bool(engine_for(model).constraint_checks(path, data))
+        blamed = functools.partial(self._blamed, lease, model, path, data)
+        with self._releasing(lease, held, model.id, blamed):  # forward may have closed it
             self._check_still_served(lease)
             check = None
             keeper = admitted.keeper
@@ -272,25 +276,49 @@ class Front:
                 if admitted.pinned and admitted.slot.id >= 0:
                     data = {**data, "id_slot": admitted.slot.id}
             on_timings = functools.partial(_noted, request, check)
-            response = await forward(admitted.engine, path, data,
-                                     stream=parsed.stream, request=request,
-                                     model_id=model.id, on_done=held.close,
-                                     on_broken=self._broken(lease), on_timings=on_timings,
-                                     shape=shaped, started=shaper)
+            if constrained:  # a stall until it is answered is this request's (_blamed)
+                lease.preparing(True)
+            try:
+                response = await forward(admitted.engine, path, data,
+                                         stream=parsed.stream, request=request,
+                                         model_id=model.id, on_done=held.close,
+                                         on_broken=self._broken(lease, blamed),
+                                         on_timings=on_timings, shape=shaped,
+                                         started=shaper)
+            finally:
+                if constrained:
+                    lease.preparing(False)
         lease.report(True)  # it answered: whatever it said, it is alive
         return response
 
+    def _blamed(self, lease: Lease, model: CatalogModel, path: str,
+                data: dict[str, Any]) -> BunkhouseError | None:
+        """The error of a request whose constraint stalled its worker until it was replaced
+        (residency/step.py ``_probed``): a 400 naming the field, kept as the constraint's
+        verdict so that it is refused at once next time; None for any other request."""
+        if not lease.blamed():
+            return None
+        param = self.constraints.blame(model, path, data)
+        return InvalidRequest(f"{param} stalled the engine while it prepared this request, "
+                              "and its worker was replaced; simplify it: fewer alternatives, "
+                              "enum values or optional properties", param=param)
+
     @contextlib.contextmanager
-    def _releasing(self, lease: Lease, held: Held, model_id: str) -> Iterator[None]:
+    def _releasing(self, lease: Lease, held: Held, model_id: str,
+                   blamed: Callable[[], BunkhouseError | None] = lambda: None
+                   ) -> Iterator[None]:
         """On any error, give back what the request holds (``held.close`` is idempotent);
         a worker that could not be reached counts against its health, unless the front's
-        own shutdown cut it."""
+        own shutdown cut it or this request's constraint stalled it (``blamed()``)."""
         try:
             yield
         except EngineUnavailable as e:
             held.close()
             if self.residency.closing:  # the front's shutdown cut it, not the worker
                 raise ShuttingDown(model_id) from e
+            error = blamed()
+            if error is not None:
+                raise error from e
             lease.report(False)
             raise
         except BaseException:
@@ -326,12 +354,16 @@ class Front:
             raise EngineUnavailable(f"model {lease.model_id!r}: its worker exited while this "
                                     "request waited; retry")
 
-    def _broken(self, lease: Lease) -> Callable[[Exception], BunkhouseError]:
-        """A stream cut by the front's shutdown says so; one the worker cut counts against
-        the worker's health, like a failed request."""
+    def _broken(self, lease: Lease, blamed: Callable[[], BunkhouseError | None]
+                ) -> Callable[[Exception], BunkhouseError]:
+        """A stream cut by the front's shutdown says so; one its own constraint stalled says
+        that; one the worker cut counts against the worker's health, like a failed request."""
         def broken(error: Exception) -> BunkhouseError:
             if self.residency.closing:
                 return ShuttingDown(lease.model_id)
+            stalled = blamed()
+            if stalled is not None:
+                return stalled
             lease.report(False)
             return stream_broke(lease.model_id, error)
 

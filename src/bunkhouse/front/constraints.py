@@ -132,15 +132,26 @@ class ConstraintGate:
                     verdict = self._verdicts.get(key)
                     if verdict is None:
                         verdict = await self._measure(model, check)
-                        self._verdicts[key] = verdict
-                        while len(self._verdicts) > VERDICTS:
-                            self._verdicts.popitem(last=False)
-            self._verdicts.move_to_end(key)
+            self._keep(key, verdict)
             if verdict:
                 raise InvalidRequest(
                     f"{check.param} would cost the engine too much to prepare ({verdict}); "
                     "simplify it: fewer alternatives, enum values or optional properties",
                     param=check.param)
+
+    def blame(self, model: CatalogModel, path: str, body: dict[str, Any]) -> str:
+        """``body``'s constraints stalled a worker though they passed the probe (their cost
+        came after its two tokens): each is refused from now on. Returns the field to name."""
+        checks = engine_for(model).constraint_checks(path, body)
+        for check in checks:
+            self._keep(_key(model, check), "stalled a worker")
+        return checks[0].param if checks else "grammar"
+
+    def _keep(self, key: bytes, verdict: str) -> None:
+        self._verdicts[key] = verdict
+        self._verdicts.move_to_end(key)
+        while len(self._verdicts) > VERDICTS:
+            self._verdicts.popitem(last=False)
 
     async def cost(self, model: CatalogModel, check: ConstraintCheck) -> tuple[float, int]:
         """CPU seconds and bytes of memory ``check`` adds to the same prompt without it.

@@ -62,8 +62,11 @@ class Lease:
     (again is harmless)."""
 
     def __init__(self, post: Callable[[msg.Event], None], granted: msg.Granted,
-                 worker: WorkerHandle, slots: SlotGate) -> None:
+                 worker: WorkerHandle, slots: SlotGate,
+                 state: Callable[[], State] | None = None) -> None:
+        """``state()``: residency's latest state (for :meth:`blamed`)."""
         self._post = post
+        self._state = state
         self._granted = granted
         self.worker = worker
         self.slots = slots
@@ -74,6 +77,19 @@ class Lease:
         if not self._released:
             self._released = True
             self._post(msg.Release(self.model_id, self._granted.lease))
+
+    def preparing(self, on: bool) -> None:
+        """This request carries a constraint and was sent to the worker, unanswered (``on``),
+        or its answer began: a stall of the worker meanwhile is blamed on it, not on the
+        model (residency/step.py ``_probed``)."""
+        self._post(msg.Preparing(self.model_id, self._granted.lease, on))
+
+    def blamed(self) -> bool:
+        """Whether its worker was replaced for a stall while it prepared this request."""
+        if self._state is None:
+            return False
+        model = self._state().models.get(self.model_id)
+        return model is not None and self._granted.lease in model.blamed
 
     def report(self, ok: bool) -> None:
         """Whether the worker answered this request (a 5xx or a broken connection: no)."""
@@ -117,7 +133,7 @@ class ResidencyManager:
                     model.transcribes or model.info.split_count <= 1)
 
     def _lease(self, granted: msg.Granted, worker: WorkerHandle, slots: SlotGate) -> Lease:
-        return Lease(self._loop.post, granted, worker, slots)
+        return Lease(self._loop.post, granted, worker, slots, lambda: self._loop.state)
 
     # -- talking to the loop ---------------------------------------------------------------
 

@@ -47,6 +47,16 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class Preparing:
+    """A request with a constraint (a grammar, a schema, tools) was sent to the worker and is
+    unanswered (``on``), or its first answer came (not ``on``): a stall meanwhile is its."""
+
+    model: str
+    lease: int
+    on: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Report:
     """Whether the worker answered a request (a 5xx or a broken connection: no)."""
 
@@ -232,8 +242,9 @@ class KeepSpare:
     engine: str
 
 
-Event = (Want | Cancel | Release | Report | WorkerReady | LoadFailed | WorkerExited | Probed
-         | Flushed | WorkerStopped | Measured | SpareFilled | SpareGone | Suspend | Tick
+Event = (Want | Cancel | Release | Preparing | Report | WorkerReady | LoadFailed
+         | WorkerExited | Probed | Flushed | WorkerStopped | Measured | SpareFilled
+         | SpareGone | Suspend | Tick
          | Unload | Register | Reload | Pin | KeepAlive | PauseHold | OperatorPause
          | OperatorResume | AwaitQuiet | StopLoads | Open | Close | KeepSpare)
 

@@ -106,6 +106,7 @@ class Worker:
     placement: str = ""  # for messages: "pid N" (on node X)
     ready_at: float | None = None
     alive: bool = True  # false once its death is known
+    stalled_by: frozenset[int] = frozenset()  # killed for a stall those leases' requests made
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,8 @@ class Model:
     worker: Worker | None = None
     measured: int | None = None  # its worker's peak resident memory so far
     leases: frozenset[int] = frozenset()
+    preparing: frozenset[int] = frozenset()  # leases whose constrained request is unanswered
+    blamed: frozenset[int] = frozenset()  # leases whose request stalled its worker
     waiters: tuple[Waiter, ...] = ()
     last_used: float = 0.0
     keep_alive_s: float | None = None  # a client's keep_alive, until it is unloaded

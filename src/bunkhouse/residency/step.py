@@ -112,10 +112,19 @@ def _release(s: State, e: msg.Release, now: float, fx: Fx) -> State:
     m = s.models.get(e.model)
     if m is None or e.lease not in m.leases:
         return s
-    m = replace(m, leases=m.leases - {e.lease}, last_used=now)
+    m = replace(m, leases=m.leases - {e.lease}, preparing=m.preparing - {e.lease},
+                blamed=m.blamed - {e.lease}, last_used=now)
     if m.keep_alive_s == 0 and not m.leases:
         m = begin_drain(m, "keep_alive 0: unloaded once idle", fx)
     return put(s, advance_drain(s, m, fx))
+
+
+def _preparing(s: State, e: msg.Preparing, now: float, fx: Fx) -> State:
+    m = s.models.get(e.model)
+    if m is None or e.lease not in m.leases:
+        return s
+    preparing = m.preparing | {e.lease} if e.on else m.preparing - {e.lease}
+    return put(s, replace(m, preparing=preparing))
 
 
 def _report(s: State, e: msg.Report, now: float, fx: Fx) -> State:
@@ -221,7 +230,10 @@ def _exited(s: State, e: msg.WorkerExited, now: float, fx: Fx) -> State:
     if m.phase is Phase.DRAINING:  # it was being stopped anyway: no respawn, no flush
         return put(s, advance_drain(s, m, fx))
     served_s = now - (worker.ready_at or now)
-    s = _count_failure(s, m, cause, e.detail, now, fx, served_s=served_s)
+    if worker.stalled_by:  # a request's constraint stalled it (_probed): no failure of its own
+        s = put(s, replace(m, respawn=True))
+    else:
+        s = _count_failure(s, m, cause, e.detail, now, fx, served_s=served_s)
     m = s.models[m.id]
     if m.retired:
         m = replace(m, respawn=False)
@@ -239,7 +251,14 @@ def _probed(s: State, e: msg.Probed, now: float, fx: Fx) -> State:
     h, replace_it = supervision.probe_answered(s.health[m.id], e.ok, e.suspensions,
                                                s.options.probe_failures)
     if replace_it and m.phase is Phase.READY and m.worker is not None and m.worker.alive:
-        _kill(m, f"{h.probe_failures} liveness probes in a row missed", fx)
+        why = f"{h.probe_failures} liveness probes in a row missed"
+        if m.preparing:  # it stalled preparing those requests: theirs, not the model's
+            why += (f" while it prepared {len(m.preparing)} request(s) with a constraint; "
+                    "they fail, the model does not count it")
+            m = replace(m, worker=replace(m.worker, stalled_by=m.preparing),
+                        blamed=m.blamed | m.preparing, preparing=frozenset())
+            s = put(s, m)
+        _kill(m, why, fx)
     return put_health(s, m.id, h)
 
 
@@ -308,7 +327,8 @@ def _suspend(s: State, e: msg.Suspend, now: float, fx: Fx) -> State:
 
 
 _HANDLERS: Mapping[type, Callable[[State, Any, float, Fx], State]] = {  # one per event
-    msg.Want: _want, msg.Cancel: _cancel, msg.Release: _release, msg.Report: _report,
+    msg.Want: _want, msg.Cancel: _cancel, msg.Release: _release, msg.Preparing: _preparing,
+    msg.Report: _report,
     msg.WorkerReady: _worker_ready, msg.LoadFailed: _load_failed, msg.WorkerExited: _exited,
     msg.Probed: _probed, msg.Flushed: _flushed, msg.WorkerStopped: _stopped,
     msg.Measured: _measured, msg.SpareFilled: _spare_filled, msg.SpareGone: _spare_gone,
