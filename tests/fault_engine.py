@@ -9,6 +9,8 @@ from the environment, per model id: ``BUNKHOUSE_FAULTS='{"m": {"crash_after_toke
 - ``ignore_sigterm``: SIGTERM does nothing (only SIGKILL stops it);
 - ``hang_after_requests``: after this many generations, nothing answers any more;
 - ``fail_generation``: health answers, every generation is a 500.
+- ``stall_on_grammar``: a generation with a ``grammar`` stops everything answering, as
+  llama.cpp's loop stalls on a grammar too costly to apply.
 
 It keeps the worker contract (engines/contract.py) as llama.cpp's server does: health, slots,
 ``/tokenize`` (a token per word) and ``/apply-template``, streamed and plain generations, and
@@ -41,6 +43,7 @@ class FaultEngine:
         all_faults = json.loads(os.environ.get("BUNKHOUSE_FAULTS", "{}"))
         self.faults: dict[str, Any] = all_faults.get(config.model_id, {})
         self.requests = 0
+        self.stalled = False
         self.slot_tokens = [0] * config.parallel  # tokens each slot holds (its last prompt)
         self._server: _Server | None = None
 
@@ -65,7 +68,7 @@ class FaultEngine:
 
     def hung(self) -> bool:
         limit = self.faults.get("hang_after_requests")
-        return limit is not None and self.requests >= int(limit)
+        return self.stalled or (limit is not None and self.requests >= int(limit))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -107,6 +110,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(400, {"error": {"message": f"invalid JSON: {e}",
                                        "type": "invalid_request_error"}})
             return
+        if self.engine.faults.get("stall_on_grammar") and body.get("grammar"):
+            self.engine.stalled = True
+            self._hang_if_hung()
         if self.path.startswith("/slots/"):
             self._slot_action(body)
             return

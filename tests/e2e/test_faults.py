@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 
+from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for, write_tiny_gguf
 
@@ -95,3 +97,31 @@ def test_answers_never_count_against_a_workers_health(tmp_path: Path) -> None:
         time.sleep(2)  # several probe rounds: it answers them all
         assert server.model("broken")["pid"] == pid and server.model("broken")["state"] == "ready"
         assert "crashed" not in _kinds(server, "broken")
+
+
+def test_a_stall_on_a_requests_grammar_is_that_requests_not_the_models(
+        tmp_path: Path, packaged_catalog: Catalog) -> None:
+    """The constraint probe measures the real model (a cheap grammar passes it); the fault
+    engine's worker then stalls on that grammar past its liveness probes, three times in a
+    row: each request gets a 400 naming ``grammar``, its grammar is refused from then on,
+    and the model never counts a failure (nor gives up)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    os.link(packaged_catalog.get("qwen2.5-coder-0.5b-instruct").path, models / "stally.gguf")
+    env = {"BUNKHOUSE_FAULTS": json.dumps({"stally": {"stall_on_grammar": True}}),
+           "PYTHONPATH": str(ROOT)}
+    with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine",
+               ENGINE, "--probe-interval", "1", env=env) as server:
+        assert _ask(server, "stally").status_code == 200
+        for n in range(3):
+            grammar = f'root ::= "yes{n}" | "no{n}"'
+            resp = _ask(server, "stally", grammar=grammar)
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+            assert error["param"] == "grammar" and "stalled" in error["message"], error
+            again = _ask(server, "stally", grammar=grammar)  # refused before any worker
+            assert again.status_code == 400 and again.json()["error"]["param"] == "grammar"
+        assert _ask(server, "stally").status_code == 200
+        kinds = _kinds(server, "stally")
+        assert kinds.count("crashed") == 3 and "gave_up" not in kinds, kinds
+        assert server.model("stally")["state"] == "ready"

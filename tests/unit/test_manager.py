@@ -520,7 +520,7 @@ def test_a_worker_that_stops_answering_probes_is_replaced() -> None:
     run(go())
 
 
-def test_a_stall_while_a_constrained_request_is_prepared_is_that_requests_not_the_models(
+def test_a_stall_while_a_constrained_request_runs_is_that_requests_not_the_models(
         ) -> None:
     """Three workers in a row stall on requests whose constraints passed the probe: each is
     replaced, each request is blamed, and the model never counts a failure (with a restart
@@ -531,7 +531,7 @@ def test_a_stall_while_a_constrained_request_is_prepared_is_that_requests_not_th
         for n in range(3):
             lease = await h.manager.acquire(h.models["a"])
             other = await h.manager.acquire(h.models["a"])  # another client's request
-            lease.preparing(True)
+            lease.constrained(True)
             h.workers[-1].answers = False
             for _ in range(2):
                 h.advance(5)
@@ -549,12 +549,12 @@ def test_a_stall_while_a_constrained_request_is_prepared_is_that_requests_not_th
     run(go())
 
 
-def test_a_stall_after_a_constrained_request_was_answered_is_the_models() -> None:
+def test_a_stall_after_a_constrained_request_ended_is_the_models() -> None:
     async def go() -> None:
         h = Host([model("a")], probe_interval_s=5)
         lease = await h.manager.acquire(h.models["a"])
-        lease.preparing(True)
-        lease.preparing(False)  # its answer began
+        lease.constrained(True)
+        lease.constrained(False)  # its answer ended
         h.workers[0].answers = False
         for _ in range(2):
             h.advance(5)

@@ -96,7 +96,7 @@ action = st.one_of(
     st.tuples(st.just("complete"), st.integers(0, 15), st.just(True)),
     st.tuples(st.just("crash"), st.integers(0, 7)),
     st.tuples(st.just("report"), st.integers(0, 7), st.booleans()),
-    st.tuples(st.just("preparing"), st.integers(0, 7), st.booleans()),
+    st.tuples(st.just("constrained"), st.integers(0, 7), st.booleans()),
     st.tuples(st.just("tick"), st.sampled_from([0.1, 1.0, 7.0, 31.0])),
     st.tuples(st.just("unload"), st.sampled_from(MODELS), st.sampled_from([0.0, 5.0])),
     st.tuples(st.just("delete"), st.sampled_from(MODELS)),
@@ -187,7 +187,7 @@ class World:
                 crashed = m.worker is not None and not m.worker.alive
                 assert not m.leases or s.closing or crashed, f"{e.model} stopped under a lease"
         for m in s.models.values():
-            assert m.preparing <= m.leases and m.blamed <= m.leases, f"{m.id}: a lease gone"
+            assert m.constrained <= m.leases and m.blamed <= m.leases, f"{m.id}: a lease gone"
             if m.phase is Phase.READY and m.id not in s.held and not s.paused \
                     and not s.closing:
                 assert not m.waiters, f"{m.id} is ready and not held, yet requests wait"
@@ -263,9 +263,9 @@ class World:
         elif kind == "report" and self.live:
             w = sorted(self.live)[a[1] % len(self.live)]
             self.send(msg.Report(self.live[w], w, a[2]))
-        elif kind == "preparing" and self.leases:
+        elif kind == "constrained" and self.leases:
             lease = sorted(self.leases)[a[1] % len(self.leases)]
-            self.send(msg.Preparing(self.leases[lease], lease, a[2]))
+            self.send(msg.Constrained(self.leases[lease], lease, a[2]))
         elif kind == "tick":
             self.tick(a[1])
         elif kind == "unload":

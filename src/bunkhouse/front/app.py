@@ -276,30 +276,27 @@ class Front:
                 if admitted.pinned and admitted.slot.id >= 0:
                     data = {**data, "id_slot": admitted.slot.id}
             on_timings = functools.partial(_noted, request, check)
-            if constrained:  # a stall until it is answered is this request's (_blamed)
-                lease.preparing(True)
-            try:
-                response = await forward(admitted.engine, path, data,
-                                         stream=parsed.stream, request=request,
-                                         model_id=model.id, on_done=held.close,
-                                         on_broken=self._broken(lease, blamed),
-                                         on_timings=on_timings, shape=shaped,
-                                         started=shaper)
-            finally:
-                if constrained:
-                    lease.preparing(False)
+            if constrained:  # a stall until its answer ends is this request's (_blamed)
+                lease.constrained(True)
+                held.push(functools.partial(lease.constrained, False))
+            response = await forward(admitted.engine, path, data,
+                                     stream=parsed.stream, request=request,
+                                     model_id=model.id, on_done=held.close,
+                                     on_broken=self._broken(lease, blamed),
+                                     on_timings=on_timings, shape=shaped, started=shaper)
         lease.report(True)  # it answered: whatever it said, it is alive
         return response
 
     def _blamed(self, lease: Lease, model: CatalogModel, path: str,
                 data: dict[str, Any]) -> BunkhouseError | None:
-        """The error of a request whose constraint stalled its worker until it was replaced
-        (residency/step.py ``_probed``): a 400 naming the field, kept as the constraint's
-        verdict so that it is refused at once next time; None for any other request."""
+        """The error of a request whose worker stalled until it was replaced while it ran
+        (residency/step.py ``_probed``): a 400 naming its constraint's field, kept as the
+        constraint's verdict so that it is refused at once next time; None for any other
+        request."""
         if not lease.blamed():
             return None
         param = self.constraints.blame(model, path, data)
-        return InvalidRequest(f"{param} stalled the engine while it prepared this request, "
+        return InvalidRequest(f"{param} stalled the engine while it ran this request, "
                               "and its worker was replaced; simplify it: fewer alternatives, "
                               "enum values or optional properties", param=param)
 
@@ -313,10 +310,10 @@ class Front:
         try:
             yield
         except EngineUnavailable as e:
+            error = None if self.residency.closing else blamed()  # before its lease goes
             held.close()
             if self.residency.closing:  # the front's shutdown cut it, not the worker
                 raise ShuttingDown(model_id) from e
-            error = blamed()
             if error is not None:
                 raise error from e
             lease.report(False)

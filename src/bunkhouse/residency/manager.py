@@ -72,22 +72,24 @@ class Lease:
         self.slots = slots
         self.model_id = granted.model
         self._released = False
+        self._blamed = False  # as it was when released (the release forgets it)
 
     def release(self) -> None:
         if not self._released:
+            self._blamed = self.blamed()
             self._released = True
             self._post(msg.Release(self.model_id, self._granted.lease))
 
-    def preparing(self, on: bool) -> None:
-        """This request carries a constraint and was sent to the worker, unanswered (``on``),
-        or its answer began: a stall of the worker meanwhile is blamed on it, not on the
-        model (residency/step.py ``_probed``)."""
-        self._post(msg.Preparing(self.model_id, self._granted.lease, on))
+    def constrained(self, on: bool) -> None:
+        """This request carries a constraint and was sent to the worker (``on``), or its
+        answer ended: a stall of the worker meanwhile is blamed on it, not on the model
+        (residency/step.py ``_probed``)."""
+        self._post(msg.Constrained(self.model_id, self._granted.lease, on))
 
     def blamed(self) -> bool:
-        """Whether its worker was replaced for a stall while it prepared this request."""
-        if self._state is None:
-            return False
+        """Whether its worker was replaced for a stall while this request ran."""
+        if self._released or self._state is None:
+            return self._blamed
         model = self._state().models.get(self.model_id)
         return model is not None and self._granted.lease in model.blamed
 

@@ -47,9 +47,10 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
-class Preparing:
-    """A request with a constraint (a grammar, a schema, tools) was sent to the worker and is
-    unanswered (``on``), or its first answer came (not ``on``): a stall meanwhile is its."""
+class Constrained:
+    """A request with a constraint (a grammar, a schema, tools) was sent to the worker
+    (``on``), or its answer ended (not ``on``): a stall meanwhile is its. Its whole answer,
+    not only its start: a grammar's cost can come at any token (after a fixed prefix)."""
 
     model: str
     lease: int
@@ -242,7 +243,7 @@ class KeepSpare:
     engine: str
 
 
-Event = (Want | Cancel | Release | Preparing | Report | WorkerReady | LoadFailed
+Event = (Want | Cancel | Release | Constrained | Report | WorkerReady | LoadFailed
          | WorkerExited | Probed | Flushed | WorkerStopped | Measured | SpareFilled
          | SpareGone | Suspend | Tick
          | Unload | Register | Reload | Pin | KeepAlive | PauseHold | OperatorPause

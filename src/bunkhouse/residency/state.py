@@ -128,7 +128,7 @@ class Model:
     worker: Worker | None = None
     measured: int | None = None  # its worker's peak resident memory so far
     leases: frozenset[int] = frozenset()
-    preparing: frozenset[int] = frozenset()  # leases whose constrained request is unanswered
+    constrained: frozenset[int] = frozenset()  # leases whose request's constraint is running
     blamed: frozenset[int] = frozenset()  # leases whose request stalled its worker
     waiters: tuple[Waiter, ...] = ()
     last_used: float = 0.0

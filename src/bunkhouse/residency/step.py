@@ -112,19 +112,19 @@ def _release(s: State, e: msg.Release, now: float, fx: Fx) -> State:
     m = s.models.get(e.model)
     if m is None or e.lease not in m.leases:
         return s
-    m = replace(m, leases=m.leases - {e.lease}, preparing=m.preparing - {e.lease},
+    m = replace(m, leases=m.leases - {e.lease}, constrained=m.constrained - {e.lease},
                 blamed=m.blamed - {e.lease}, last_used=now)
     if m.keep_alive_s == 0 and not m.leases:
         m = begin_drain(m, "keep_alive 0: unloaded once idle", fx)
     return put(s, advance_drain(s, m, fx))
 
 
-def _preparing(s: State, e: msg.Preparing, now: float, fx: Fx) -> State:
+def _constrained(s: State, e: msg.Constrained, now: float, fx: Fx) -> State:
     m = s.models.get(e.model)
     if m is None or e.lease not in m.leases:
         return s
-    preparing = m.preparing | {e.lease} if e.on else m.preparing - {e.lease}
-    return put(s, replace(m, preparing=preparing))
+    constrained = m.constrained | {e.lease} if e.on else m.constrained - {e.lease}
+    return put(s, replace(m, constrained=constrained))
 
 
 def _report(s: State, e: msg.Report, now: float, fx: Fx) -> State:
@@ -252,11 +252,11 @@ def _probed(s: State, e: msg.Probed, now: float, fx: Fx) -> State:
                                                s.options.probe_failures)
     if replace_it and m.phase is Phase.READY and m.worker is not None and m.worker.alive:
         why = f"{h.probe_failures} liveness probes in a row missed"
-        if m.preparing:  # it stalled preparing those requests: theirs, not the model's
-            why += (f" while it prepared {len(m.preparing)} request(s) with a constraint; "
+        if m.constrained:  # those requests' constraints stalled it: theirs, not the model's
+            why += (f" while it ran {len(m.constrained)} request(s) with a constraint; "
                     "they fail, the model does not count it")
-            m = replace(m, worker=replace(m.worker, stalled_by=m.preparing),
-                        blamed=m.blamed | m.preparing, preparing=frozenset())
+            m = replace(m, worker=replace(m.worker, stalled_by=m.constrained),
+                        blamed=m.blamed | m.constrained, constrained=frozenset())
             s = put(s, m)
         _kill(m, why, fx)
     return put_health(s, m.id, h)
@@ -327,7 +327,7 @@ def _suspend(s: State, e: msg.Suspend, now: float, fx: Fx) -> State:
 
 
 _HANDLERS: Mapping[type, Callable[[State, Any, float, Fx], State]] = {  # one per event
-    msg.Want: _want, msg.Cancel: _cancel, msg.Release: _release, msg.Preparing: _preparing,
+    msg.Want: _want, msg.Cancel: _cancel, msg.Release: _release, msg.Constrained: _constrained,
     msg.Report: _report,
     msg.WorkerReady: _worker_ready, msg.LoadFailed: _load_failed, msg.WorkerExited: _exited,
     msg.Probed: _probed, msg.Flushed: _flushed, msg.WorkerStopped: _stopped,
