@@ -264,3 +264,45 @@ def test_the_engines_timings_reach_an_observer_streamed_or_assembled(stream: boo
     assert seen == [{"prompt_n": 3, "cache_n": 2990}]
     if not stream:
         assert resp.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def test_a_client_that_stops_reading_ends_its_answer_and_frees_what_it_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed answer whose client reads nothing for SEND_TIMEOUT_S is ended: the
+    upstream is closed and ``on_done`` (its slot, compute turn and lease) runs."""
+    from bunkhouse.front import proxy
+
+    monkeypatch.setattr(proxy, "SEND_TIMEOUT_S", 0.2)
+
+    async def tokens() -> AsyncIterator[bytes]:
+        for n in itertools.count():
+            yield f'data: {{"n": {n}}}\n\n'.encode()
+            await asyncio.sleep(0)
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=tokens())
+
+    async def go() -> None:
+        upstream = LlamaCppClient(httpx.MockTransport(handler), "m")
+        done: list[bool] = []
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
+        response = await forward(upstream, "/v1/chat/completions", b'{"stream": true}',
+                                 stream=True, request=request, model_id="m",
+                                 on_done=lambda: done.append(True))
+        sent: list[dict[str, object]] = []
+
+        async def stuck(message: dict[str, object]) -> None:
+            sent.append(message)
+            if len(sent) > 3:  # its socket buffers are full: the send never completes
+                await asyncio.Event().wait()
+
+        async def receive() -> dict[str, object]:
+            await asyncio.Event().wait()  # never disconnects
+            return {}
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        await asyncio.wait_for(response(scope, receive, stuck), 60)  # type: ignore[arg-type]
+        assert done == [True] and len(sent) == 4
+
+    asyncio.run(go())

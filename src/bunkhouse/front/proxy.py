@@ -71,6 +71,29 @@ class Shape(Protocol):
 
     def stream(self) -> StreamShaper: ...
 
+SEND_TIMEOUT_S = 60.0
+"""Seconds one piece of a streamed answer may wait for the client to read it. A client that
+stops reading (its socket buffers full) would otherwise hold its slot, its compute turn and
+its model's lease for as long as it keeps the connection open; past this, its answer is
+ended and they are freed. The event stream's readers get 30 s (front/watch.py)."""
+
+
+class ReaderStalled(Exception):
+    """The client read nothing of its answer for :data:`SEND_TIMEOUT_S`."""
+
+
+def bounded_send(send: Send, timeout_s: float) -> Send:
+    """``send`` that raises ReaderStalled when a message waits ``timeout_s`` for the client."""
+    async def send_within(message: Any) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):  # no task per message
+                await send(message)
+        except TimeoutError as e:
+            raise ReaderStalled from e
+
+    return send_within
+
+
 MAX_ERROR_BYTES = 1 << 20
 """Most of an engine's error body read (its errors are a few hundred bytes)."""
 
@@ -214,10 +237,14 @@ class _Relay(StreamingResponse):
         )
         self._upstream = upstream
         self._on_done = on_done
+        self._model_id = model_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded_send(send, SEND_TIMEOUT_S))
+        except ReaderStalled:
+            log.warning("model %s: the client read nothing of its answer for %.0f s; the "
+                        "answer is ended and its slot freed", self._model_id, SEND_TIMEOUT_S)
         finally:
             await self._upstream.aclose()
             self._on_done()

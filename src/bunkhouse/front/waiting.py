@@ -27,8 +27,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from bunkhouse.errors import BunkhouseError, error_body
+from bunkhouse.front import proxy
 from bunkhouse.front.protocols import ChatShape
-from bunkhouse.front.proxy import Shape, StreamShaper
+from bunkhouse.front.proxy import ReaderStalled, Shape, StreamShaper, bounded_send
 
 if TYPE_CHECKING:
     from bunkhouse.front.app import _Admitted
@@ -71,6 +72,13 @@ class WaitingStream(Response):
         self._told_at = -1.0  # seconds into the wait when it was last told
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._respond(scope, receive, bounded_send(send, proxy.SEND_TIMEOUT_S))
+        except ReaderStalled:  # stopped reading its pings: its place is given up
+            log.warning("model %s: a waiting client read nothing for %.0f s; its request "
+                        "is ended", self.model_id, proxy.SEND_TIMEOUT_S)
+
+    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
         # the access log and /metrics time the first byte of the answer, not of the pings
         state = scope.setdefault("state", {})
         state["first_byte_at"] = None
