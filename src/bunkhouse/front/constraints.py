@@ -11,7 +11,7 @@ front watches that process's CPU time and memory:
 
 - past :data:`MAX_CONSTRAINT_CPU_S` of CPU or :data:`MAX_CONSTRAINT_MEMORY` of memory more
   than the same prompt without the constraint, the process is killed and the request gets a
-  400 naming the field; nothing reached a worker;
+  400 naming the field; nothing reached a worker; the same if the engine dies on it;
 - within them, the request goes on. The verdict is kept (:data:`VERDICTS`, by the model and
   the constraint's exact text), so a client repeating its tools or schema pays once.
 
@@ -198,7 +198,9 @@ class ConstraintGate:
                 done, _ = await asyncio.wait({reply}, timeout=_POLL_S)
                 cpu, memory = probe.usage()
                 if done:
-                    if not reply.result():
+                    if not reply.result():  # the engine died on it (or at its warm-up)
+                        if baseline is not None:
+                            raise TooCostly("crashed the engine")
                         raise ServerBusy("the constraint probe exited; retry")
                     probe.used = time.monotonic()
                     return cpu - cpu0, memory
@@ -280,6 +282,6 @@ async def _start(model: CatalogModel, key: tuple[str, str, int, str]) -> _Probe:
         raise
     if not line:
         probe.kill()
-        raise ServerBusy(f"model {model.id!r}: its constraint probe could not start "
-                         f"(exit code {await proc.wait()}); the server log may say why")
+        raise ServerBusy(f"model {model.id!r}: its constraint probe could not load the model "
+                         f"(exit code {await proc.wait()}); retry")
     return probe
