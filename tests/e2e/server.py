@@ -41,12 +41,19 @@ class Server:
             return []
 
     def model_workers(self, key: str = "") -> list[psutil.Process]:
-        """The workers serving (or loading) a model: every child but the spare (``key``: a
-        client key, where the server asks for one)."""
+        """The workers serving (or loading) a model: every child but the spare and the
+        constraint probe (``key``: a client key, where the server asks for one)."""
         headers = {"authorization": f"Bearer {key}"} if key else {}
         stats = httpx.get(f"{self.url}/stats", headers=headers).json()
         spare = stats.get("spare_worker") or {}
-        return [p for p in self.workers() if p.pid != spare.get("pid")]
+        return [p for p in self.workers() if p.pid != spare.get("pid") and not _probe(p)]
+
+
+def _probe(proc: psutil.Process) -> bool:
+    try:
+        return "bunkhouse.worker.probe" in proc.cmdline()
+    except psutil.Error:
+        return False
 
 
 def _up(url: str, proc: subprocess.Popen[bytes]) -> bool:

@@ -33,11 +33,12 @@ class _Stream(threading.Thread):
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
-        self.url, self.tokens, self.finish, self.error = url, 0, "", ""
+        self.url, self.tokens, self.finish, self.error = url, 0, "", ""  # tokens: its usage
         self.started = threading.Event()
 
     def run(self) -> None:
         body = {"model": MODEL, "stream": True, "max_tokens": 400, "ignore_eos": True,
+                "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": "Count from 1 to 1000."}]}
         with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body,
                           timeout=600) as resp:
@@ -48,9 +49,12 @@ class _Stream(threading.Thread):
                 if "error" in event:
                     self.error = line
                     continue
+                if event.get("usage"):
+                    self.tokens = event["usage"]["completion_tokens"]
+                if not event.get("choices"):
+                    continue
                 choice = event["choices"][0]
                 if choice["delta"].get("content"):
-                    self.tokens += 1
                     self.started.set()
                 self.finish = choice.get("finish_reason") or self.finish
         self.started.set()
@@ -99,7 +103,7 @@ def test_expensive_constraints_are_refused_before_a_shared_worker_meets_them(
         stop.set()
         watcher.join()
         assert not stream.error, stream.error
-        assert stream.finish == "length" and stream.tokens >= 390, (stream.finish, stream.tokens)
+        assert stream.finish == "length" and stream.tokens == 400, (stream.finish, stream.tokens)
         assert [p.pid for p in server.model_workers()] == [worker.pid]  # never replaced
         assert "failed" not in seen and "absent" not in seen, seen
         probes = [p for p in server.workers() if "bunkhouse.worker.probe" in p.cmdline()]
