@@ -28,6 +28,7 @@ from bunkhouse.errors import BunkhouseError, ConfigError
 from bunkhouse.residency.events import EventLog
 
 if TYPE_CHECKING:
+    from bunkhouse.front.auth import Keys
     from bunkhouse.front.response_store import ResponseStore
     from bunkhouse.kvcache.keeper import SnapshotKeeper
 
@@ -511,9 +512,9 @@ def print_catalog(catalog: Catalog) -> None:
 
 
 def serve(settings: Settings, catalog: Catalog,
-          rebuild: Callable[[], Catalog] | None = None) -> int:
-    """Serve until stopped. ``rebuild()``: the catalog the configuration describes now, for
-    reloads (SIGHUP, ``POST /admin/reload``)."""
+          rebuild: Callable[[], tuple[Catalog, Keys]] | None = None) -> int:
+    """Serve until stopped. ``rebuild()``: the catalog the configuration describes now and
+    the keys its key files hold, for reloads (SIGHUP, ``POST /admin/reload``)."""
     from bunkhouse.front.admin import AdminOptions
     from bunkhouse.front.admission import ComputeGate
     from bunkhouse.front.app import build_app
@@ -547,12 +548,13 @@ def serve(settings: Settings, catalog: Catalog,
         launcher.start, events=events, flush=keeper.flush if keeper else None,
         spare=launcher if settings.spare_worker else None,
     )
+    keys = Keys(settings.api_keys, settings.admin_keys)
     app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close,
                     keeper=keeper, responses=_response_store(settings),
                     compute=ComputeGate(enabled=settings.compute_gate,
                                         turn_s=settings.compute_turn_s,
                                         suspend=residency.suspend, resume=residency.resume),
-                    keys=Keys(settings.api_keys, settings.admin_keys),
+                    keys=keys,
                     max_body_bytes=settings.max_body_bytes,
                     max_audio_bytes=settings.max_audio_bytes,
                     admin_options=AdminOptions(
@@ -565,7 +567,7 @@ def serve(settings: Settings, catalog: Catalog,
                     strict_context=settings.strict_context,
                     waiting=WaitingOptions(ping_s=settings.sse_ping_s,
                                            send_loading_state=settings.send_loading_state),
-                    reloader=Reloader(rebuild, residency) if rebuild else None,
+                    reloader=Reloader(rebuild, residency, keys) if rebuild else None,
                     cors_origins=settings.cors_origins)
     if not is_loopback_bind(settings.host) and not settings.api_keys:
         log.warning("listening on %s without --api-key: anyone who can reach this address "
@@ -1142,7 +1144,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             print_catalog(catalog)
             return 0
-        return serve(settings, catalog, lambda: build_catalog(settings_from(args)))
+        def rebuild() -> tuple[Catalog, Keys]:
+            from bunkhouse.front.auth import Keys
+
+            again = settings_from(args)  # key files are read again: a rotated key applies
+            return build_catalog(again), Keys(again.api_keys, again.admin_keys)
+
+        return serve(settings, catalog, rebuild)
     except BunkhouseError as e:
         print(f"bunkhouse: error: {e.message}", file=sys.stderr)
         return 2

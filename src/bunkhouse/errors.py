@@ -103,6 +103,22 @@ class QueueFull(BunkhouseError):
         return {"Retry-After": "1"}
 
 
+class StalledTooOften(BunkhouseError):
+    """This client's constraints stalled workers too often lately: its requests with one are
+    refused until the oldest stall is out of the window (front/constraints.py)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "stalled_too_often"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, int(self.retry_after_s + 0.999)))}
+
+
 class Unauthorized(BunkhouseError):
     status = 401
     type = "invalid_request_error"

@@ -87,6 +87,8 @@ def test_expensive_constraints_are_refused_before_a_shared_worker_meets_them(
             ("response_format", {"response_format": _enum_schema(3000, "a")}),
             ("grammar", {"grammar": _alternatives(5000)}),
             ("response_format", {"response_format": _enum_schema(3000, "b")}),
+            ("dry_sequence_breakers", {"dry_multiplier": 0.8, "dry_sequence_breakers": [
+                f"zq{i}xw abcdefghijklmnopqrstuvwxyz0123456789" for i in range(300)]}),
         ]
         for field, extra in refusals:
             resp = _chat(server, **extra)

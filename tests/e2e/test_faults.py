@@ -102,26 +102,44 @@ def test_answers_never_count_against_a_workers_health(tmp_path: Path) -> None:
 def test_a_stall_on_a_requests_grammar_is_that_requests_not_the_models(
         tmp_path: Path, packaged_catalog: Catalog) -> None:
     """The constraint probe measures the real model (a cheap grammar passes it); the fault
-    engine's worker then stalls on that grammar past its liveness probes, three times in a
-    row: each request gets a 400 naming ``grammar``, its grammar is refused from then on,
-    and the model never counts a failure (nor gives up)."""
+    engine's worker then stalls on that grammar past its liveness probes, three times: each
+    request gets a 400 naming ``grammar``, its grammar is refused from then on, the client
+    whose requests stalled it twice gets 429 for its next constrained request, and the model
+    never counts a failure (nor gives up)."""
     models = tmp_path / "models"
     models.mkdir()
     os.link(packaged_catalog.get("qwen2.5-coder-0.5b-instruct").path, models / "stally.gguf")
     env = {"BUNKHOUSE_FAULTS": json.dumps({"stally": {"stall_on_grammar": True}}),
            "PYTHONPATH": str(ROOT)}
     with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine",
-               ENGINE, "--probe-interval", "1", env=env) as server:
-        assert _ask(server, "stally").status_code == 200
-        for n in range(3):
+               ENGINE, "--probe-interval", "1", "--api-key", "one", "--api-key", "two",
+               env=env) as server:
+        def ask(key: str, **extra: object) -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+                "model": "stally", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4, **extra}, headers={"authorization": f"Bearer {key}"})
+
+        assert ask("one").status_code == 200
+        for n, key in enumerate(["one", "one", "two"]):
             grammar = f'root ::= "yes{n}" | "no{n}"'
-            resp = _ask(server, "stally", grammar=grammar)
+            resp = ask(key, grammar=grammar)
             assert resp.status_code == 400, resp.text
             error = resp.json()["error"]
             assert error["param"] == "grammar" and "stalled" in error["message"], error
-            again = _ask(server, "stally", grammar=grammar)  # refused before any worker
+            again = ask("two", grammar=grammar)  # refused before any worker, for anyone
             assert again.status_code == 400 and again.json()["error"]["param"] == "grammar"
-        assert _ask(server, "stally").status_code == 200
-        kinds = _kinds(server, "stally")
+            if n == 1:  # two stalls: this client's constrained requests wait a while
+                cooled = ask("one", grammar='root ::= "other"')
+                assert cooled.status_code == 429 and int(cooled.headers["retry-after"]) > 0
+                assert cooled.json()["error"]["code"] == "stalled_too_often"
+        assert ask("one").status_code == 200  # unconstrained: served
+        kinds = _kinds_keyed(server, "stally", "one")
         assert kinds.count("crashed") == 3 and "gave_up" not in kinds, kinds
-        assert server.model("stally")["state"] == "ready"
+        model = httpx.get(f"{server.url}/v1/models/stally",
+                          headers={"authorization": "Bearer two"}).json()
+        assert model["state"] == "ready"
+
+
+def _kinds_keyed(server: Server, model: str, key: str) -> list[str]:
+    stats = httpx.get(f"{server.url}/stats", headers={"authorization": f"Bearer {key}"}).json()
+    return [e["kind"] for e in stats["events"] if e["model"] == model]

@@ -116,7 +116,8 @@ def test_a_refused_reload_tells_clients_no_path_and_an_emptied_key_file_is_refus
         tmp_path: Path) -> None:
     """Client keys read /stats and /admin/events: a refused reload's event says so without
     the server's paths, which the log and admin keys get. A reload whose key file has come to
-    hold no key is refused: the server never opens."""
+    hold no key is refused: the server never opens; one whose key file holds another key
+    applies it, and the old key is refused."""
     config, keys = tmp_path / "bunkhouse.toml", tmp_path / "client.keys"
     _write(config, "include_packaged = false\n")
     keys.write_text("client-1\n")
@@ -150,3 +151,11 @@ def test_a_refused_reload_tells_clients_no_path_and_an_emptied_key_file_is_refus
         details = [e["detail"] for e in admin["events"] if e["kind"] == "config refused"]
         assert str(config) in details[0] and str(keys) in details[1]
         assert str(keys) in server.log.read_text()
+
+        # a leaked key is revoked by editing its file and reloading
+        keys.write_text("client-2\n")
+        assert httpx.post(f"{server.url}/admin/reload", headers=ADMIN,
+                          timeout=120).status_code == 200
+        assert httpx.get(f"{server.url}/v1/models", headers=client).status_code == 401
+        assert httpx.get(f"{server.url}/v1/models", headers={
+            "authorization": "Bearer client-2"}).status_code == 200

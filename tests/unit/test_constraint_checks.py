@@ -22,17 +22,30 @@ def test_each_constraint_is_measured_alone_with_a_one_word_prompt() -> None:
             "response_format": {"type": "json_object"}, "tools": TOOLS,
             "logit_bias": {"15": 1}, "samplers": ["top_k"], "temperature": 0.2}
     checks = constraint_checks(CHAT, body)
-    assert [c.param for c in checks] == ["grammar", "json_schema", "response_format", "tools",
-                                         "samplers"]
+    assert [c.param for c in checks] == ["samplers", "grammar", "json_schema",
+                                         "response_format", "tools"]
     for check in checks:
         assert check.route == "chat"
         assert check.body["messages"] == [{"role": "user", "content": "hi"}]
         assert check.body["max_tokens"] == 2 and check.body["stream"] is False
         assert "tools" not in check.body  # their text would be a long prefill
-    assert checks[0].body["grammar"] == 'root ::= "a"' and "json_schema" not in checks[0].body
-    tools = checks[3].body["response_format"]["json_schema"]["schema"]
+    assert checks[1].body["grammar"] == 'root ::= "a"' and "json_schema" not in checks[1].body
+    tools = checks[4].body["response_format"]["json_schema"]["schema"]
     assert tools["properties"]["name"] == {"const": "get_weather"}
-    assert checks[4].body["logit_bias"] == {"15": 1} and checks[4].body["samplers"] == ["top_k"]
+    for check in checks:  # each with the request's sampler lists, not its temperature
+        assert check.body["logit_bias"] == {"15": 1} and check.body["samplers"] == ["top_k"]
+        assert "temperature" not in check.body
+
+
+def test_sampler_lists_are_measured_with_what_turns_them_on() -> None:
+    """300 DRY sequence breakers cost nothing without ``dry_multiplier`` and stalled a worker
+    with it: the check must carry it."""
+    breakers = [f"zq{i}xw abcdefghijklmnopqrstuvwxyz0123456789" for i in range(300)]
+    [check] = constraint_checks(CHAT, {"dry_multiplier": 0.8, "dry_base": 1.75,
+                                       "dry_sequence_breakers": breakers})
+    assert check.param == "dry_sequence_breakers"
+    assert check.body["dry_multiplier"] == 0.8 and check.body["dry_base"] == 1.75
+    assert check.body["dry_sequence_breakers"] == breakers
 
 
 def test_a_completion_is_measured_on_the_completion_route() -> None:

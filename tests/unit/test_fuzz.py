@@ -69,7 +69,8 @@ class Unmeasured(ConstraintGate):
     """No constraint is measured: the workers are fakes (the probe is tested against a real
     model in tests/e2e/test_constraints.py)."""
 
-    async def check(self, model: CatalogModel, path: str, body: dict[str, Any]) -> None:
+    async def check(self, model: CatalogModel, path: str, body: dict[str, Any],
+                    client: str = "") -> None:
         return None
 
 

@@ -257,17 +257,20 @@ MAX_JSON_VALUES = 2_000_000
 to 72 bytes in Python: ``[{},{},...]`` read 16 MiB into 400 MB. Twice ``/detokenize``'s
 million token ids, the most any field takes."""
 
+_EMPTY = re.compile(rb"[\[{]\s*[\]}]")
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 def json_values(body: bytes) -> int:
-    """About how many values the JSON text ``body`` holds (at least as many), counted
-    without parsing it: each takes at least two bytes (``1,``), so a short body is not
-    read; else its strings are taken out and its separators and openings counted."""
+    """How many values the JSON text ``body`` holds (object keys not counted), without
+    parsing it: each takes at least two bytes (``1,``), so a short body is not read; else
+    its strings are taken out, and each non-empty object or array holds one value more than
+    the commas in it."""
     if len(body) < 2 * MAX_JSON_VALUES:
         return len(body) // 2 + 1
     bare = _STRING.sub(b'""', body)
-    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
+    empty = len(_EMPTY.findall(bare))
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") - empty + 1
 
 
 def _walk(value: Any) -> tuple[int, bool]:

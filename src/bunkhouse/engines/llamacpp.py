@@ -291,19 +291,30 @@ def saved_tokens(path: Path) -> list[int]:
 SAMPLER_LISTS = ("samplers", "dry_sequence_breakers", "logit_bias")
 """Sampler settings given as lists, which llama.cpp turns into sampler state per request."""
 
+SAMPLING_FIELDS = frozenset({
+    *SAMPLER_LISTS, "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n"})
+"""The sampler settings each check runs with: the lists and what turns them on
+(``dry_sequence_breakers`` cost nothing unless ``dry_multiplier`` turns DRY on; then 300 of
+them stalled a worker past its liveness probes). Settings that cost nothing to prepare
+(temperature, a seed) are left out, so that a verdict holds whatever they are."""
+
 _PROBE_PROMPT = "hi"
 _PROBE_TOKENS = 2
 
 
 def constraint_checks(path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
-    """What of ``body`` llama.cpp prepares before the first token, one check each: a GBNF
-    ``grammar``, a ``json_schema``, a ``response_format`` with a schema (or JSON mode), the
-    ``tools``' call schema (as the grammar a tool call is held to once it starts: llama.cpp
-    builds it from the same schemas; the tools themselves are not sent, their text would be a
-    long prefill), and the sampler lists. The probe runs each on its own, on the route the
-    request takes, with a one-word prompt and two tokens."""
+    """What of ``body`` llama.cpp prepares before the first token, one check each: the
+    sampler lists (first, so that their cost is named as theirs), a GBNF ``grammar``, a
+    ``json_schema``, a ``response_format`` with a schema (or JSON mode), and the ``tools``'
+    call schema (as the grammar a tool call is held to once it starts: llama.cpp builds it
+    from the same schemas; the tools themselves are not sent, their text would be a long
+    prefill). Each runs with the request's sampler settings (:data:`SAMPLING_FIELDS`), on the
+    route the request takes, with a one-word prompt and two tokens."""
     chat = path == "/v1/chat/completions"
     parts: list[tuple[str, dict[str, Any]]] = []
+    lists = [k for k in SAMPLER_LISTS if body.get(k)]
+    if lists:
+        parts.append((lists[0], {}))
     if isinstance(body.get("grammar"), str):
         parts.append(("grammar", {"grammar": body["grammar"]}))
     if isinstance(body.get("json_schema"), dict | bool):
@@ -316,14 +327,13 @@ def constraint_checks(path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
         parts.append(("tools", {"response_format": {
             "type": "json_schema", "json_schema": {"name": "tool_call",
                                                    "schema": call_schema(tools)}}}))
-    lists = {k: body[k] for k in SAMPLER_LISTS if body.get(k)}
-    if lists:
-        parts.append((next(iter(lists)), lists))
     prompt: dict[str, Any] = (
         {"messages": [{"role": "user", "content": _PROBE_PROMPT}], "max_tokens": _PROBE_TOKENS}
         if chat else {"prompt": _PROBE_PROMPT, "n_predict": _PROBE_TOKENS})
+    sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
     return [ConstraintCheck(param, "chat" if chat else "completion",
-                            {**prompt, **part, "stream": False, "cache_prompt": True})
+                            {**prompt, **sampling, **part, "stream": False,
+                             "cache_prompt": True})
             for param, part in parts]
 
 

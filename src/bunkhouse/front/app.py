@@ -234,7 +234,7 @@ class Front:
         held = Held(lease)
         with self._releasing(lease, held, model.id):
             # measured apart from the worker, before it meets it (front/constraints.py)
-            await self.constraints.check(model, path, data)
+            await self.constraints.check(model, path, data, self.keys.client_of(request))
             engine = lease.worker.engine
             keeper = self.keeper if self.keeper and self.keeper.active(model) else None
             pinned = keeper is not None and _pinnable(path, data)
@@ -263,7 +263,8 @@ class Front:
             return Response(status_code=499)
         lease, held, data = admitted.lease, admitted.held, admitted.data
         constrained = bool(engine_for(model).constraint_checks(path, data))
-        blamed = functools.partial(self._blamed, lease, model, path, data)
+        blamed = functools.cache(functools.partial(  # once: a stall counts once
+            self._blamed, lease, model, path, data, self.keys.client_of(request)))
         with self._releasing(lease, held, model.id, blamed):  # forward may have closed it
             self._check_still_served(lease)
             check = None
@@ -287,15 +288,15 @@ class Front:
         lease.report(True)  # it answered: whatever it said, it is alive
         return response
 
-    def _blamed(self, lease: Lease, model: CatalogModel, path: str,
-                data: dict[str, Any]) -> BunkhouseError | None:
+    def _blamed(self, lease: Lease, model: CatalogModel, path: str, data: dict[str, Any],
+                client: str) -> BunkhouseError | None:
         """The error of a request whose worker stalled until it was replaced while it ran
         (residency/step.py ``_probed``): a 400 naming its constraint's field, kept as the
         constraint's verdict so that it is refused at once next time; None for any other
         request."""
         if not lease.blamed():
             return None
-        param = self.constraints.blame(model, path, data)
+        param = self.constraints.blame(model, path, data, client)
         return InvalidRequest(f"{param} stalled the engine while it ran this request, "
                               "and its worker was replaced; simplify it: fewer alternatives, "
                               "enum values or optional properties", param=param)

@@ -112,6 +112,12 @@ class Keys:
         self.client = tuple(k for k in client if k)
         self.admin = tuple(k for k in admin if k)
 
+    def replace(self, other: Keys) -> bool:
+        """Take ``other``'s keys (a reload read the key files again); whether they changed."""
+        changed = (self.client, self.admin) != (other.client, other.admin)
+        self.client, self.admin = other.client, other.admin
+        return changed
+
     def check(self, request: Request, level: Level) -> None:
         """Raise Unauthorized (401) or Forbidden (403) unless the request may go on."""
         if level is Level.OPEN or (level is Level.CLIENT and not self.client):

@@ -26,6 +26,7 @@ a 503 ``server_busy``: the cost was not measured, and the request may be retried
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -45,7 +46,7 @@ import psutil
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import ConstraintCheck
-from bunkhouse.errors import InvalidRequest, ServerBusy
+from bunkhouse.errors import InvalidRequest, ServerBusy, StalledTooOften
 from bunkhouse.supervisor.process import OpenedModel, open_model_file
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,13 @@ PROBE_IDLE_S = 120.0
 
 VERDICTS = 1024
 """Verdicts kept, most recently used first."""
+
+MAX_STALLS = 2
+STALL_WINDOW_S = 600.0
+"""A client whose constraints stalled workers :data:`MAX_STALLS` times within
+:data:`STALL_WINDOW_S` (a cost the probe could not see, after a fixed prefix) gets 429 for
+any request with a constraint until the oldest stall is out of the window: each new variant
+of a constraint would otherwise cut every other client's streams on that worker again."""
 
 _POLL_S = 0.02
 _PROMPT_FIELDS = frozenset({"messages", "max_tokens", "prompt", "n_predict", "stream",
@@ -118,12 +126,17 @@ class ConstraintGate:
         self._probe: _Probe | None = None
         self._verdicts: OrderedDict[bytes, str] = OrderedDict()  # "": within bounds
         self._idle: asyncio.TimerHandle | None = None
+        self._stalls: dict[str, collections.deque[float]] = {}  # by client: when
 
-    async def check(self, model: CatalogModel, path: str, body: dict[str, Any]) -> None:
+    async def check(self, model: CatalogModel, path: str, body: dict[str, Any],
+                    client: str = "") -> None:
         """Raise InvalidRequest (400, naming the field) for a constraint in the worker-bound
-        ``body`` that costs past the bounds, ServerBusy (503) when it could not be measured;
+        ``body`` that costs past the bounds, ServerBusy (503) when it could not be measured,
+        StalledTooOften (429) when ``client``'s constraints stalled workers too often lately;
         return when every constraint is within them (or there is none)."""
         checks = engine_for(model).constraint_checks(path, body)
+        if checks:
+            self._refuse_stalling(client)
         for check in checks:
             key = _key(model, check)
             verdict = self._verdicts.get(key)
@@ -139,13 +152,32 @@ class ConstraintGate:
                     "simplify it: fewer alternatives, enum values or optional properties",
                     param=check.param)
 
-    def blame(self, model: CatalogModel, path: str, body: dict[str, Any]) -> str:
+    def blame(self, model: CatalogModel, path: str, body: dict[str, Any],
+              client: str = "") -> str:
         """``body``'s constraints stalled a worker though they passed the probe (their cost
-        came after its two tokens): each is refused from now on. Returns the field to name."""
+        came after its two tokens): each is refused from now on, and the stall counts
+        against ``client`` (:data:`MAX_STALLS`). Returns the field to name."""
         checks = engine_for(model).constraint_checks(path, body)
         for check in checks:
             self._keep(_key(model, check), "stalled a worker")
+        self._stalls.setdefault(client, collections.deque()).append(time.monotonic())
         return checks[0].param if checks else "grammar"
+
+    def _refuse_stalling(self, client: str) -> None:
+        stalls = self._stalls.get(client)
+        if not stalls:
+            return
+        now = time.monotonic()
+        while stalls and stalls[0] <= now - STALL_WINDOW_S:
+            stalls.popleft()
+        if not stalls:
+            del self._stalls[client]
+        elif len(stalls) >= MAX_STALLS:
+            raise StalledTooOften(
+                f"this client's requests stalled a worker {len(stalls)} times in the last "
+                f"{STALL_WINDOW_S / 60:.0f} minutes; its requests with a grammar, a schema, "
+                "tools or sampler lists are refused until then; simplify them",
+                retry_after_s=stalls[0] + STALL_WINDOW_S - now)
 
     def _keep(self, key: bytes, verdict: str) -> None:
         self._verdicts[key] = verdict

@@ -6,7 +6,9 @@ The TOML file and the model folders are read again into a new catalog off the ev
 check is refused whole with its error, and the running configuration stays. A good one is
 applied by residency (``ResidencyManager.apply_catalog``): added models appear, removed ones
 are drained without cutting a running request, changed ones take their settings at their
-next load. Flags of the command line (address, keys, budget) are not reloaded: they need a
+next load. Key files are read again and their keys replace the running ones, so a leaked key
+is revoked by editing its file and reloading (a key file that now holds no key refuses the
+reload). Other flags of the command line (address, budget) are not reloaded: they need a
 restart. One reload runs at a time.
 """
 
@@ -18,17 +20,21 @@ from collections.abc import Callable
 
 from bunkhouse.catalog import Catalog
 from bunkhouse.errors import BunkhouseError, InvalidRequest
+from bunkhouse.front.auth import Keys
 from bunkhouse.residency.manager import ResidencyManager
 
 log = logging.getLogger(__name__)
 
 
 class Reloader:
-    def __init__(self, rebuild: Callable[[], Catalog], residency: ResidencyManager) -> None:
-        """``rebuild()``: the catalog the configuration describes now (blocking; raises
-        BunkhouseError, e.g. ConfigError, for a bad one)."""
+    def __init__(self, rebuild: Callable[[], tuple[Catalog, Keys]], residency: ResidencyManager,
+                 keys: Keys | None = None) -> None:
+        """``rebuild()``: the catalog the configuration describes now and the keys the key
+        files hold now (blocking; raises BunkhouseError, e.g. ConfigError, for a bad one);
+        ``keys``: the running keys, replaced by those."""
         self._rebuild = rebuild
         self._residency = residency
+        self._keys = keys
         self._lock = asyncio.Lock()
 
     async def reload(self, why: str) -> dict[str, list[str]]:
@@ -36,7 +42,7 @@ class Reloader:
         changed; raises InvalidRequest with the configuration's error (nothing changed)."""
         async with self._lock:
             try:
-                catalog = await asyncio.to_thread(self._rebuild)
+                catalog, keys = await asyncio.to_thread(self._rebuild)
             except BunkhouseError as e:
                 log.error("configuration not reloaded (%s): %s; the running configuration "
                           "stays", why, e.message)
@@ -48,6 +54,10 @@ class Reloader:
                 raise InvalidRequest(f"the configuration was not reloaded: {e.message}; "
                                      "the running configuration stays") from e
             change = await self._residency.apply_catalog(catalog)
+            if self._keys is not None and self._keys.replace(keys):
+                log.warning("keys reloaded (%s): %d client key(s), %d admin key(s); the ones "
+                            "no longer in their files are refused from now on", why,
+                            len(keys.client), len(keys.admin))
             log.info("configuration reloaded (%s): added %s, removed %s, changed %s", why,
                      change["added"] or "none", change["removed"] or "none",
                      change["changed"] or "none")
