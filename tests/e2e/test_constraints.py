@@ -86,7 +86,13 @@ def test_expensive_constraints_are_refused_before_a_shared_worker_meets_them(
         refusals = [
             ("response_format", {"response_format": _enum_schema(3000, "a")}),
             ("grammar", {"grammar": _alternatives(5000)}),
-            ("response_format", {"response_format": _enum_schema(3000, "b")}),
+            # the same enum behind a fixed prefix, which the probe's two tokens never pass:
+            # measured as a part of its own
+            ("response_format", {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "pick", "schema": {
+                    "type": "object", "required": ["intro", "pick"], "properties": {
+                        "intro": {"const": "The answer, after careful thought, is"},
+                        "pick": _enum_schema(3000, "b")["json_schema"]["schema"]}}}}}),
             ("dry_sequence_breakers", {"dry_multiplier": 0.8, "dry_sequence_breakers": [
                 f"zq{i}xw abcdefghijklmnopqrstuvwxyz0123456789" for i in range(300)]}),
         ]

@@ -52,3 +52,34 @@ def test_a_completion_is_measured_on_the_completion_route() -> None:
     [check] = constraint_checks("/v1/completions", {"prompt": "x" * 10_000, "grammar": "g"})
     assert check.route == "completion" and check.body["prompt"] == "hi"
     assert check.body["n_predict"] == 2 and "messages" not in check.body
+
+
+def test_parts_of_many_alternatives_are_measured_on_their_own() -> None:
+    """A costly part behind a fixed prefix costs only when generation reaches it, after the
+    probe's two tokens: the largest such parts are measured as the whole constraint."""
+    alternatives = " | ".join(f'"w{i:05d}"' for i in range(5000))
+    grammar = f'root ::= "The answer is: " alt\nalt ::= {alternatives}\nsmall ::= "a" | "b"\n'
+    whole, part = constraint_checks("/v1/completions", {"grammar": grammar})
+    assert whole.body["grammar"] == grammar and part.param == "grammar"
+    assert part.body["grammar"].endswith("root ::= alt\n")
+    assert "bunkhouse-root ::= \"The answer is: \" alt" in part.body["grammar"]
+
+    enum = {"enum": [f"v{i}" for i in range(3000)]}
+    schema = {"type": "object", "properties": {"intro": {"const": "x"}, "v": enum,
+                                               "w": {"$ref": "#/$defs/w"}},
+              "$defs": {"w": {"anyOf": [{"const": i} for i in range(40)]}}}
+    checks = constraint_checks(CHAT, {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    assert [c.param for c in checks] == ["response_format"] * 3
+    parts = [c.body["response_format"]["json_schema"]["schema"] for c in checks[1:]]
+    assert parts[0]["enum"] == enum["enum"] and "anyOf" in parts[1]
+    assert all(p["$defs"] == schema["$defs"] for p in parts)  # a $ref still resolves
+
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"v": enum}}}}]
+    whole, part = constraint_checks(CHAT, {"tools": tools})
+    assert whole.param == part.param == "tools"
+    assert part.body["response_format"]["json_schema"]["schema"]["enum"] == enum["enum"]
+    # a schema of few alternatives has no parts of its own
+    assert len(constraint_checks(CHAT, {"response_format": {"type": "json_schema",
+                                       "json_schema": {"schema": {"enum": [1, 2]}}}})) == 1

@@ -238,11 +238,11 @@ def _skip_quoted(text: str, i: int, close: str) -> int:
 _HEAD = re.compile(r"[ \t]*([A-Za-z0-9_-]+)[ \t]*::=")
 
 
-def _rules(grammar: str) -> dict[str, str]:
+def rules(grammar: str) -> dict[str, str]:
     """Each rule's body, read as llama.cpp reads GBNF: a rule starts with ``name ::=`` at the
     start of a line; literals and classes may hold newlines, ``#`` and ``::=`` (skipped
     whole); comments end at the line's end (dropped, also inside ``{m,n}``)."""
-    rules: dict[str, str] = {}
+    found: dict[str, str] = {}
     name: str | None = None
     body: list[str] = []
     i, line_start = 0, True
@@ -250,7 +250,7 @@ def _rules(grammar: str) -> dict[str, str]:
         head = _HEAD.match(grammar, i) if line_start else None
         if head is not None:
             if name is not None:
-                rules[name] = rules.get(name, "") + "\n" + "".join(body)
+                found[name] = found.get(name, "") + "\n" + "".join(body)
             name, body, i, line_start = head.group(1), [], head.end(), False
             continue
         c = grammar[i]
@@ -265,15 +265,15 @@ def _rules(grammar: str) -> dict[str, str]:
             body.append(c)
             i, line_start = i + 1, c == "\n"
     if name is not None:
-        rules[name] = rules.get(name, "") + "\n" + "".join(body)
-    return rules
+        found[name] = found.get(name, "") + "\n" + "".join(body)
+    return found
 
 
 def check_grammar(grammar: str) -> None:
     """Raise TooCostly for a GBNF grammar that would stall the engine (module doc)."""
     if len(grammar) > MAX_GRAMMAR_BYTES:
         raise TooCostly(f"it is over {MAX_GRAMMAR_BYTES // 1024} KiB")
-    bodies = _rules(grammar)
+    bodies = rules(grammar)
     parser = _Parser(bodies, regex=False)
     for rule in bodies:
         parser.rule(rule)

@@ -301,6 +301,15 @@ them stalled a worker past its liveness probes). Settings that cost nothing to p
 _PROBE_PROMPT = "hi"
 _PROBE_TOKENS = 2
 
+MANY_ALTERNATIVES = 32
+"""A part of a schema (an ``enum``, ``anyOf`` or ``oneOf``) or of a grammar (a rule of as
+many alternatives) with this many choices is also measured on its own, as the whole
+constraint: its cost would come only when generation reaches it, after a fixed prefix (a
+property name, a literal) the probe's two tokens never get past."""
+
+INNER_PARTS = 4
+"""Parts measured on their own per constraint, the largest first."""
+
 
 def constraint_checks(path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
     """What of ``body`` llama.cpp prepares before the first token, one check each: the
@@ -308,25 +317,36 @@ def constraint_checks(path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
     ``json_schema``, a ``response_format`` with a schema (or JSON mode), and the ``tools``'
     call schema (as the grammar a tool call is held to once it starts: llama.cpp builds it
     from the same schemas; the tools themselves are not sent, their text would be a long
-    prefill). Each runs with the request's sampler settings (:data:`SAMPLING_FIELDS`), on the
-    route the request takes, with a one-word prompt and two tokens."""
+    prefill); then the parts of those with many alternatives on their own
+    (:data:`MANY_ALTERNATIVES`). Each runs with the request's sampler settings
+    (:data:`SAMPLING_FIELDS`), on the route the request takes, with a one-word prompt and
+    two tokens."""
     chat = path == "/v1/chat/completions"
     parts: list[tuple[str, dict[str, Any]]] = []
     lists = [k for k in SAMPLER_LISTS if body.get(k)]
     if lists:
         parts.append((lists[0], {}))
-    if isinstance(body.get("grammar"), str):
-        parts.append(("grammar", {"grammar": body["grammar"]}))
+    grammar = body.get("grammar")
+    if isinstance(grammar, str):
+        parts.append(("grammar", {"grammar": grammar}))
+        parts += [("grammar", {"grammar": g}) for g in _inner_rules(grammar)]
+    schemas: list[tuple[str, Any]] = []
     if isinstance(body.get("json_schema"), dict | bool):
         parts.append(("json_schema", {"json_schema": body["json_schema"]}))
+        schemas.append(("json_schema", body["json_schema"]))
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") != "text":
         parts.append(("response_format", {"response_format": response_format}))
+        inner = response_format.get("json_schema")
+        schemas.append(("response_format", inner.get("schema") if isinstance(inner, dict)
+                        else response_format.get("schema")))
     tools = body.get("tools")
     if chat and isinstance(tools, list) and tools and body.get("tool_choice") != "none":
-        parts.append(("tools", {"response_format": {
-            "type": "json_schema", "json_schema": {"name": "tool_call",
-                                                   "schema": call_schema(tools)}}}))
+        calls = call_schema(tools)
+        parts.append(("tools", _as_format(calls)))
+        schemas.append(("tools", calls))
+    for param, schema in schemas:
+        parts += [(param, _as_format(s)) for s in _inner_schemas(schema)]
     prompt: dict[str, Any] = (
         {"messages": [{"role": "user", "content": _PROBE_PROMPT}], "max_tokens": _PROBE_TOKENS}
         if chat else {"prompt": _PROBE_PROMPT, "n_predict": _PROBE_TOKENS})
@@ -335,6 +355,52 @@ def constraint_checks(path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
                             {**prompt, **sampling, **part, "stream": False,
                              "cache_prompt": True})
             for param, part in parts]
+
+
+def _as_format(schema: Any) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": "part", "schema": schema}}}
+
+
+def _inner_schemas(schema: Any) -> list[Any]:
+    """The largest :data:`INNER_PARTS` parts of ``schema`` with many alternatives, each
+    with the root's definitions (its ``$ref`` may name them)."""
+    if not isinstance(schema, dict):
+        return []
+    found: list[tuple[int, dict[str, Any]]] = []
+    stack: list[Any] = [v for v in schema.values()]
+    seen = 0
+    while stack and seen < 100_000:
+        node = stack.pop()
+        seen += 1
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            choices = max((len(node[k]) for k in ("enum", "anyOf", "oneOf")
+                           if isinstance(node.get(k), list)), default=0)
+            if choices >= MANY_ALTERNATIVES:
+                found.append((len(json.dumps(node)), node))
+            stack.extend(node.values())
+    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+    found.sort(key=lambda f: -f[0])
+    return [{**node, **defs} for _, node in found[:INNER_PARTS]]
+
+
+_ROOT_RULE = re.compile(r"(?m)^([ \t]*)root(\s*::=)")
+
+
+def _inner_rules(grammar: str) -> list[str]:
+    """The grammar with each of its largest :data:`INNER_PARTS` rules of many alternatives
+    as its root (the old root renamed)."""
+    try:
+        bodies = grammar_cost.rules(grammar)
+    except (ValueError, RecursionError):
+        return []
+    many = sorted((name for name, text in bodies.items()
+                   if name != "root" and text.count("|") + 1 >= MANY_ALTERNATIVES),
+                  key=lambda name: -len(bodies[name]))
+    renamed = _ROOT_RULE.sub(r"\1bunkhouse-root\2", grammar)
+    return [f"{renamed}\nroot ::= {name}\n" for name in many[:INNER_PARTS]]
 
 
 def _build() -> str:
