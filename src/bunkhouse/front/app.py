@@ -297,9 +297,10 @@ class Front:
         if not lease.blamed():
             return None
         param = self.constraints.blame(model, path, data, client)
-        return InvalidRequest(f"{param} stalled the engine while it ran this request, "
-                              "and its worker was replaced; simplify it: fewer alternatives, "
-                              "enum values or optional properties", param=param)
+        return InvalidRequest("this request's constraint (a grammar, schema, tools or sampler "
+                              "lists) stalled the engine while it ran, and its worker was "
+                              "replaced; simplify it: fewer alternatives, enum values or "
+                              "optional properties", param=param)
 
     @contextlib.contextmanager
     def _releasing(self, lease: Lease, held: Held, model_id: str,

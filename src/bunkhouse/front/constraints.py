@@ -83,6 +83,8 @@ STALL_WINDOW_S = 600.0
 any request with a constraint until the oldest stall is out of the window: each new variant
 of a constraint would otherwise cut every other client's streams on that worker again."""
 
+_KINDS = {"grammar": "grammar", "json_schema": "JSON schema", "response_format": "output format",
+          "tools": "tools' schemas"}  # else: sampler lists
 _POLL_S = 0.02
 _PROMPT_FIELDS = frozenset({"messages", "max_tokens", "prompt", "n_predict", "stream",
                             "cache_prompt"})
@@ -147,10 +149,10 @@ class ConstraintGate:
                         verdict = await self._measure(model, check)
             self._keep(key, verdict)
             if verdict:
-                raise InvalidRequest(
-                    f"{check.param} would cost the engine too much to prepare ({verdict}); "
-                    "simplify it: fewer alternatives, enum values or optional properties",
-                    param=check.param)
+                raise InvalidRequest(  # the protocols name the field (param) their way
+                    f"this request's {_KINDS.get(check.param, 'sampler lists')} would cost the "
+                    f"engine too much to prepare ({verdict}); simplify it: fewer "
+                    "alternatives, enum values or optional properties", param=check.param)
 
     def blame(self, model: CatalogModel, path: str, body: dict[str, Any],
               client: str = "") -> str:
