@@ -10,6 +10,7 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -792,6 +793,10 @@ def follow_events(url: str, key: str | None, since: int | None, as_json: bool) -
     sequence number after a lost connection, until interrupted."""
     import httpx
 
+    # Ctrl-C (SIGINT) stops it even when it was started with SIGINT ignored or blocked (as a
+    # child of a process that ignores it): it has nothing to finish
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     base = url.rstrip("/")
     last = since
     warned = False
