@@ -83,6 +83,10 @@ def test_expensive_constraints_are_refused_before_a_shared_worker_meets_them(
         stream = _Stream(server.url)
         stream.start()
         assert stream.started.wait(300)
+        # one within the bounds is served, constrained (first: a refusal kills the probe)
+        small = _chat(server, response_format=_enum_schema(5, "c"), max_tokens=40)
+        assert small.status_code == 200, small.text
+        assert json.loads(small.json()["choices"][0]["message"]["content"]).startswith("c-")
         refusals = [
             ("response_format", {"response_format": _enum_schema(3000, "a")}),
             ("grammar", {"grammar": _alternatives(5000)}),
@@ -103,10 +107,6 @@ def test_expensive_constraints_are_refused_before_a_shared_worker_meets_them(
         # the same constraint again: refused from the kept verdict
         again = _chat(server, response_format=_enum_schema(3000, "a"))
         assert again.status_code == 400 and again.json()["error"]["param"] == "response_format"
-        # one within the bounds is served, constrained
-        small = _chat(server, response_format=_enum_schema(5, "c"), max_tokens=40)
-        assert small.status_code == 200, small.text
-        assert json.loads(small.json()["choices"][0]["message"]["content"]).startswith("c-")
         stream.join(600)
         stop.set()
         watcher.join()
