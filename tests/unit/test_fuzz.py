@@ -70,8 +70,8 @@ class Unmeasured(ConstraintGate):
     model in tests/e2e/test_constraints.py)."""
 
     async def check(self, model: CatalogModel, path: str, body: dict[str, Any],
-                    client: str = "") -> None:
-        return None
+                    client: str = "") -> bool:
+        return False
 
 
 class MockWorker(FakeWorker):

@@ -32,7 +32,6 @@ from bunkhouse.api.schemas import (
 )
 from bunkhouse.api.tool_calls import ToolCallReader, check_tool_choice
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import EngineClient, Messages
 from bunkhouse.errors import (
     BunkhouseError,
@@ -234,7 +233,8 @@ class Front:
         held = Held(lease)
         with self._releasing(lease, held, model.id):
             # measured apart from the worker, before it meets it (front/constraints.py)
-            await self.constraints.check(model, path, data, self.keys.client_of(request))
+            constrained = await self.constraints.check(model, path, data,
+                                                       self.keys.client_of(request))
             engine = lease.worker.engine
             keeper = self.keeper if self.keeper and self.keeper.active(model) else None
             pinned = keeper is not None and _pinnable(path, data)
@@ -252,7 +252,7 @@ class Front:
             if await request.is_disconnected():  # gone while it waited: never started
                 held.close()
                 return None
-        return _Admitted(lease, held, engine, keeper, pinned, tokens, slot, data)
+        return _Admitted(lease, held, engine, keeper, pinned, tokens, slot, data, constrained)
 
     async def _serve(self, request: Request, model: CatalogModel, path: str, parsed: Any,
                      shaped: Shape | None, admitted: _Admitted | None,
@@ -262,7 +262,6 @@ class Front:
         if admitted is None:
             return Response(status_code=499)
         lease, held, data = admitted.lease, admitted.held, admitted.data
-        constrained = bool(engine_for(model).constraint_checks(path, data))
         blamed = functools.cache(functools.partial(  # once: a stall counts once
             self._blamed, lease, model, path, data, self.keys.client_of(request)))
         with self._releasing(lease, held, model.id, blamed):  # forward may have closed it
@@ -277,7 +276,7 @@ class Front:
                 if admitted.pinned and admitted.slot.id >= 0:
                     data = {**data, "id_slot": admitted.slot.id}
             on_timings = functools.partial(_noted, request, check)
-            if constrained:  # a stall until its answer ends is this request's (_blamed)
+            if admitted.constrained:  # a stall until its answer ends is this request's
                 lease.constrained(True)
                 held.push(functools.partial(lease.constrained, False))
             response = await forward(admitted.engine, path, data,
@@ -519,6 +518,7 @@ class _Admitted:
     tokens: list[int] | None
     slot: Slot
     data: dict[str, Any]
+    constrained: bool  # it carries a constraint (front/constraints.py)
 
 
 async def _unless_gone(request: Request, admission: Awaitable[_Admitted | None]

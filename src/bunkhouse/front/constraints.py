@@ -131,11 +131,11 @@ class ConstraintGate:
         self._stalls: dict[str, collections.deque[float]] = {}  # by client: when
 
     async def check(self, model: CatalogModel, path: str, body: dict[str, Any],
-                    client: str = "") -> None:
+                    client: str = "") -> bool:
         """Raise InvalidRequest (400, naming the field) for a constraint in the worker-bound
         ``body`` that costs past the bounds, ServerBusy (503) when it could not be measured,
         StalledTooOften (429) when ``client``'s constraints stalled workers too often lately;
-        return when every constraint is within them (or there is none)."""
+        return whether ``body`` has any, once every one is within them."""
         checks = engine_for(model).constraint_checks(path, body)
         if checks:
             self._refuse_stalling(client)
@@ -153,6 +153,7 @@ class ConstraintGate:
                     f"this request's {_KINDS.get(check.param, 'sampler lists')} would cost the "
                     f"engine too much to prepare ({verdict}); simplify it: fewer "
                     "alternatives, enum values or optional properties", param=check.param)
+        return bool(checks)
 
     def blame(self, model: CatalogModel, path: str, body: dict[str, Any],
               client: str = "") -> str:
