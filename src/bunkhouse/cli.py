@@ -518,7 +518,7 @@ def serve(settings: Settings, catalog: Catalog,
     the keys its key files hold, for reloads (SIGHUP, ``POST /admin/reload``)."""
     from bunkhouse.front.admin import AdminOptions
     from bunkhouse.front.admission import ComputeGate
-    from bunkhouse.front.app import build_app
+    from bunkhouse.front.app import FrontOptions, Parts, build_app
     from bunkhouse.front.auth import Keys
     from bunkhouse.front.heads import HeadLimits, bounded_http
     from bunkhouse.front.reload import Reloader
@@ -550,26 +550,22 @@ def serve(settings: Settings, catalog: Catalog,
         spare=launcher if settings.spare_worker else None,
     )
     keys = Keys(settings.api_keys, settings.admin_keys)
-    app = build_app(catalog, residency, settings.preload, on_shutdown=launcher.close,
-                    keeper=keeper, responses=_response_store(settings),
-                    compute=ComputeGate(enabled=settings.compute_gate,
-                                        turn_s=settings.compute_turn_s,
-                                        suspend=residency.suspend, resume=residency.resume),
-                    keys=keys,
-                    max_body_bytes=settings.max_body_bytes,
-                    max_audio_bytes=settings.max_audio_bytes,
-                    admin_options=AdminOptions(
-                        allow_runtime_load=settings.allow_runtime_load,
-                        roots=settings.allowed_roots or settings.models_dirs,
-                        defaults=settings.defaults,
-                        drain_grace_s=settings.stop_grace_s),
-                    site=SitePolicy.for_bind(settings.host, settings.allowed_hosts,
-                                             settings.cors_origins),
-                    strict_context=settings.strict_context,
-                    waiting=WaitingOptions(ping_s=settings.sse_ping_s,
-                                           send_loading_state=settings.send_loading_state),
-                    reloader=Reloader(rebuild, residency, keys) if rebuild else None,
-                    cors_origins=settings.cors_origins)
+    app = build_app(catalog, residency, Parts(
+        preload=settings.preload, on_shutdown=launcher.close, keeper=keeper,
+        responses=_response_store(settings), keys=keys,
+        compute=ComputeGate(enabled=settings.compute_gate, turn_s=settings.compute_turn_s,
+                            suspend=residency.suspend, resume=residency.resume),
+        reloader=Reloader(rebuild, residency, keys) if rebuild else None,
+    ), FrontOptions(
+        max_body_bytes=settings.max_body_bytes, max_audio_bytes=settings.max_audio_bytes,
+        admin=AdminOptions(allow_runtime_load=settings.allow_runtime_load,
+                           roots=settings.allowed_roots or settings.models_dirs,
+                           defaults=settings.defaults, drain_grace_s=settings.stop_grace_s),
+        site=SitePolicy.for_bind(settings.host, settings.allowed_hosts, settings.cors_origins),
+        strict_context=settings.strict_context,
+        waiting=WaitingOptions(ping_s=settings.sse_ping_s,
+                               send_loading_state=settings.send_loading_state),
+        cors_origins=settings.cors_origins))
     if not is_loopback_bind(settings.host) and not settings.api_keys:
         log.warning("listening on %s without --api-key: anyone who can reach this address "
                     "can use every model; set keys (docs/security.md)", settings.host)

@@ -15,10 +15,9 @@ from bunkhouse.catalog import CatalogModel, build_catalog
 from bunkhouse.config import Settings, load_config_file
 from bunkhouse.errors import WorkerLoadFailed
 from bunkhouse.front.admin import AdminOptions
-from bunkhouse.front.app import build_app
 from bunkhouse.front.auth import Keys
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
-from tests.helpers import write_tiny_gguf
+from tests.helpers import front_app, write_tiny_gguf
 from tests.unit.test_manager import FakeWorker
 
 ADMIN = {"authorization": "Bearer admin-key"}
@@ -58,7 +57,7 @@ def _make(tmp_path: Path, allow: bool) -> Iterator[Setup]:
         return FakeWorker(model)
 
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
-    app = build_app(catalog, residency, keys=Keys(["client-key"], ["admin-key"]),
+    app = front_app(catalog, residency, keys=Keys(["client-key"], ["admin-key"]),
                     admin_options=AdminOptions(allow_runtime_load=allow, roots=(root,)))
     with TestClient(app, base_url="http://localhost") as client:
         yield Setup(client, root, outside, starts, failing, residency)

@@ -26,13 +26,12 @@ from starlette.testclient import TestClient
 from bunkhouse.catalog import CatalogModel, build_catalog
 from bunkhouse.config import Settings
 from bunkhouse.front.admin import AdminOptions
-from bunkhouse.front.app import build_app
 from bunkhouse.front.auth import Keys
 from bunkhouse.front.constraints import ConstraintGate
 from bunkhouse.front.response_store import ResponseStore
 from bunkhouse.front.site import SitePolicy
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
-from tests.helpers import write_tiny_gguf
+from tests.helpers import front_app, write_tiny_gguf
 from tests.unit.test_manager import FakeWorker
 
 
@@ -52,7 +51,9 @@ def _engine(request: httpx.Request) -> httpx.Response:
     if path == "/apply-template":
         return _reply({"prompt": "x"})
     if path == "/tokenize":
-        return _reply({"tokens": [1]})
+        return _reply({"tokens": [{"id": 1, "piece": "x"}] if body.get("with_pieces") else [1]})
+    if path == "/detokenize":
+        return _reply({"content": "x"})
     if path == "/v1/embeddings":
         return _reply({"object": "list", "data": [
             {"object": "embedding", "index": 0, "embedding": [1.0]}]})
@@ -87,7 +88,7 @@ def _app(root: Path) -> Any:
         return MockWorker(model)
 
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
-    return build_app(catalog, residency, keys=Keys(admin=["fuzz"]),
+    return front_app(catalog, residency, keys=Keys(admin=["fuzz"]),
                      responses=ResponseStore(root / "responses.db"),
                      admin_options=AdminOptions(allow_runtime_load=True, roots=(root,)),
                      site=SitePolicy(allowed_hosts=("testserver",)),  # the test client's Host

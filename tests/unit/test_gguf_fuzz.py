@@ -27,11 +27,10 @@ from bunkhouse.config import EngineOptions, Settings
 from bunkhouse.engines import engine_for
 from bunkhouse.errors import GGUFError
 from bunkhouse.front.admin import AdminOptions
-from bunkhouse.front.app import build_app
 from bunkhouse.front.auth import Keys
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from tests import hostile_gguf
-from tests.helpers import write_tiny_gguf
+from tests.helpers import front_app, write_tiny_gguf
 from tests.unit.test_manager import FakeWorker
 
 CASES = list(hostile_gguf.hostile_headers())
@@ -138,7 +137,7 @@ def app(tmp_path: Path) -> Iterator[tuple[TestClient, Path]]:
         return FakeWorker(model)
 
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
-    app = build_app(catalog, residency, keys=Keys(admin=["a"]),
+    app = front_app(catalog, residency, keys=Keys(admin=["a"]),
                     admin_options=AdminOptions(allow_runtime_load=True, roots=(root,)))
     with TestClient(app, base_url="http://localhost") as client:
         yield client, root

@@ -15,7 +15,7 @@ import pytest
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
-from bunkhouse.engines.contract import SlotSnapshot
+from bunkhouse.engines.contract import SlotSnapshot, Timings
 from bunkhouse.kvcache.keeper import KeeperOptions, SnapshotKeeper
 from bunkhouse.kvcache.store import SnapshotStore
 from bunkhouse.residency.events import EventLog
@@ -77,8 +77,9 @@ async def _run(keeper: SnapshotKeeper, gate: SlotGate, engine: FakeEngine, model
     restore = await keeper.prepare(model, engine, slot, tokens)  # type: ignore[arg-type]
     engine.held[slot.id] = list(tokens or [])
     if restore is not None:
-        keeper.check(model, restore, {"cache_n": restore.shared if reused is None else reused,
-                                      "prompt_n": 1})
+        keeper.check(model, restore, Timings(
+            prompt_tokens=1, cached_tokens=restore.shared if reused is None else reused,
+            generated_tokens=0))
     gate.leave(slot)
     keeper.slot_idle(model, engine, gate, slot)  # type: ignore[arg-type]
     return slot.id, restore

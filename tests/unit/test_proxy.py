@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from bunkhouse.engines.contract import Timings
 from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import BunkhouseError, error_body
 from bunkhouse.front.assemble import LineSplitter, sse_lines
@@ -242,7 +243,7 @@ def test_the_engines_timings_reach_an_observer_streamed_or_assembled(stream: boo
              "timings": {"prompt_n": 3, "cache_n": 2990}}
     raw = (b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
            + f"data: {json.dumps(final)}\n\n".encode() + b"data: [DONE]\n\n")
-    seen: list[dict[str, int]] = []
+    seen: list[Timings] = []
 
     async def body() -> AsyncIterator[bytes]:
         for i in range(0, len(raw), 7):  # lines cut anywhere
@@ -261,7 +262,7 @@ def test_the_engines_timings_reach_an_observer_streamed_or_assembled(stream: boo
     client = TestClient(Starlette(routes=[Route("/c", route, methods=["POST"])]))
     resp = client.post("/c", content=b"{}")
     assert resp.status_code == 200
-    assert seen == [{"prompt_n": 3, "cache_n": 2990}]
+    assert seen == [Timings(prompt_tokens=3, cached_tokens=2990, generated_tokens=0)]
     if not stream:
         assert resp.json()["choices"][0]["message"]["content"] == "hi"
 

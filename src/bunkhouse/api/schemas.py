@@ -192,6 +192,31 @@ NonEmptyText = Annotated[StrictStr, Field(min_length=1)]
 Tokens = Annotated[list[TokenId], Field(min_length=1)]
 
 
+MAX_DETOKENIZE = 1 << 20
+"""Token ids in one ``/detokenize`` request (a million: far past any context)."""
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (llama.cpp's server route, routed by ``model``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    content: StrictStr
+    add_special: StrictBool = False
+    parse_special: StrictBool = True
+    with_pieces: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (llama.cpp's server route, routed by ``model``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE)]
+
+
 class EmbeddingRequest(_Request):
     input: (NonEmptyText
             | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]

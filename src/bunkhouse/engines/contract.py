@@ -12,6 +12,7 @@ engine refuses the input (a 4xx to the caller, naming the field when it can).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -63,6 +64,43 @@ class EngineRefused(InvalidRequest):
 
 
 @dataclass(frozen=True, slots=True)
+class Timings:
+    """An engine's own figures of one answer: prompt tokens it computed (prefill) and reused
+    from its KV cache, tokens it generated (decode), and the milliseconds each took (None:
+    not reported)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    prompt_ms: float | None = None
+    generated_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an engine does for a model: the front asks these, never the engine's type."""
+
+    generates: bool  # chat and text completions
+    embeds: bool  # /v1/embeddings
+    infills: bool  # fill-in-the-middle (/infill, a completion's ``suffix``)
+    transcribes: bool  # /v1/audio/transcriptions
+    saves_kv: bool  # a slot's KV state saved to a file and restored (kvcache/)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPiece:
+    """One token of a tokenized text and its text (``piece``: a string, or its bytes as
+    integers when they are not valid UTF-8 on their own)."""
+
+    id: int
+    piece: str | list[int]
+
+
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+"""The OpenAI routes :meth:`EngineClient.generate` serves (its ``route``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class SlotState:
     """One slot of a worker: its id, whether it is running a request, and how many tokens of
     context it holds (its KV cache's use; 0 when unknown)."""
@@ -84,7 +122,9 @@ class SlotSnapshot:
 
 
 class EngineClient(Protocol):
-    """One ready worker, as the front and residency see it."""
+    """One ready worker, as the front and residency see it. An operation a model's engine
+    does not do (see :meth:`EngineAdapter.capabilities`) raises InvalidRequest naming
+    ``model``."""
 
     async def health(self, timeout_s: float) -> bool:
         """Whether the worker answers at all (it may still be loading: False)."""
@@ -102,15 +142,51 @@ class EngineClient(Protocol):
         chat request (the adapter templates the fields its template reads: messages, tools,
         template options)."""
 
-    async def generate(self, route: str, body: bytes) -> httpx.Response:
-        """Start an OpenAI-shaped generation (``route`` one of the OpenAI paths: chat,
-        completions, embeddings) with a JSON body; returns the open upstream response, whose
-        body the caller streams and closes. An error answer is returned as it is: turn it
-        into the caller's error with :meth:`error`."""
+    async def token_pieces(self, text: str, *, add_special: bool,
+                           parse_special: bool) -> list[TokenPiece]:
+        """``text``'s tokens with their text; ``add_special``: the tokens the model puts
+        before a prompt (BOS); ``parse_special``: special tokens written as text are
+        parsed as themselves."""
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """The text of token ids (ids past the vocabulary are the caller's to refuse)."""
+
+    async def apply_template(self, chat: dict[str, Any]) -> str:
+        """The prompt a chat request (its messages, tools, template options) becomes under
+        the model's chat template."""
+
+    async def generate(self, route: str, body: dict[str, Any] | bytes,
+                       slot: int | None = None) -> httpx.Response:
+        """Start an OpenAI-shaped generation (``route`` one of :data:`GENERATION_ROUTES`)
+        with a JSON body (bytes: sent as they are); ``slot``: the slot it runs in (the front
+        chose it: its KV state was restored there), else the engine picks. Returns the open
+        upstream response, whose body the caller streams and closes. An error answer is
+        returned as it is: turn it into the caller's error with :meth:`error`."""
+
+    async def infill(self, body: dict[str, Any] | bytes,
+                     slot: int | None = None) -> httpx.Response:
+        """Fill in the middle: ``body`` has ``input_prefix``, ``input_suffix`` and optional
+        ``prompt``, ``input_extra`` (files as context) and sampling fields; answered as a
+        text completion (``content``), streamed when ``stream`` is set. As
+        :meth:`generate` otherwise."""
 
     def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
         """An error answer from :meth:`generate` as (status, OpenAI error object): a refusal
         of the input is a 400 ``invalid_request`` naming its field."""
+
+    def timings(self, event: dict[str, Any]) -> Timings | None:
+        """The engine's figures of an answer, from its whole answer or the stream event that
+        carries them; None for any other."""
+
+    def timings_line(self, line: str) -> Timings | None:
+        """As :meth:`timings`, from one raw line of a streamed answer (cheap for the lines
+        that carry none: every line of a relayed stream is passed)."""
+
+    async def transcribe(self, audio: AsyncIterator[bytes], size: int,
+                         options: dict[str, Any]) -> httpx.Response:
+        """Send ``size`` bytes of an audio upload; the open NDJSON answer (the caller reads
+        and closes it). A refusal of the file is EngineRefused (not audio) or
+        RequestTooLarge (too long), naming ``file``."""
 
     async def slots(self) -> list[SlotState]:
         """Every slot's state."""
@@ -142,6 +218,13 @@ class EngineAdapter(Protocol):
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> EngineClient:
         """A client for ``model_id``'s worker, reached over ``transport``."""
+
+    def capabilities(self, model: CatalogModel) -> Capabilities:
+        """What this engine does for ``model``."""
+
+    def pinnable(self, route: str, body: dict[str, Any]) -> bool:
+        """Whether a request runs in exactly one slot the front may choose (and so restore
+        KV state into): one prompt, one answer, no slot asked for by the client."""
 
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         """Refuse (InvalidRequest naming the field) an engine option given wrongly."""

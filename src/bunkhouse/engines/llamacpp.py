@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import re
 import struct
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,12 +29,16 @@ import httpx
 from bunkhouse.api.tool_calls import call_schema
 from bunkhouse.engines import grammar_cost
 from bunkhouse.engines.contract import (
+    GENERATION_ROUTES,
+    Capabilities,
     ConstraintCheck,
     EngineRefused,
     MemoryEstimate,
     Messages,
     SlotSnapshot,
     SlotState,
+    Timings,
+    TokenPiece,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
@@ -214,15 +219,8 @@ class LlamaCppClient(WorkerHTTP):
 
     async def tokenize(self, prompt: str | Messages | dict[str, Any]) -> list[int]:
         # as the server tokenizes a prompt: special tokens added and parsed
-        text: Any = prompt
-        if not isinstance(prompt, str):
-            chat = ({k: v for k, v in prompt.items() if k in TEMPLATED_FIELDS}
-                    if isinstance(prompt, dict) else {"messages": prompt})
-            templated = await self._post("/apply-template", chat)
-            text = templated.get("prompt") if isinstance(templated, dict) else None
-            if not isinstance(text, str):
-                raise EngineUnavailable(f"model {self._model_id!r}: /apply-template answered "
-                                        "no prompt")
+        text = prompt if isinstance(prompt, str) else await self.apply_template(
+            prompt if isinstance(prompt, dict) else {"messages": prompt})
         reply = await self._post("/tokenize", {"content": text, "add_special": True,
                                                "parse_special": True})
         tokens = reply.get("tokens") if isinstance(reply, dict) else None
@@ -230,12 +228,75 @@ class LlamaCppClient(WorkerHTTP):
             raise EngineUnavailable(f"model {self._model_id!r}: /tokenize answered no tokens")
         return tokens
 
-    async def generate(self, route: str, body: bytes) -> httpx.Response:
+    async def token_pieces(self, text: str, *, add_special: bool,
+                           parse_special: bool) -> list[TokenPiece]:
+        reply = await self._post("/tokenize", {"content": text, "add_special": add_special,
+                                               "parse_special": parse_special,
+                                               "with_pieces": True})
+        try:
+            return [TokenPiece(int(t["id"]), t["piece"]) for t in reply["tokens"]]
+        except (TypeError, KeyError, ValueError) as e:
+            raise EngineUnavailable(f"model {self._model_id!r}: /tokenize answered no "
+                                    "pieces") from e
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        reply = await self._post("/detokenize", {"tokens": tokens})
+        text = reply.get("content") if isinstance(reply, dict) else None
+        if not isinstance(text, str):
+            raise EngineUnavailable(f"model {self._model_id!r}: /detokenize answered no "
+                                    "content")
+        return text
+
+    async def apply_template(self, chat: dict[str, Any]) -> str:
+        templated = await self._post(
+            "/apply-template", {k: v for k, v in chat.items() if k in TEMPLATED_FIELDS})
+        text = templated.get("prompt") if isinstance(templated, dict) else None
+        if not isinstance(text, str):
+            raise EngineUnavailable(f"model {self._model_id!r}: /apply-template answered "
+                                    "no prompt")
+        return text
+
+    async def generate(self, route: str, body: dict[str, Any] | bytes,
+                       slot: int | None = None) -> httpx.Response:
+        if route not in GENERATION_ROUTES:
+            raise ValueError(f"not a generation route: {route}")
+        return await self._generate(route, body, slot)
+
+    async def infill(self, body: dict[str, Any] | bytes,
+                     slot: int | None = None) -> httpx.Response:
+        if isinstance(body, dict):  # the engine needs both, as the schema defaults them
+            body = {"input_prefix": "", "input_suffix": "", **body}
+        return await self._generate("/infill", body, slot)
+
+    async def _generate(self, path: str, body: dict[str, Any] | bytes,
+                        slot: int | None) -> httpx.Response:
+        if slot is not None:
+            if not isinstance(body, dict):
+                raise ValueError("a slot is given with a parsed body only")
+            body = {**body, "id_slot": slot}
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
         return await self._send(self._http.build_request(
-            "POST", route, content=body, headers={"content-type": "application/json"}))
+            "POST", path, content=content, headers={"content-type": "application/json"}))
 
     def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
         return error_object(status, body, route)
+
+    def timings(self, event: dict[str, Any]) -> Timings | None:
+        return parse_timings(event.get("timings"))
+
+    def timings_line(self, line: str) -> Timings | None:
+        if '"timings"' not in line or not line.startswith("data:"):
+            return None
+        try:
+            event = json.loads(line[5:])
+        except ValueError:
+            return None
+        return self.timings(event) if isinstance(event, dict) else None
+
+    async def transcribe(self, audio: AsyncIterator[bytes], size: int,
+                         options: dict[str, Any]) -> httpx.Response:
+        raise InvalidRequest(f"model {self._model_id!r} does not transcribe audio",
+                             param="model")
 
     async def slots(self) -> list[SlotState]:
         resp = await self._get("/slots", None)
@@ -255,6 +316,36 @@ class LlamaCppClient(WorkerHTTP):
         reply = await self._post(f"/slots/{slot_id}?action=restore", {"filename": filename})
         return SlotSnapshot(slot_id, filename, int(reply.get("n_restored", 0)),
                             int(reply.get("n_read", 0)))
+
+
+def parse_timings(raw: Any) -> Timings | None:
+    """llama.cpp's ``timings`` object of an answer (``prompt_n`` computed, ``cache_n``
+    reused, ``predicted_n`` generated, ``prompt_ms``, ``predicted_ms``) as :class:`Timings`;
+    None when it is not one."""
+    if not isinstance(raw, dict):
+        return None
+    prompt = raw.get("prompt_n")
+    if type(prompt) is not int:
+        return None
+    cached, generated = raw.get("cache_n"), raw.get("predicted_n")
+    return Timings(prompt, cached if type(cached) is int else 0,
+                   generated if type(generated) is int else 0,
+                   _ms(raw.get("prompt_ms")), _ms(raw.get("predicted_ms")))
+
+
+def _ms(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+    return float(value) if ok else None
+
+
+def pinnable(route: str, body: dict[str, Any]) -> bool:
+    """Whether the request runs in exactly one slot the front may choose: a chat or text
+    completion of one prompt and one answer, no ``id_slot`` asked for by the client."""
+    if route not in ("/v1/chat/completions", "/v1/completions") or "id_slot" in body:
+        return False
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    return body.get("n", 1) == 1 and not several
 
 
 STATE_MAGIC = 0x67677371  # "ggsq": llama.cpp's sequence-state file
@@ -445,6 +536,14 @@ class LlamaCpp:
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> LlamaCppClient:
         return LlamaCppClient(transport, model_id)
+
+    def capabilities(self, model: CatalogModel) -> Capabilities:
+        return Capabilities(generates=True, embeds=self.embedding_limit(model) > 0,
+                            infills=True, transcribes=False,
+                            saves_kv=self.snapshot_layout(model) is not None)
+
+    def pinnable(self, route: str, body: dict[str, Any]) -> bool:
+        return pinnable(route, body)
 
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         check_extensions(body)

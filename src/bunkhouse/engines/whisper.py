@@ -24,12 +24,15 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from bunkhouse.engines.contract import (
+    Capabilities,
     ConstraintCheck,
     EngineRefused,
     MemoryEstimate,
     Messages,
     SlotSnapshot,
     SlotState,
+    Timings,
+    TokenPiece,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, RequestTooLarge, envelope
@@ -72,8 +75,29 @@ class WhisperClient(WorkerHTTP):
     async def tokenize(self, prompt: str | Messages | dict[str, Any]) -> list[int]:
         raise wrong_kind(self._model_id)
 
-    async def generate(self, route: str, body: bytes) -> httpx.Response:
+    async def token_pieces(self, text: str, *, add_special: bool,
+                           parse_special: bool) -> list[TokenPiece]:
         raise wrong_kind(self._model_id)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        raise wrong_kind(self._model_id)
+
+    async def apply_template(self, chat: dict[str, Any]) -> str:
+        raise wrong_kind(self._model_id)
+
+    async def generate(self, route: str, body: dict[str, Any] | bytes,
+                       slot: int | None = None) -> httpx.Response:
+        raise wrong_kind(self._model_id)
+
+    async def infill(self, body: dict[str, Any] | bytes,
+                     slot: int | None = None) -> httpx.Response:
+        raise wrong_kind(self._model_id)
+
+    def timings(self, event: dict[str, Any]) -> Timings | None:
+        return None
+
+    def timings_line(self, line: str) -> Timings | None:
+        return None
 
     def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
         return error_object(status, body)
@@ -156,6 +180,13 @@ class Whisper:
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> WhisperClient:
         return WhisperClient(transport, model_id)
+
+    def capabilities(self, model: CatalogModel) -> Capabilities:
+        return Capabilities(generates=False, embeds=False, infills=False, transcribes=True,
+                            saves_kv=False)
+
+    def pinnable(self, route: str, body: dict[str, Any]) -> bool:
+        return False
 
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         return None

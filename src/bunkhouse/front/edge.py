@@ -25,7 +25,6 @@ from pydantic import BaseModel
 from bunkhouse.api.schemas import known_fields
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import ENGINES, engine_for
-from bunkhouse.engines.whisper import wrong_kind
 from bunkhouse.errors import InvalidRequest
 
 _TEXT_PARTS = frozenset({"text"})
@@ -55,8 +54,9 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
 def check_generates(model: CatalogModel) -> None:
     """InvalidRequest (400, ``model``) for a model that does not generate text (a
     transcription model)."""
-    if model.transcribes:
-        raise wrong_kind(model.id)
+    if not engine_for(model).capabilities(model).generates:
+        raise InvalidRequest(f"model {model.id!r} is a transcription model: send audio to "
+                             "POST /v1/audio/transcriptions", param="model")
 
 
 @functools.cache

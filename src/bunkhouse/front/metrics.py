@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Scope
 
+from bunkhouse.engines.contract import Timings
 from bunkhouse.front.admission import ComputeGate
 from bunkhouse.front.cors import admin_route
 from bunkhouse.kvcache.keeper import SnapshotKeeper
@@ -223,14 +224,22 @@ class Metrics:
         if tokens:
             self.tokens_in.labels(model).inc(tokens[0])
             self.tokens_out.labels(model).inc(tokens[1])
-        timings = state.get("timings") or {}
-        for name, key, scale in (("prompt_tokens", "prompt_n", 1.0),
-                                 ("prompt_seconds", "prompt_ms", 1e-3),
-                                 ("decode_tokens", "predicted_n", 1.0),
-                                 ("decode_seconds", "predicted_ms", 1e-3)):
-            value = timings.get(key)
-            if isinstance(value, (int, float)) and value >= 0:
-                self.engine[name].labels(model).inc(value * scale)
+        timings = state.get("timings")
+        if isinstance(timings, Timings):
+            self._engine_figures(model, timings)
+
+    def _engine_figures(self, model: str, timings: Timings) -> None:
+        """The engine's own figures of one answer (engines/contract.py ``Timings``)."""
+        for name, value in (("prompt_tokens", timings.prompt_tokens),
+                            ("decode_tokens", timings.generated_tokens),
+                            ("prompt_seconds", _seconds(timings.prompt_ms)),
+                            ("decode_seconds", _seconds(timings.generated_ms))):
+            if value is not None and value >= 0:
+                self.engine[name].labels(model).inc(value)
 
     async def scrape(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000

@@ -10,8 +10,10 @@ from pydantic import BaseModel
 from bunkhouse.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     InfillRequest,
+    TokenizeRequest,
 )
 from bunkhouse.front.admin import RegisterRequest
 
@@ -186,7 +188,6 @@ def openapi(version: str) -> dict[str, Any]:
     schemas: dict[str, Any] = {"Error": {
         "type": "object", "required": ["error"],
         "properties": {"error": {"type": "object", "required": ["message", "type", "code"]}}}}
-    from bunkhouse.front.extras import DetokenizeRequest, TokenizeRequest
 
     chat, comp, emb, reg, fim, tok, detok = (_body(m, schemas) for m in (
         ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RegisterRequest,
