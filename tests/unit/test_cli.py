@@ -29,6 +29,24 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert err.startswith("bunkhouse: error:") and "paralel" in err
 
 
+def test_an_unknown_engine_is_refused_at_start_and_on_reload(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bunkhouse.cli.compose import reread
+    from bunkhouse.cli.parser import parser
+    from bunkhouse.errors import ConfigError
+
+    write_tiny_gguf(tmp_path / "a.gguf")
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text("[[models]]\nid = 'a'\npath = 'a.gguf'\nengine = 'nope'\n")
+    flags = ["--no-packaged", "--config", str(config)]
+    message = "[[models]] #1: engine must be one of ['llama.cpp', 'whisper'], not 'nope'"
+    assert main(["serve", *flags, "--port", "1"]) == 2
+    assert f"bunkhouse: error: {message}" in capsys.readouterr().err
+    with pytest.raises(ConfigError) as info:  # what POST /admin/reload and SIGHUP read
+        reread(parser().parse_args(["serve", *flags]))
+    assert info.value.message == message
+
+
 def test_unknown_preload_is_refused_before_serving(capsys: pytest.CaptureFixture[str],
                                                    tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "a.gguf")
@@ -102,9 +120,11 @@ def test_a_budget_smaller_than_a_model_is_warned_about(tmp_path: Path,
     from bunkhouse.catalog import build_catalog
     from bunkhouse.cli.prestart import warn_never_fit
     from bunkhouse.config import Settings
+    from bunkhouse.engines import ENGINES
 
     write_tiny_gguf(tmp_path / "a.gguf")
-    catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False))
+    catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False),
+                            engines=ENGINES)
     warn_never_fit(catalog, 10 * 2**20)
     assert "model a needs about" in caplog.text and "raise --budget" in caplog.text
 

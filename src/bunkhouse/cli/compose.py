@@ -21,6 +21,7 @@ from bunkhouse.cli.prestart import check_before_start, warn_at_start
 from bunkhouse.cli.server import Server
 from bunkhouse.cli.settings import settings_from
 from bunkhouse.config import Settings
+from bunkhouse.engines import ENGINES
 from bunkhouse.residency.events import EventLog
 
 if TYPE_CHECKING:
@@ -38,8 +39,8 @@ Rebuild = Callable[[], "tuple[Catalog, Keys]"]
 
 
 def catalog_of(settings: Settings) -> Catalog:
-    """The catalog ``settings`` describe."""
-    return build_catalog(settings)
+    """The catalog ``settings`` describe; a configured model's engine must be one there is."""
+    return build_catalog(settings, engines=ENGINES)
 
 
 def reread(args: argparse.Namespace) -> tuple[Catalog, Keys]:
