@@ -24,6 +24,7 @@ import psutil
 
 from bunkhouse.catalog import Catalog, CatalogModel, build_catalog
 from bunkhouse.config import Settings
+from bunkhouse.engines import ENGINES
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 GEMMA = "gemma-3-270m"
@@ -155,7 +156,7 @@ def packaged(model_id: str) -> CatalogModel:
 def _packaged_catalog() -> Catalog:
     """Built once per run: a build reads every model file's header (and, the first time,
     assembles and checks the packaged files)."""
-    return build_catalog(Settings())
+    return build_catalog(Settings(), engines=ENGINES)
 
 
 @contextmanager

@@ -73,10 +73,11 @@ def app_without_workers(root: Path, **build_app_kwargs: Any) -> Any:
     the HTTP edge (validation, auth, limits) that a request to a worker would defeat."""
     from bunkhouse.catalog import build_catalog
     from bunkhouse.config import Settings
+    from bunkhouse.engines import ENGINES
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 
     write_tiny_gguf(root / "tiny.gguf")
-    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False))
+    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False), engines=ENGINES)
 
     async def no_workers(model: object) -> Any:
         raise AssertionError("no request here may reach a worker")

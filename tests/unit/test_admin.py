@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 
 from bunkhouse.catalog import CatalogModel, build_catalog
 from bunkhouse.config import Settings, load_config_file
+from bunkhouse.engines import ENGINES
 from bunkhouse.errors import WorkerLoadFailed
 from bunkhouse.front.admin import AdminOptions
 from bunkhouse.front.auth import Keys
@@ -46,7 +47,7 @@ def _make(tmp_path: Path, allow: bool) -> Iterator[Setup]:
     config = tmp_path / "bunkhouse.toml"
     config.write_text(f'include_packaged = false\n[[models]]\nid = "conf"\n'
                       f'path = "{models / "conf.gguf"}"\npinned = true\n')
-    catalog = build_catalog(load_config_file(config, Settings()))
+    catalog = build_catalog(load_config_file(config, Settings()), engines=ENGINES)
     starts: list[str] = []
     failing: set[str] = set()
 

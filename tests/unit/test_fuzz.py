@@ -25,6 +25,7 @@ from starlette.testclient import TestClient
 
 from bunkhouse.catalog import CatalogModel, build_catalog
 from bunkhouse.config import Settings
+from bunkhouse.engines import ENGINES
 from bunkhouse.front.admin import AdminOptions
 from bunkhouse.front.auth import Keys
 from bunkhouse.front.constraints import ConstraintGate
@@ -82,7 +83,7 @@ class MockWorker(FakeWorker):
 
 def _app(root: Path) -> Any:
     write_tiny_gguf(root / "tiny.gguf", context=4096)
-    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False))
+    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False), engines=ENGINES)
 
     async def start(model: CatalogModel) -> Any:
         return MockWorker(model)

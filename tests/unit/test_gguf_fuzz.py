@@ -24,7 +24,7 @@ from bunkhouse.catalog.gguf_meta import (
     read_gguf_info,
 )
 from bunkhouse.config import EngineOptions, Settings
-from bunkhouse.engines import engine_for
+from bunkhouse.engines import ENGINES, engine_for
 from bunkhouse.errors import GGUFError
 from bunkhouse.front.admin import AdminOptions
 from bunkhouse.front.auth import Keys
@@ -121,7 +121,7 @@ def test_the_catalog_scan_skips_every_hostile_file_with_a_warning(
     write_tiny_gguf(tmp_path / "models" / "good.gguf")
     with caplog.at_level(logging.WARNING):
         catalog = build_catalog(Settings(models_dirs=(tmp_path / "models",),
-                                         include_packaged=False))
+                                         include_packaged=False), engines=ENGINES)
     assert "good" in catalog
     skipped = [p for p in paths if p.stem not in catalog]
     assert skipped and all(f"skipping {p}" in caplog.text for p in skipped)
@@ -131,7 +131,7 @@ def test_the_catalog_scan_skips_every_hostile_file_with_a_warning(
 def app(tmp_path: Path) -> Iterator[tuple[TestClient, Path]]:
     root = tmp_path / "root"
     write_tiny_gguf(root / "good.gguf")
-    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False))
+    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False), engines=ENGINES)
 
     async def start(model: CatalogModel) -> Any:
         return FakeWorker(model)
@@ -179,7 +179,8 @@ def test_a_fifo_is_never_opened_blocking(app: tuple[TestClient, Path], tmp_path:
     resp = client.post("/v1/models", headers={"x-api-key": "a"},
                        json={"id": "f", "path": str(root / "fifo.gguf")})
     assert resp.status_code == 400
-    good = build_catalog(Settings(models_dirs=(root,), include_packaged=False)).get("good")
+    good = build_catalog(Settings(models_dirs=(root,), include_packaged=False),
+                         engines=ENGINES).get("good")
     os.replace(root / "fifo.gguf", root / "good.gguf")  # the registered file, now a FIFO
     with pytest.raises(WorkerLoadFailed, match="no longer the file"):
         open_model_file(good)

@@ -14,6 +14,7 @@ from starlette.datastructures import FormData, Headers, UploadFile
 
 from bunkhouse.catalog import build_catalog
 from bunkhouse.config import Settings, load_config_file
+from bunkhouse.engines import ENGINES
 from bunkhouse.errors import ConfigError, InvalidRequest
 from bunkhouse.front.audio import looks_like_audio, parse_fields, srt, timestamp, vtt
 from bunkhouse.residency.estimate import estimate
@@ -112,7 +113,7 @@ def _whisper_dir(root: Path, name: str = "my-whisper", tokenizer: bool = True) -
 
 def test_the_packaged_whisper_is_a_transcription_model_named_whisper_1(
         tmp_path: Path) -> None:
-    catalog = build_catalog(Settings(cache_dir=tmp_path))
+    catalog = build_catalog(Settings(cache_dir=tmp_path), engines=ENGINES)
     whisper = catalog.get("whisper-1")
     assert whisper.id == "whisper-tiny.en" and whisper.kind == "transcription"
     assert whisper.engine == "whisper" and whisper.options.parallel == 1
@@ -132,7 +133,7 @@ def test_a_configured_whisper_directory_is_served_and_takes_whisper_1(tmp_path: 
                       f'aliases = ["dictation"]\n\n'
                       f'[[models]]\nid = "whisper-tiny.en"\nttl = 600\n')
     settings = load_config_file(config, Settings(cache_dir=tmp_path))
-    catalog = build_catalog(settings)
+    catalog = build_catalog(settings, engines=ENGINES)
     mine = catalog.get("dictation")
     assert mine.id == "mine" and mine.transcribes and mine.size_bytes == sum(
         f.stat().st_size for f in own.iterdir())
@@ -148,10 +149,10 @@ def test_a_whisper_directory_without_its_tokenizer_is_refused_by_name(tmp_path: 
     config = tmp_path / "bunkhouse.toml"
     config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n')
     with pytest.raises(ConfigError, match=r"tokenizer\.json"):
-        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)))
+        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)), engines=ENGINES)
     shutil.rmtree(own)
     with pytest.raises(ConfigError, match="no Whisper model directory"):
-        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)))
+        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)), engines=ENGINES)
 
 
 def _decoded(data: bytes, **limits: Any) -> int:

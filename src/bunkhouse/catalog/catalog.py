@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -370,8 +370,11 @@ def _from_sources(settings: Settings) -> Iterator[CatalogModel]:
                     log.warning("skipping %s: %s", found.path, e)
 
 
-def build_catalog(settings: Settings) -> Catalog:
-    """Scan every source named by ``settings`` into a catalog."""
+def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
+    """Scan every source named by ``settings`` into a catalog. ``engines``: the names of the
+    engines there are (``bunkhouse.engines.ENGINES``), which a configured model's
+    ``engine`` must be one of."""
+    _check_engines(settings, engines)
     models: dict[str, CatalogModel] = {}
     readers = [_from_config(settings)]
     if settings.include_packaged:
@@ -403,6 +406,15 @@ def build_catalog(settings: Settings) -> Catalog:
             _overlay(models, entry, settings)
     _name_transcription(models)
     return Catalog(models.values(), settings.default_model or _first_default(models))
+
+
+def _check_engines(settings: Settings, engines: Collection[str]) -> None:
+    """Each [[models]] entry names an engine there is (else ConfigError)."""
+    for index, entry in enumerate(settings.entries):
+        engine: object = entry.engine  # the file's value as written: any TOML value
+        if not isinstance(engine, str) or engine not in engines:
+            raise ConfigError(f"[[models]] #{index + 1}: engine must be one of "
+                              f"{sorted(engines)}, not {engine!r}")
 
 
 def _name_transcription(models: dict[str, CatalogModel]) -> None:
