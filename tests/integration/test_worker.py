@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.catalog.gguf_meta import read_gguf_info
 from bunkhouse.config import EngineOptions
 from bunkhouse.errors import WorkerLoadFailed
+from bunkhouse.gguf.meta import read_gguf_info
 from bunkhouse.supervisor.process import (
     LaunchOptions,
     WorkerLaunch,

@@ -86,9 +86,9 @@ def test_embeddings_pool_as_the_model_file_says(tmp_path: Any) -> None:
     import xllamacpp
 
     from bunkhouse.catalog.catalog import CatalogModel
-    from bunkhouse.catalog.gguf_meta import GGUFInfo
     from bunkhouse.config import EngineOptions
     from bunkhouse.engines import engine_for
+    from bunkhouse.gguf.meta import GGUFInfo
     from bunkhouse.worker.engine import WorkerConfig
     from bunkhouse.worker.engines.llamacpp import build_params
 

@@ -7,9 +7,9 @@ import dataclasses
 from pathlib import Path
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.llamacpp import N_UBATCH, estimate, kv_cache_bytes
+from bunkhouse.gguf.meta import GGUFInfo
 
 MIB = 2**20
 # Like Gemma 3: 18 layers, every 6th full attention, the others a 512-token window.

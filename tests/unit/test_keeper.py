@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.contract import SlotSnapshot
+from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.kvcache.keeper import KeeperOptions, SnapshotKeeper
 from bunkhouse.kvcache.store import SnapshotStore
 from bunkhouse.residency.events import EventLog

@@ -14,7 +14,6 @@ import pytest
 
 from bunkhouse import defaults
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import (
@@ -26,6 +25,7 @@ from bunkhouse.errors import (
     ShuttingDown,
     WorkerLoadFailed,
 )
+from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.residency.clock import FakeClock
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from bunkhouse.supervisor.handle import Placement, WorkerMemory

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.errors import InsufficientMemory, Paused, WorkerLoadFailed
+from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.residency import messages as msg
 from bunkhouse.residency.state import (
     HOLDING,

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from bunkhouse.catalog import packaged, sources, whisper
-from bunkhouse.catalog.gguf_meta import GGUFInfo, read_gguf_info
 from bunkhouse.config import EngineOptions, ModelEntry, RequestParams, Settings, engine_options
 from bunkhouse.defaults import DEFAULT_SLOT_TOKENS
 from bunkhouse.errors import ConfigError, GGUFError, ModelNotFound, PackagedModelError
+from bunkhouse.gguf.meta import GGUFInfo, read_gguf_info
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import json
 import stat
 from pathlib import Path
 
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.errors import GGUFError
+from bunkhouse.gguf.meta import GGUFInfo
 
 ENGINE = "whisper"
 ENGINES = frozenset({ENGINE})

@@ -40,7 +40,7 @@ from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
 
 if TYPE_CHECKING:
     from bunkhouse.catalog import CatalogModel
-    from bunkhouse.catalog.gguf_meta import GGUFInfo
+    from bunkhouse.gguf.meta import GGUFInfo
 
 NAME = "llama.cpp"
 WORKER_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
