@@ -14,14 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 
 from bunkhouse.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from bunkhouse.catalog import CatalogModel
+from bunkhouse.gguf.meta import GGUFInfo
 
 Messages = list[dict[str, Any]]
 
@@ -134,10 +132,10 @@ class EngineAdapter(Protocol):
     worker_engine: str
     """The worker-side engine class, ``module:Class`` (loaded inside the worker process)."""
 
-    def worker_args(self, model: CatalogModel) -> list[str]:
+    def worker_args(self, model: ServedModel) -> list[str]:
         """The worker command line's engine options for ``model``."""
 
-    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+    def estimate(self, model: ServedModel) -> MemoryEstimate:
         """The worker's worst case: every buffer it can grow to under ``model``'s options."""
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> EngineClient:
@@ -156,23 +154,75 @@ class EngineAdapter(Protocol):
     def forwarded_fields(self) -> frozenset[str]:
         """Request fields beyond OpenAI's that this engine reads (passed through)."""
 
-    def embedding_limit(self, model: CatalogModel) -> int:
+    def embedding_limit(self, model: ServedModel) -> int:
         """The longest embeddings input in tokens (0: ``model`` serves no embeddings)."""
 
-    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+    def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         """The KV cache ``tokens`` tokens of one sequence take, bytes."""
 
     build: str
     """The engine and its build: a slot saved by another build is never restored."""
 
-    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+    def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         """What a saved slot's KV state depends on beyond the model file and the build (cache
         types, a slot's context, sliding-window settings); None: this engine cannot save and
         restore slots."""
 
-    def sliding_window(self, model: CatalogModel) -> bool:
+    def sliding_window(self, model: ServedModel) -> bool:
         """Whether the model has layers whose KV cache holds only a window."""
 
     def saved_tokens(self, path: Path) -> list[int]:
         """The token ids a slot file saved by this engine covers; ValueError for a file that
         is not one."""
+
+
+# -- the model an adapter serves -------------------------------------------------------------
+
+
+class ServedOptions(Protocol):
+    """How a model is served, as its adapter reads it (``config.EngineOptions`` is one)."""
+
+    @property
+    def context(self) -> int:
+        """Total context in tokens, shared by the slots."""
+
+    @property
+    def parallel(self) -> int:
+        """Slots: requests decoded at once."""
+
+    @property
+    def cache_ram_mib(self) -> int: ...
+
+    @property
+    def threads(self) -> int: ...
+
+    @property
+    def swa_full(self) -> bool: ...
+
+
+class ServedModel(Protocol):
+    """A model as an engine adapter sees it (the catalog's ``CatalogModel`` is one): what it
+    reads to start, size and describe a worker, wherever the model was found."""
+
+    @property
+    def engine(self) -> str:
+        """The name of the adapter that serves it (:attr:`EngineAdapter.name`)."""
+
+    @property
+    def info(self) -> GGUFInfo:
+        """The model file's metadata."""
+
+    @property
+    def options(self) -> ServedOptions: ...
+
+    @property
+    def embeddings(self) -> bool:
+        """Whether it serves embeddings."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """A configured chat template: a name the engine knows, or a file's path."""
+
+    @property
+    def size_bytes(self) -> int:
+        """Its files' bytes together."""

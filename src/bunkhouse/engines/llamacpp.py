@@ -21,7 +21,7 @@ import json
 import re
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -32,15 +32,13 @@ from bunkhouse.engines.contract import (
     EngineRefused,
     MemoryEstimate,
     Messages,
+    ServedModel,
     SlotSnapshot,
     SlotState,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
-
-if TYPE_CHECKING:
-    from bunkhouse.catalog import CatalogModel
-    from bunkhouse.gguf.meta import GGUFInfo
+from bunkhouse.gguf.meta import GGUFInfo
 
 NAME = "llama.cpp"
 WORKER_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
@@ -417,7 +415,7 @@ class LlamaCpp:
     worker_engine = WORKER_ENGINE
     build = _build()
 
-    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+    def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         # the worker's settings (worker/engines/llamacpp.py build_params) a slot file holds
         o = model.options
         return {"cache_type_k": "f16", "cache_type_v": "f16", "n_ubatch": N_UBATCH,
@@ -425,13 +423,13 @@ class LlamaCpp:
                 "swa_full": o.swa_full and self.sliding_window(model),
                 "embeddings": model.embeddings}
 
-    def sliding_window(self, model: CatalogModel) -> bool:
+    def sliding_window(self, model: ServedModel) -> bool:
         return _swa_layers(model.info) > 0
 
     def saved_tokens(self, path: Path) -> list[int]:
         return saved_tokens(path)
 
-    def worker_args(self, model: CatalogModel) -> list[str]:
+    def worker_args(self, model: ServedModel) -> list[str]:
         o = model.options
         return ["--context", str(o.context), "--parallel", str(o.parallel),
                 "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
@@ -440,7 +438,7 @@ class LlamaCpp:
                 *(["--swa-full"] if o.swa_full else []),
                 *(["--chat-template", model.chat_template] if model.chat_template else [])]
 
-    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+    def estimate(self, model: ServedModel) -> MemoryEstimate:
         return estimate(model)
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> LlamaCppClient:
@@ -458,12 +456,12 @@ class LlamaCpp:
     def forwarded_fields(self) -> frozenset[str]:
         return EXTENSION_FIELDS
 
-    def embedding_limit(self, model: CatalogModel) -> int:
+    def embedding_limit(self, model: ServedModel) -> int:
         if not model.embeddings:
             return 0
         return min(model.options.context // model.options.parallel, EMBEDDING_BATCH)
 
-    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+    def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         return kv_cache_bytes(model.info, tokens, 1)
 
 
@@ -529,7 +527,7 @@ def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int, swa_full: bool =
     return per_layer * (full * context + swa * swa_cells)
 
 
-def output_bytes(model: CatalogModel) -> int:
+def output_bytes(model: ServedModel) -> int:
     """The output buffers an embeddings batch grows to: llama.cpp computes logits for every
     token of it (one row of ``n_vocab`` f32 per token, in the compute buffer) and copies them
     with the embeddings to its output buffer, for up to one micro-batch of tokens."""
@@ -541,7 +539,7 @@ def output_bytes(model: CatalogModel) -> int:
     return rows * LOGIT_BYTES * (2 * vocab + width)
 
 
-def compute_bytes(model: CatalogModel) -> int:
+def compute_bytes(model: ServedModel) -> int:
     """Compute buffers and per-slot state a worker touches at its largest: a full
     micro-batch through the FFN, attention over a full slot, every slot sampling."""
     o = model.options
@@ -560,7 +558,7 @@ def compute_bytes(model: CatalogModel) -> int:
                + SWA_STREAM_BYTES * swa)
 
 
-def estimate(model: CatalogModel) -> MemoryEstimate:
+def estimate(model: ServedModel) -> MemoryEstimate:
     """The worker's worst case under ``model``'s options, bytes by part."""
     o = model.options
     return MemoryEstimate(

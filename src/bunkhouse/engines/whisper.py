@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -28,14 +28,12 @@ from bunkhouse.engines.contract import (
     EngineRefused,
     MemoryEstimate,
     Messages,
+    ServedModel,
     SlotSnapshot,
     SlotState,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, RequestTooLarge, envelope
-
-if TYPE_CHECKING:
-    from bunkhouse.catalog import CatalogModel
 
 NAME = "whisper"
 WORKER_ENGINE = "bunkhouse.worker.engines.whisper:WhisperEngine"
@@ -130,7 +128,7 @@ def error_object(status: int, body: bytes) -> tuple[int, dict[str, Any]]:
     return status, envelope(message, "server_error", "engine_error")
 
 
-def estimate(model: CatalogModel) -> MemoryEstimate:
+def estimate(model: ServedModel) -> MemoryEstimate:
     """The worker's worst case: its runtime, the weights (the directory's files as stored;
     int8 on CPU never takes more), a window's working set and, for larger models, encoder
     and decoder buffers of half the weights; the window's samples (the upload itself is
@@ -148,10 +146,10 @@ class Whisper:
     worker_engine = WORKER_ENGINE
     build = "faster-whisper"
 
-    def worker_args(self, model: CatalogModel) -> list[str]:
+    def worker_args(self, model: ServedModel) -> list[str]:
         return ["--parallel", "1", "--threads", str(model.options.threads)]
 
-    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+    def estimate(self, model: ServedModel) -> MemoryEstimate:
         return estimate(model)
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> WhisperClient:
@@ -168,16 +166,16 @@ class Whisper:
     def forwarded_fields(self) -> frozenset[str]:
         return frozenset()
 
-    def embedding_limit(self, model: CatalogModel) -> int:
+    def embedding_limit(self, model: ServedModel) -> int:
         return 0
 
-    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+    def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         return 0
 
-    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+    def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         return None
 
-    def sliding_window(self, model: CatalogModel) -> bool:
+    def sliding_window(self, model: ServedModel) -> bool:
         return False
 
     def saved_tokens(self, path: Path) -> list[int]:
