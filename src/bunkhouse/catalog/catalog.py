@@ -23,8 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from bunkhouse.catalog import packaged, sources, whisper
-from bunkhouse.config import EngineOptions, ModelEntry, RequestParams, Settings, engine_options
+from bunkhouse.config import (
+    DEFAULT_ENGINE,
+    EngineOptions,
+    ModelEntry,
+    RequestParams,
+    Settings,
+    engine_options,
+)
 from bunkhouse.defaults import DEFAULT_SLOT_TOKENS
+from bunkhouse.engines import ENGINES
 from bunkhouse.errors import ConfigError, GGUFError, ModelNotFound, PackagedModelError
 from bunkhouse.gguf.meta import GGUFInfo, read_gguf_info
 
@@ -184,10 +192,6 @@ class Catalog:
         self.default_id = switched if switched in new._models else new.default_id
 
 
-SLOT_BLOCK = 256
-"""Tokens llama.cpp rounds a slot's context up to a multiple of (its KV cache's padding)."""
-
-
 def _spellings(name: str) -> tuple[str, ...]:
     if name.endswith(":latest"):
         return name, name.removesuffix(":latest")
@@ -195,10 +199,11 @@ def _spellings(name: str) -> tuple[str, ...]:
 
 
 def effective_options(base: EngineOptions, overrides: dict[str, Any], info: GGUFInfo,
-                      where: str) -> EngineOptions:
+                      where: str, engine: str = DEFAULT_ENGINE) -> EngineOptions:
     """``base`` with a model's ``overrides``, its context settled: set by no one, each slot
     holds DEFAULT_SLOT_TOKENS (within the trained context); set, a slot past the trained
-    context is lowered to it. Raises ConfigError for invalid options."""
+    context is lowered to it; then a slot is what ``engine`` allocates (its adapter's
+    ``slot_tokens``). Raises ConfigError for invalid options."""
     options = engine_options(base, overrides, where)
     trained = info.context_length
     given = slot = options.context // options.parallel
@@ -208,9 +213,7 @@ def effective_options(base: EngineOptions, overrides: dict[str, Any], info: GGUF
         log.info("%s: slots of %d tokens capped at the model's trained context %d",
                  where, slot, trained)
         slot = trained
-    # llama.cpp sizes each slot in whole blocks of 256 tokens (rounding up, 256 at least): a
-    # slot that is not one would hold more than the front checks against
-    slot = max(SLOT_BLOCK, slot - slot % SLOT_BLOCK)
+    slot = ENGINES[engine].slot_tokens(slot)
     if slot == given and options.context == slot * options.parallel:
         return options
     return engine_options(options, {"context": slot * options.parallel}, where)
@@ -251,7 +254,9 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
         return _whisper_model(model_id, path, source, settings, entry)
     info = read_gguf_info(path)
     overrides = entry.options if entry else {}
-    options = effective_options(settings.defaults, overrides, info, f"model {model_id!r}")
+    engine = entry.engine if entry else DEFAULT_ENGINE
+    options = effective_options(settings.defaults, overrides, info, f"model {model_id!r}",
+                                engine)
     st = path.stat()
     parts = model_files(path, info.split_count)
     size = files_size(parts)
@@ -259,7 +264,7 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
                         modified=int(st.st_mtime), pinned=entry.pinned if entry else False,
                         ttl_s=entry.ttl_s if entry else None,
                         chat_template=entry.chat_template if entry else None,
-                        engine=entry.engine if entry else "llama.cpp",
+                        engine=engine,
                         aliases=entry.aliases if entry else (),
                         projector=found.projector if found else None,
                         request=entry.params if entry else RequestParams(
@@ -272,7 +277,7 @@ def _whisper_model(model_id: str, path: Path, source: str, settings: Settings,
                    entry: ModelEntry | None = None) -> CatalogModel:
     """A CTranslate2 Whisper model directory (catalog/whisper.py): one slot, no context."""
     files = whisper.model_files(path)
-    overrides = {**(entry.options if entry else {}), "parallel": 1, "context": SLOT_BLOCK}
+    overrides = {**(entry.options if entry else {}), **whisper.OPTIONS}
     options = engine_options(settings.defaults, overrides, f"model {model_id!r}")
     return CatalogModel(model_id, path, source, whisper.info(path), options,
                         files_size(files), modified=int(path.stat().st_mtime),
@@ -437,14 +442,15 @@ def _overlay(models: dict[str, CatalogModel], entry: ModelEntry, settings: Setti
     where = f"model {entry.id!r}"
     if model.transcribes:  # its engine and its one slot stay
         models[named] = replace(
-            model, options=engine_options(settings.defaults, {**entry.options, "parallel": 1,
-                                                              "context": SLOT_BLOCK}, where),
+            model, options=engine_options(settings.defaults, {**entry.options, **whisper.OPTIONS},
+                                          where),
             pinned=entry.pinned or model.pinned,
             ttl_s=entry.ttl_s if entry.ttl_s is not None else model.ttl_s,
             aliases=(*model.aliases, *entry.aliases))
         return
     models[named] = replace(
-        model, options=effective_options(settings.defaults, entry.options, model.info, where),
+        model, options=effective_options(settings.defaults, entry.options, model.info, where,
+                                         entry.engine),
         pinned=entry.pinned or model.pinned,
         ttl_s=entry.ttl_s if entry.ttl_s is not None else model.ttl_s,
         chat_template=entry.chat_template or model.chat_template,

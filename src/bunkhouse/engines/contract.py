@@ -160,6 +160,12 @@ class EngineAdapter(Protocol):
     def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         """The KV cache ``tokens`` tokens of one sequence take, bytes."""
 
+    def slot_tokens(self, tokens: int) -> int:
+        """The context of a slot asked to hold ``tokens`` tokens, as the engine allocates it:
+        at most ``tokens`` where the engine can (an engine that allocates whole blocks gets
+        whole blocks, its smallest slot at least), so that a slot holds what the front checks
+        requests against."""
+
     build: str
     """The engine and its build: a slot saved by another build is never restored."""
 

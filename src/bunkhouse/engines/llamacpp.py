@@ -138,6 +138,9 @@ TEMPLATED_FIELDS = frozenset({"messages", "tools", "tool_choice", "parallel_tool
                               "chat_template_kwargs", "add_generation_prompt",
                               "enable_thinking", "reasoning_format", "response_format"})
 
+SLOT_BLOCK = 256
+"""Tokens llama.cpp rounds a slot's context up to a multiple of (its KV cache's padding)."""
+
 EMBEDDING_BATCH = 512  # worker: n_batch = n_ubatch = 512 (what runs with embeddings on)
 N_UBATCH = EMBEDDING_BATCH  # the micro-batch every worker runs with (set explicitly)
 
@@ -463,6 +466,11 @@ class LlamaCpp:
 
     def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         return kv_cache_bytes(model.info, tokens, 1)
+
+    def slot_tokens(self, tokens: int) -> int:
+        # llama.cpp sizes each slot in whole blocks (rounding up, one block at least): a slot
+        # that is not one would hold more than the front checks against
+        return max(SLOT_BLOCK, tokens - tokens % SLOT_BLOCK)
 
 
 # -- the memory estimate (docs/memory-estimate.md has the table and how it was measured) ---

@@ -172,6 +172,9 @@ class Whisper:
     def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         return 0
 
+    def slot_tokens(self, tokens: int) -> int:
+        return tokens  # its one slot holds audio, not tokens
+
     def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         return None
 
