@@ -48,7 +48,7 @@ class ConstraintCheck:
     disposable process: a one-word prompt, two tokens, and only this part.
 
     ``param``: the field a refusal names; ``route``: ``"chat"`` or ``"completion"``, how the
-    probe runs ``body`` (worker/probe.py)."""
+    probe runs ``body`` (worker/engines/llamacpp_probe.py)."""
 
     param: str
     route: str

@@ -451,7 +451,7 @@ class LlamaCpp:
         check_extensions(body)
         grammar_cost.check_request(body)
 
-    probe_module: str | None = "bunkhouse.worker.probe"
+    probe_module: str | None = "bunkhouse.worker.engines.llamacpp_probe"
 
     def constraint_checks(self, path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
         return constraint_checks(path, body)
