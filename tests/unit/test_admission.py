@@ -130,8 +130,7 @@ def test_compute_gate_off_admits_everyone() -> None:
 
 def _model(context: int = 4096, parallel: int = 4) -> CatalogModel:
     return CatalogModel("m", Path("/m.gguf"), "config", INFO,
-                        EngineOptions(context=context, parallel=parallel, threads=1,
-                                      embeddings=True), 1)
+                        EngineOptions(context=context, parallel=parallel, embeddings=True), 1)
 
 
 class Worker:

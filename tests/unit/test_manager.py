@@ -38,7 +38,7 @@ INFO = GGUFInfo("fake", None, 4096, 0, 64, 1, 1, 64, 64, None, None, None, 0)
 def model(id: str, gib: float = 4, *, pinned: bool = False,
           ttl_s: float | None = None) -> CatalogModel:
     return CatalogModel(id, Path(f"/models/{id}.gguf"), "config", INFO,
-                        EngineOptions(context=4096, parallel=1, cache_ram_mib=0, threads=1),
+                        EngineOptions(context=4096, parallel=1),
                         int(gib * GIB), pinned=pinned, ttl_s=ttl_s)
 
 

@@ -12,6 +12,7 @@ engine refuses the input (a 4xx to the caller, naming the field when it can).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -169,13 +170,22 @@ class EngineAdapter(Protocol):
     build: str
     """The engine and its build: a slot saved by another build is never restored."""
 
+    known_options: frozenset[str]
+    """The config keys of this engine's own options (a model's ``engine_keys``)."""
+
+    def options(self, raw: Mapping[str, Any], where: str) -> object:
+        """``raw`` options of this engine (keys of :attr:`known_options`) as the adapter's own
+        frozen dataclass, defaults filled in; ConfigError naming the key (``where`` first) for
+        an unknown key or a wrong value."""
+
     def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         """What a saved slot's KV state depends on beyond the model file and the build (cache
         types, a slot's context, sliding-window settings); None: this engine cannot save and
         restore slots."""
 
-    def sliding_window(self, model: ServedModel) -> bool:
-        """Whether the model has layers whose KV cache holds only a window."""
+    def restore_hint(self, model: ServedModel) -> str:
+        """What to change in ``model``'s options so that a restored slot's KV state is reused
+        in full, for the log line of one that was not ("" : nothing)."""
 
     def saved_tokens(self, path: Path) -> list[int]:
         """The token ids a slot file saved by this engine covers; ValueError for a file that
@@ -197,13 +207,9 @@ class ServedOptions(Protocol):
         """Slots: requests decoded at once."""
 
     @property
-    def cache_ram_mib(self) -> int: ...
-
-    @property
-    def threads(self) -> int: ...
-
-    @property
-    def swa_full(self) -> bool: ...
+    def engine_keys(self) -> tuple[tuple[str, Any], ...]:
+        """The engine's own options as configured (its adapter's :meth:`EngineAdapter.options`
+        checked them when the model was catalogued)."""
 
 
 class ServedModel(Protocol):

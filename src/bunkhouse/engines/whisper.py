@@ -17,12 +17,14 @@ window, counted in full.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bunkhouse.engines import options as opts
 from bunkhouse.engines.contract import (
     ConstraintCheck,
     EngineRefused,
@@ -50,6 +52,21 @@ on a 10-minute file (see above), rounded up."""
 SAMPLE_BYTES_PER_S = 16_000 * 2  # the decoded audio: 16 kHz mono, 16-bit
 
 ROUTE = "/v1/audio/transcriptions"
+
+
+@dataclass(frozen=True, slots=True)
+class WhisperOptions:
+    """Whisper's own options of a model (config keys of the same names)."""
+
+    threads: int = field(default_factory=opts.cpu_threads)  # CTranslate2's CPU threads
+
+
+_OPTION_CHECKS: dict[str, opts.Check] = {"threads": opts.integer(1)}
+
+
+def parse_options(raw: Mapping[str, Any], where: str) -> WhisperOptions:
+    """Whisper's options as written; ConfigError naming an unknown key or a wrong value."""
+    return WhisperOptions(**opts.checked(raw, _OPTION_CHECKS, where))
 
 
 def wrong_kind(model_id: str) -> InvalidRequest:
@@ -146,8 +163,14 @@ class Whisper:
     worker_engine = WORKER_ENGINE
     build = "faster-whisper"
 
+    known_options = frozenset(_OPTION_CHECKS)
+
+    def options(self, raw: Mapping[str, Any], where: str) -> WhisperOptions:
+        return parse_options(raw, where)
+
     def worker_args(self, model: ServedModel) -> list[str]:
-        return ["--parallel", "1", "--threads", str(model.options.threads)]
+        own = parse_options(dict(model.options.engine_keys), "the model's whisper options")
+        return ["--parallel", "1", *opts.worker_args(own)]
 
     def estimate(self, model: ServedModel) -> MemoryEstimate:
         return estimate(model)
@@ -178,8 +201,8 @@ class Whisper:
     def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         return None
 
-    def sliding_window(self, model: ServedModel) -> bool:
-        return False
+    def restore_hint(self, model: ServedModel) -> str:
+        return ""
 
     def saved_tokens(self, path: Path) -> list[int]:
         raise ValueError("a transcription model saves no slots")
