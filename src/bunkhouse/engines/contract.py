@@ -225,7 +225,8 @@ class ServedModel(Protocol):
         """The model file's metadata."""
 
     @property
-    def options(self) -> ServedOptions: ...
+    def options(self) -> ServedOptions:
+        """How it is served: its slots and its engine's own options."""
 
     @property
     def embeddings(self) -> bool:
