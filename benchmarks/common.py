@@ -25,6 +25,8 @@ import psutil
 from bunkhouse.catalog import Catalog, CatalogModel, build_catalog
 from bunkhouse.config import Settings
 from bunkhouse.engines import ENGINES
+from bunkhouse.engines import options as engine_opts
+from bunkhouse.engines.llamacpp import model_options
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 GEMMA = "gemma-3-270m"
@@ -181,7 +183,7 @@ def engine_server_argv(model_id: str, port: int, key: str = "") -> list[str]:
         sys.executable, "-m", "benchmarks.engine_server", "--model-id", model_id,
         "--model-path", str(model.path), "--port", str(port), "--api-key", key,
         "--context", str(o.context), "--parallel", str(o.parallel),
-        "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
+        *engine_opts.worker_args(model_options(model)),
     ]
 
 

@@ -114,6 +114,7 @@ def test_expensive_constraints_are_refused_before_a_shared_worker_meets_them(
         assert stream.finish == "length" and stream.tokens == 400, (stream.finish, stream.tokens)
         assert [p.pid for p in server.model_workers()] == [worker.pid]  # never replaced
         assert "failed" not in seen and "absent" not in seen, seen
-        probes = [p for p in server.workers() if "bunkhouse.worker.probe" in p.cmdline()]
+        probes = [p for p in server.workers()
+                  if "bunkhouse.worker.engines.llamacpp_probe" in p.cmdline()]
         assert len(probes) <= 1
     assert not [p for p in probes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

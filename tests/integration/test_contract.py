@@ -68,7 +68,8 @@ def _model(engine: str, catalog: Catalog, tmp_path: Path) -> tuple[CatalogModel,
         return dataclasses.replace(base, id="fault", path=path, options=options,
                                    size_bytes=path.stat().st_size), \
             "tests.fault_engine:FaultEngine"
-    options = dataclasses.replace(base.options, context=1024, parallel=2, threads=1)
+    options = dataclasses.replace(base.options, context=1024, parallel=2,
+                                  engine_keys=(("threads", 1),))
     return dataclasses.replace(base, options=options), None
 
 

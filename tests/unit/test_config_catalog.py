@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from tests.helpers import write_tiny_gguf
 
 
 def _settings(**kw: object) -> Settings:
-    kw.setdefault("defaults", EngineOptions(threads=1))
+    kw.setdefault("defaults", EngineOptions(engine_keys=(("threads", 1),)))
     return Settings(include_packaged=False, **kw)  # type: ignore[arg-type]
 
 
@@ -56,7 +57,7 @@ def test_default_slots_hold_8192_tokens_within_the_trained_context(tmp_path: Pat
     long, short = catalog.get("long").options, catalog.get("short").options
     assert (long.context // long.parallel, short.context // short.parallel) == (8192, 2048)
     # a context someone set is kept, only a slot past the trained context is lowered
-    given = engine_options(EngineOptions(threads=1), {"context": 65536, "context_auto": False,
+    given = engine_options(EngineOptions(), {"context": 65536, "context_auto": False,
                                                       "parallel": 2}, "test")
     catalog = build_catalog(_settings(models_dirs=(tmp_path,), defaults=given), engines=ENGINES)
     assert catalog.get("long").options.context == 65536
@@ -146,7 +147,6 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nctx = 3\n", "unknown key"),
         ("bogus = 1\n", "unknown key"),
         ("[[models]]\npath = 'x.gguf'\n", "needs a string key 'id'"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {mirostat = 2}\n",
@@ -206,6 +206,58 @@ def test_the_engines_a_catalog_accepts_are_the_ones_it_is_given(tmp_path: Path) 
     assert build_catalog(settings, engines=ENGINES).get("x").engine == "llama.cpp"
     with pytest.raises(ConfigError, match=r"engine must be one of \['other'\], not 'llama.cpp'"):
         build_catalog(settings, engines=frozenset({"other"}))
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nctx = 3\n",
+         r"^model 'x': unknown key\(s\) \['ctx'\]$"),
+        ("[defaults]\nctx = 3\n", r"^\[defaults\]: unknown key\(s\) \['ctx'\]$"),
+        ("[defaults]\nthreads = 0\n", r"^\[defaults\]: threads must be >= 1$"),
+        ("[defaults]\ncache_ram_mib = -1\n", r"^\[defaults\]: cache_ram_mib must be >= 0$"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nthreads = 'two'\n",
+         r"^model 'x': threads must be an integer, not 'two'$"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nswa_full = 1\n",
+         r"^model 'x': swa_full must be true or false$"),
+        ("models_dirs = ['.']\n[[models]]\nid = 'm'\nthreads = 0\n",
+         r"^model 'm': threads must be >= 1$"),  # an entry configuring a found model
+    ],
+)
+def test_engine_options_are_checked_by_their_engine_when_the_catalog_is_built(
+        tmp_path: Path, text: str, match: str) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf")
+    settings = load_config_file(_config(tmp_path, text), _settings())
+    with pytest.raises(ConfigError) as e:
+        build_catalog(settings, engines=ENGINES)
+    assert re.search(match, e.value.message), e.value.message
+
+
+def test_engine_options_of_defaults_and_entries_reach_the_engine(tmp_path: Path) -> None:
+    from bunkhouse.engines.llamacpp import LlamaCpp, LlamaCppOptions, model_options
+
+    write_tiny_gguf(tmp_path / "m.gguf")
+    path = _config(tmp_path, """
+        [defaults]
+        threads = 3
+        cache_ram_mib = 16
+        [[models]]
+        id = "x"
+        path = "m.gguf"
+        cache_ram_mib = 64
+        swa_full = true
+        [[models]]
+        id = "y"
+        path = "m.gguf"
+    """)
+    catalog = build_catalog(load_config_file(path, _settings()), engines=ENGINES)
+    x, y = catalog.get("x"), catalog.get("y")
+    assert model_options(x) == LlamaCppOptions(cache_ram_mib=64, threads=3, swa_full=True)
+    assert model_options(y) == LlamaCppOptions(cache_ram_mib=16, threads=3, swa_full=False)
+    args = LlamaCpp().worker_args(x)
+    assert args[args.index("--engine-options") + 1] == \
+        '{"cache_ram_mib": 64, "swa_full": true, "threads": 3}'
+    assert LlamaCpp().estimate(x).prompt_cache == 64 * 2**20
 
 
 def test_entries_without_a_path_configure_found_models_and_params_apply(
@@ -333,12 +385,12 @@ def test_a_config_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> 
 
 def test_slots_are_whole_blocks_of_256_tokens(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "m.gguf", context=32768)
-    given = engine_options(EngineOptions(threads=1), {"context": 600, "context_auto": False,
+    given = engine_options(EngineOptions(), {"context": 600, "context_auto": False,
                                                       "parallel": 2}, "test")
     options = build_catalog(_settings(models_dirs=(tmp_path,), defaults=given),
                             engines=ENGINES).get("m").options
     assert (options.context, options.parallel) == (512, 2)
-    small = engine_options(EngineOptions(threads=1), {"context": 600, "context_auto": False,
+    small = engine_options(EngineOptions(), {"context": 600, "context_auto": False,
                                                       "parallel": 3}, "test")
     options = build_catalog(_settings(models_dirs=(tmp_path,), defaults=small),
                             engines=ENGINES).get("m").options

@@ -86,9 +86,9 @@ def test_embeddings_pool_as_the_model_file_says(tmp_path: Any) -> None:
     import xllamacpp
 
     from bunkhouse.catalog.catalog import CatalogModel
-    from bunkhouse.catalog.gguf_meta import GGUFInfo
     from bunkhouse.config import EngineOptions
     from bunkhouse.engines import engine_for
+    from bunkhouse.gguf.meta import GGUFInfo
     from bunkhouse.worker.engine import WorkerConfig
     from bunkhouse.worker.engines.llamacpp import build_params
 
@@ -101,7 +101,7 @@ def test_embeddings_pool_as_the_model_file_says(tmp_path: Any) -> None:
     pooling = xllamacpp.llama_pooling_type
     for kind, expected in (("model", pooling.LLAMA_POOLING_TYPE_UNSPECIFIED),
                            ("mean", pooling.LLAMA_POOLING_TYPE_MEAN)):
-        config = WorkerConfig("e", Path("/m/e.gguf"), Path(tmp_path) / "w.sock", 512, 1, 0, 1,
+        config = WorkerConfig("e", Path("/m/e.gguf"), Path(tmp_path) / "w.sock", 512, 1,
                               embeddings=True, pooling=kind)
         assert build_params(config).pooling_type == expected
 

@@ -16,18 +16,18 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from bunkhouse.catalog import CatalogModel, build_catalog
-from bunkhouse.catalog.gguf_meta import (
+from bunkhouse.config import EngineOptions, Settings
+from bunkhouse.engines import ENGINES, engine_for
+from bunkhouse.errors import GGUFError
+from bunkhouse.front.admin import AdminOptions
+from bunkhouse.front.auth import Keys
+from bunkhouse.gguf.meta import (
     MAX_KEPT_BYTES,
     MAX_STRING_BYTES,
     GGUFInfo,
     read_fields,
     read_gguf_info,
 )
-from bunkhouse.config import EngineOptions, Settings
-from bunkhouse.engines import ENGINES, engine_for
-from bunkhouse.errors import GGUFError
-from bunkhouse.front.admin import AdminOptions
-from bunkhouse.front.auth import Keys
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from tests import hostile_gguf
 from tests.helpers import front_app, write_tiny_gguf

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.contract import SlotSnapshot, Timings
+from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.kvcache.keeper import KeeperOptions, SnapshotKeeper
 from bunkhouse.kvcache.store import SnapshotStore
 from bunkhouse.residency.events import EventLog
@@ -58,7 +58,7 @@ def _model(tmp_path: Path, **options: Any) -> CatalogModel:
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF")
     return CatalogModel("m", path, "config", INFO,
-                        EngineOptions(context=4096, parallel=2, threads=1, **options), 4)
+                        EngineOptions(context=4096, parallel=2, **options), 4)
 
 
 def _setup(tmp_path: Path, idle_s: float = 3600) -> tuple[SnapshotKeeper, SlotGate, FakeEngine]:
@@ -120,7 +120,7 @@ def test_a_restore_the_engine_did_not_reuse_stops_restores_until_the_config_chan
         _, again = await _run(keeper, gate, engine, model, LONG + " more")
         assert again is None and engine.restores == 1  # its snapshots are not used again
         swa_full = dataclasses.replace(model, options=dataclasses.replace(
-            model.options, swa_full=True))  # no sliding window here: the same key
+            model.options, engine_keys=(("swa_full", True),)))  # no sliding window: same key
         assert keeper.key(swa_full) == keeper.key(model) and not keeper.active(swa_full)
         fixed = dataclasses.replace(model, options=dataclasses.replace(
             model.options, context=8192))  # a new key; its old snapshots do not match it

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.errors import InsufficientMemory, Paused, WorkerLoadFailed
+from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.residency import messages as msg
 from bunkhouse.residency.state import (
     HOLDING,
@@ -48,7 +48,7 @@ BUDGETS = {"n1": 1000, "n2": 800}  # MiB
 
 def _spec(model_id: str, mib: int) -> Spec:
     model = CatalogModel(model_id, Path(f"/m/{model_id}.gguf"), "config", INFO,
-                         EngineOptions(context=4096, parallel=1, cache_ram_mib=0, threads=1),
+                         EngineOptions(context=4096, parallel=1),
                          mib * MIB)
     return Spec(model, mib * MIB, "whisper" if model_id == "w" else "llama", True)
 

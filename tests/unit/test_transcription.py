@@ -144,6 +144,23 @@ def test_a_configured_whisper_directory_is_served_and_takes_whisper_1(tmp_path: 
     assert catalog.default_id == "qwen2.5-coder-0.5b-instruct"
 
 
+def test_a_whisper_model_takes_its_own_options_only(tmp_path: Path) -> None:
+    from bunkhouse.engines.whisper import Whisper
+
+    own = _whisper_dir(tmp_path)
+    config = tmp_path / "bunkhouse.toml"
+    entry = f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n'
+    config.write_text(f"[defaults]\nswa_full = true\n\n{entry}threads = 1\n")
+    settings = Settings(cache_dir=tmp_path, include_packaged=False)
+    mine = build_catalog(load_config_file(config, settings), engines=ENGINES).get("mine")
+    assert mine.options.engine_keys == (("threads", 1),)  # llama.cpp's default is not its
+    assert Whisper().worker_args(mine) == ["--parallel", "1", "--engine-options",
+                                           '{"threads": 1}']
+    config.write_text(f"{entry}swa_full = true\n")
+    with pytest.raises(ConfigError, match=r"model 'mine': unknown key\(s\) \['swa_full'\]"):
+        build_catalog(load_config_file(config, settings), engines=ENGINES)
+
+
 def test_a_whisper_directory_without_its_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
     own = _whisper_dir(tmp_path, tokenizer=False)
     config = tmp_path / "bunkhouse.toml"

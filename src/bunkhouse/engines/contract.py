@@ -12,17 +12,15 @@ engine refuses the input (a 4xx to the caller, naming the field when it can).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 
 from bunkhouse.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from bunkhouse.catalog import CatalogModel
+from bunkhouse.gguf.meta import GGUFInfo
 
 Messages = list[dict[str, Any]]
 
@@ -51,7 +49,7 @@ class ConstraintCheck:
     disposable process: a one-word prompt, two tokens, and only this part.
 
     ``param``: the field a refusal names; ``route``: ``"chat"`` or ``"completion"``, how the
-    probe runs ``body`` (worker/probe.py)."""
+    probe runs ``body`` (worker/engines/llamacpp_probe.py)."""
 
     param: str
     route: str
@@ -210,16 +208,16 @@ class EngineAdapter(Protocol):
     worker_engine: str
     """The worker-side engine class, ``module:Class`` (loaded inside the worker process)."""
 
-    def worker_args(self, model: CatalogModel) -> list[str]:
+    def worker_args(self, model: ServedModel) -> list[str]:
         """The worker command line's engine options for ``model``."""
 
-    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+    def estimate(self, model: ServedModel) -> MemoryEstimate:
         """The worker's worst case: every buffer it can grow to under ``model``'s options."""
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> EngineClient:
         """A client for ``model_id``'s worker, reached over ``transport``."""
 
-    def capabilities(self, model: CatalogModel) -> Capabilities:
+    def capabilities(self, model: ServedModel) -> Capabilities:
         """What this engine does for ``model``."""
 
     def pinnable(self, route: str, body: dict[str, Any]) -> bool:
@@ -239,23 +237,87 @@ class EngineAdapter(Protocol):
     def forwarded_fields(self) -> frozenset[str]:
         """Request fields beyond OpenAI's that this engine reads (passed through)."""
 
-    def embedding_limit(self, model: CatalogModel) -> int:
+    def embedding_limit(self, model: ServedModel) -> int:
         """The longest embeddings input in tokens (0: ``model`` serves no embeddings)."""
 
-    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+    def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         """The KV cache ``tokens`` tokens of one sequence take, bytes."""
+
+    def slot_tokens(self, tokens: int) -> int:
+        """The context of a slot asked to hold ``tokens`` tokens, as the engine allocates it:
+        at most ``tokens`` where the engine can (an engine that allocates whole blocks gets
+        whole blocks, its smallest slot at least), so that a slot holds what the front checks
+        requests against."""
 
     build: str
     """The engine and its build: a slot saved by another build is never restored."""
 
-    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+    known_options: frozenset[str]
+    """The config keys of this engine's own options (a model's ``engine_keys``)."""
+
+    def options(self, raw: Mapping[str, Any], where: str) -> object:
+        """``raw`` options of this engine (keys of :attr:`known_options`) as the adapter's own
+        frozen dataclass, defaults filled in; ConfigError naming the key (``where`` first) for
+        an unknown key or a wrong value."""
+
+    def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         """What a saved slot's KV state depends on beyond the model file and the build (cache
         types, a slot's context, sliding-window settings); None: this engine cannot save and
         restore slots."""
 
-    def sliding_window(self, model: CatalogModel) -> bool:
-        """Whether the model has layers whose KV cache holds only a window."""
+    def restore_hint(self, model: ServedModel) -> str:
+        """What to change in ``model``'s options so that a restored slot's KV state is reused
+        in full, for the log line of one that was not ("" : nothing)."""
 
     def saved_tokens(self, path: Path) -> list[int]:
         """The token ids a slot file saved by this engine covers; ValueError for a file that
         is not one."""
+
+
+# -- the model an adapter serves -------------------------------------------------------------
+
+
+class ServedOptions(Protocol):
+    """How a model is served, as its adapter reads it (``config.EngineOptions`` is one)."""
+
+    @property
+    def context(self) -> int:
+        """Total context in tokens, shared by the slots."""
+
+    @property
+    def parallel(self) -> int:
+        """Slots: requests decoded at once."""
+
+    @property
+    def engine_keys(self) -> tuple[tuple[str, Any], ...]:
+        """The engine's own options as configured (its adapter's :meth:`EngineAdapter.options`
+        checked them when the model was catalogued)."""
+
+
+class ServedModel(Protocol):
+    """A model as an engine adapter sees it (the catalog's ``CatalogModel`` is one): what it
+    reads to start, size and describe a worker, wherever the model was found."""
+
+    @property
+    def engine(self) -> str:
+        """The name of the adapter that serves it (:attr:`EngineAdapter.name`)."""
+
+    @property
+    def info(self) -> GGUFInfo:
+        """The model file's metadata."""
+
+    @property
+    def options(self) -> ServedOptions:
+        """How it is served: its slots and its engine's own options."""
+
+    @property
+    def embeddings(self) -> bool:
+        """Whether it serves embeddings."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """A configured chat template: a name the engine knows, or a file's path."""
+
+    @property
+    def size_bytes(self) -> int:
+        """Its files' bytes together."""

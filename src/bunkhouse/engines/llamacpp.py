@@ -11,23 +11,27 @@ else (the worker side is ``bunkhouse.worker.engines.llamacpp``):
   llama.cpp embeds an input only in one micro-batch, so it is the longest input in tokens.
 - :func:`refusal`: which of the engine's error answers are refusals of bad input (4xx), told
   apart by their text: llama.cpp answers several of them with a 500.
+- :class:`LlamaCppOptions`: llama.cpp's own options of a model (config keys of the same
+  names), checked by :func:`parse_options`.
 - :func:`estimate`: the worker's worst-case memory (see docs/memory-estimate.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import re
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from bunkhouse.api.tool_calls import call_schema
 from bunkhouse.engines import grammar_cost
+from bunkhouse.engines import options as opts
 from bunkhouse.engines.contract import (
     GENERATION_ROUTES,
     Capabilities,
@@ -35,6 +39,7 @@ from bunkhouse.engines.contract import (
     EngineRefused,
     MemoryEstimate,
     Messages,
+    ServedModel,
     SlotSnapshot,
     SlotState,
     Timings,
@@ -42,13 +47,45 @@ from bunkhouse.engines.contract import (
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
-
-if TYPE_CHECKING:
-    from bunkhouse.catalog import CatalogModel
-    from bunkhouse.catalog.gguf_meta import GGUFInfo
+from bunkhouse.gguf.meta import GGUFInfo
 
 NAME = "llama.cpp"
 WORKER_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LlamaCppOptions:
+    """llama.cpp's own options of a model: the config keys of the same names ([defaults] and
+    [[models]]), each set explicitly on the engine (worker/engines/llamacpp.py)."""
+
+    cache_ram_mib: int = 0  # the RAM prompt cache; off: it would grow a worker past its estimate
+    threads: int = dataclasses.field(default_factory=opts.cpu_threads)  # decoding and batches
+    swa_full: bool = False  # sliding-window layers keep the whole slot (KV snapshots reuse all)
+
+
+_OPTION_CHECKS: dict[str, opts.Check] = {
+    "cache_ram_mib": opts.integer(0), "threads": opts.integer(1), "swa_full": opts.flag}
+KNOWN_OPTIONS = frozenset(_OPTION_CHECKS)
+
+
+def parse_options(raw: Mapping[str, Any], where: str) -> LlamaCppOptions:
+    """llama.cpp's options as written (``where`` names them in an error); ConfigError naming
+    an unknown key or a wrong value."""
+    return LlamaCppOptions(**opts.checked(raw, _OPTION_CHECKS, where))
+
+
+def model_options(model: ServedModel) -> LlamaCppOptions:
+    """``model``'s llama.cpp options (checked when it was catalogued)."""
+    return parse_options(dict(model.options.engine_keys), "the model's llama.cpp options")
+
+
+def server_flags(options: LlamaCppOptions) -> list[str]:
+    """``options`` as llama.cpp's own ``llama-server`` takes them on its command line (the
+    benchmarks run it with a worker's settings)."""
+    threads = str(options.threads)
+    return ["-t", threads, "-tb", threads, "--cache-ram", str(options.cache_ram_mib),
+            *(["--swa-full"] if options.swa_full else [])]
+
 
 # llama.cpp tools/server README, "POST /completion" and "POST /v1/chat/completions" options.
 EXTENSION_FIELDS = frozenset({
@@ -144,6 +181,9 @@ _FIELD_HINTS: list[tuple[re.Pattern[str], dict[str, str]]] = [
 TEMPLATED_FIELDS = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls",
                               "chat_template_kwargs", "add_generation_prompt",
                               "enable_thinking", "reasoning_format", "response_format"})
+
+SLOT_BLOCK = 256
+"""Tokens llama.cpp rounds a slot's context up to a multiple of (its KV cache's padding)."""
 
 EMBEDDING_BATCH = 512  # worker: n_batch = n_ubatch = 512 (what runs with embeddings on)
 N_UBATCH = EMBEDDING_BATCH  # the micro-batch every worker runs with (set explicitly)
@@ -508,36 +548,42 @@ class LlamaCpp:
     worker_engine = WORKER_ENGINE
     build = _build()
 
-    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+    known_options = KNOWN_OPTIONS
+
+    def options(self, raw: Mapping[str, Any], where: str) -> LlamaCppOptions:
+        return parse_options(raw, where)
+
+    def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         # the worker's settings (worker/engines/llamacpp.py build_params) a slot file holds
         o = model.options
         return {"cache_type_k": "f16", "cache_type_v": "f16", "n_ubatch": N_UBATCH,
                 "slot_context": o.context // o.parallel, "kv_unified": False,
-                "swa_full": o.swa_full and self.sliding_window(model),
+                "swa_full": model_options(model).swa_full and _swa_layers(model.info) > 0,
                 "embeddings": model.embeddings}
 
-    def sliding_window(self, model: CatalogModel) -> bool:
-        return _swa_layers(model.info) > 0
+    def restore_hint(self, model: ServedModel) -> str:
+        if _swa_layers(model.info, model_options(model).swa_full):
+            return "it has sliding-window attention: set swa_full = true for it"
+        return ""
 
     def saved_tokens(self, path: Path) -> list[int]:
         return saved_tokens(path)
 
-    def worker_args(self, model: CatalogModel) -> list[str]:
+    def worker_args(self, model: ServedModel) -> list[str]:
         o = model.options
         return ["--context", str(o.context), "--parallel", str(o.parallel),
-                "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
                 *(["--embeddings"] if model.embeddings else []),
                 *(["--pooling", "model"] if model.info.pooling else []),
-                *(["--swa-full"] if o.swa_full else []),
-                *(["--chat-template", model.chat_template] if model.chat_template else [])]
+                *(["--chat-template", model.chat_template] if model.chat_template else []),
+                *opts.worker_args(model_options(model))]
 
-    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+    def estimate(self, model: ServedModel) -> MemoryEstimate:
         return estimate(model)
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> LlamaCppClient:
         return LlamaCppClient(transport, model_id)
 
-    def capabilities(self, model: CatalogModel) -> Capabilities:
+    def capabilities(self, model: ServedModel) -> Capabilities:
         return Capabilities(generates=True, embeds=self.embedding_limit(model) > 0,
                             infills=True, transcribes=False,
                             saves_kv=self.snapshot_layout(model) is not None)
@@ -549,7 +595,7 @@ class LlamaCpp:
         check_extensions(body)
         grammar_cost.check_request(body)
 
-    probe_module: str | None = "bunkhouse.worker.probe"
+    probe_module: str | None = "bunkhouse.worker.engines.llamacpp_probe"
 
     def constraint_checks(self, path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
         return constraint_checks(path, body)
@@ -557,13 +603,18 @@ class LlamaCpp:
     def forwarded_fields(self) -> frozenset[str]:
         return EXTENSION_FIELDS
 
-    def embedding_limit(self, model: CatalogModel) -> int:
+    def embedding_limit(self, model: ServedModel) -> int:
         if not model.embeddings:
             return 0
         return min(model.options.context // model.options.parallel, EMBEDDING_BATCH)
 
-    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+    def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         return kv_cache_bytes(model.info, tokens, 1)
+
+    def slot_tokens(self, tokens: int) -> int:
+        # llama.cpp sizes each slot in whole blocks (rounding up, one block at least): a slot
+        # that is not one would hold more than the front checks against
+        return max(SLOT_BLOCK, tokens - tokens % SLOT_BLOCK)
 
 
 # -- the memory estimate (docs/memory-estimate.md has the table and how it was measured) ---
@@ -628,7 +679,7 @@ def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int, swa_full: bool =
     return per_layer * (full * context + swa * swa_cells)
 
 
-def output_bytes(model: CatalogModel) -> int:
+def output_bytes(model: ServedModel) -> int:
     """The output buffers an embeddings batch grows to: llama.cpp computes logits for every
     token of it (one row of ``n_vocab`` f32 per token, in the compute buffer) and copies them
     with the embeddings to its output buffer, for up to one micro-batch of tokens."""
@@ -640,14 +691,14 @@ def output_bytes(model: CatalogModel) -> int:
     return rows * LOGIT_BYTES * (2 * vocab + width)
 
 
-def compute_bytes(model: CatalogModel) -> int:
+def compute_bytes(model: ServedModel) -> int:
     """Compute buffers and per-slot state a worker touches at its largest: a full
     micro-batch through the FFN, attention over a full slot, every slot sampling."""
     o = model.options
     ffn = model.info.feed_forward_length or _DEFAULT_FFN
     vocab = model.info.vocab_size or 0
     swa = swa_long = 0  # sliding-window cells the other slots attend over (unpadded)
-    if _swa_layers(model.info, o.swa_full):
+    if _swa_layers(model.info, model_options(model).swa_full):
         slot = o.context // o.parallel
         swa = _swa_stream(model.info, slot) * (o.parallel - 1)
         swa_long = max(0, min(slot, _SWA_LONG) - N_UBATCH)
@@ -659,13 +710,13 @@ def compute_bytes(model: CatalogModel) -> int:
                + SWA_STREAM_BYTES * swa)
 
 
-def estimate(model: CatalogModel) -> MemoryEstimate:
+def estimate(model: ServedModel) -> MemoryEstimate:
     """The worker's worst case under ``model``'s options, bytes by part."""
-    o = model.options
+    o, own = model.options, model_options(model)
     return MemoryEstimate(
         weights=model.size_bytes,
-        kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, o.swa_full),
-        prompt_cache=o.cache_ram_mib * MIB,
+        kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, own.swa_full),
+        prompt_cache=own.cache_ram_mib * MIB,
         runtime=RUNTIME_BYTES,
         compute=compute_bytes(model),
         outputs=output_bytes(model),

@@ -6,8 +6,8 @@ seconds (a JSON schema ``{"enum": [3,000 strings]}`` on the chat route: 31 s of 
 2 cores), long enough for the worker to miss its liveness probes and be replaced, cutting
 every other client's stream; a static reading (engines/grammar_cost.py) cannot foresee
 every such shape. So each constraint is first run on its own in a disposable process
-(worker/probe.py: the same model with one slot, a 256-token context, one thread), and the
-front watches that process's CPU time and memory:
+(worker/engines/llamacpp_probe.py: the same model with one slot, a 256-token context, one
+thread), and the front watches that process's CPU time and memory:
 
 - past :data:`MAX_CONSTRAINT_CPU_S` of CPU or :data:`MAX_CONSTRAINT_MEMORY` of memory more
   than the same prompt without the constraint, the process is killed and the request gets a

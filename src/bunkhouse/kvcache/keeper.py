@@ -254,9 +254,8 @@ class SnapshotKeeper:
         key = self.key(model)
         if key is not None:
             self._disabled[key] = reason
-        hint = ""
-        if engine_for(model).sliding_window(model) and not model.options.swa_full:
-            hint = " (it has sliding-window attention: set swa_full = true for it)"
+        hint = engine_for(model).restore_hint(model)
+        hint = f" ({hint})" if hint else ""
         log.warning("model %s: a restored snapshot did not save the prefill (%s); its "
                     "snapshots are not restored again until its configuration changes%s",
                     model.id, reason, hint)

@@ -1,5 +1,6 @@
-"""``python -m bunkhouse.worker.probe``: the disposable process that measures what a request's
-constraint costs llama.cpp, so that a worker other clients share never pays it first.
+"""``python -m bunkhouse.worker.engines.llamacpp_probe``: the disposable process that
+measures what a request's constraint costs llama.cpp, so that a worker other clients share
+never pays it first.
 
 It loads the model as a worker does, but with one slot, a 256-token context and one thread,
 then reads one JSON object a line on stdin: ``{"route": "chat" | "completion", "body":
@@ -51,7 +52,7 @@ def _server(model_path: str, chat_template: str | None, socket_dir: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bunkhouse.worker.probe",
+    p = argparse.ArgumentParser(prog="python -m bunkhouse.worker.engines.llamacpp_probe",
                                 description="Measure requests' constraints on one model.")
     p.add_argument("--model-path", required=True)
     p.add_argument("--chat-template", default=None)
