@@ -236,32 +236,39 @@ async def read_upload(request: Request, limit: int, budget: Shares, client: str)
         raise
     upload = Upload(form, lambda: budget.give(client, taken))
     try:
-        for name, value in form.multi_items():
-            if name != "file" and isinstance(value, UploadFile):
-                raise InvalidRequest(f"{name[:64]} must be a text field, not a file; the "
-                                     "audio goes in the field 'file'", param=name[:64])
-        files = [v for v in form.getlist("file") if isinstance(v, UploadFile)]
-        if len(form.getlist("file")) > 1:
-            raise InvalidRequest("send one audio file, in the field 'file'", param="file")
-        if len(files) != 1:
-            raise InvalidRequest("the form needs an audio file in the field 'file', sent as "
-                                 "a file part (curl -F file=@talk.mp3), and the whole body "
-                                 "(a cut-short body loses its last part)", param="file")
-        upload.file = files[0]
-        upload.size = files[0].size or 0
-        if upload.size > limit:
-            raise RequestTooLarge(f"the file is {upload.size} bytes; the limit is {limit} "
-                                  "(--max-audio)", param="file")
-        if upload.size == 0:
-            raise InvalidRequest("the file is empty", param="file")
-        head = await files[0].read(64)
-        await files[0].seek(0)
-        if not looks_like_audio(head):
-            raise InvalidRequest(f"the file is not audio ({_FORMAT_NAMES})", param="file")
+        await _check_file(upload, limit)
     except BaseException:
         await close_upload(upload)
         raise
     return upload
+
+
+async def _check_file(upload: Upload, limit: int) -> None:
+    """The form holds one file, in ``file``, of audio within ``limit`` bytes (InvalidRequest
+    or RequestTooLarge naming the field); it is noted in ``upload``."""
+    form = upload.form
+    for name, value in form.multi_items():
+        if name != "file" and isinstance(value, UploadFile):
+            raise InvalidRequest(f"{name[:64]} must be a text field, not a file; the "
+                                 "audio goes in the field 'file'", param=name[:64])
+    files = [v for v in form.getlist("file") if isinstance(v, UploadFile)]
+    if len(form.getlist("file")) > 1:
+        raise InvalidRequest("send one audio file, in the field 'file'", param="file")
+    if len(files) != 1:
+        raise InvalidRequest("the form needs an audio file in the field 'file', sent as "
+                             "a file part (curl -F file=@talk.mp3), and the whole body "
+                             "(a cut-short body loses its last part)", param="file")
+    upload.file = files[0]
+    upload.size = files[0].size or 0
+    if upload.size > limit:
+        raise RequestTooLarge(f"the file is {upload.size} bytes; the limit is {limit} "
+                              "(--max-audio)", param="file")
+    if upload.size == 0:
+        raise InvalidRequest("the file is empty", param="file")
+    head = await files[0].read(64)
+    await files[0].seek(0)
+    if not looks_like_audio(head):
+        raise InvalidRequest(f"the file is not audio ({_FORMAT_NAMES})", param="file")
 
 
 def _form_error(message: str) -> InvalidRequest:

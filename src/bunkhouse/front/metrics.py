@@ -80,6 +80,12 @@ class StateCollector(Collector):
         self.keeper = keeper
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._models()
+        yield from self._host()
+        yield from self._compute_gate()
+
+    def _models(self) -> Iterator[Metric]:
+        """Each model's state and figures."""
         r = self.residency
         state = GaugeMetricFamily("bunkhouse_model_state",
                                   "1 for the state each model is in, 0 for the others",
@@ -113,6 +119,10 @@ class StateCollector(Collector):
                 gauges["kv_snapshot_bytes"].add_metric([s.id], size)
         yield state
         yield from gauges.values()
+
+    def _host(self) -> Iterator[Metric]:
+        """The memory budget, residency's events and evictions, an operator's pause."""
+        r = self.residency
         for name, doc, value in (
                 ("budget_bytes", "memory all workers together may use", r.options.budget_bytes),
                 ("used_bytes", "memory the resident models hold", r.used_bytes()),
@@ -132,6 +142,14 @@ class StateCollector(Collector):
         for (model, cause), count in sorted(r.events.drains.items()):
             evictions.add_metric([model, cause], count)
         yield evictions
+        left = r.pause_left_s()
+        yield GaugeMetricFamily("bunkhouse_paused", "1 while an operator's pause holds every "
+                                "model (POST /admin/pause), else 0",
+                                value=0 if left is None else 1)
+        yield GaugeMetricFamily("bunkhouse_pause_remaining_seconds", "seconds until the "
+                                "pause ends by itself (0 when none is held)", value=left or 0)
+
+    def _compute_gate(self) -> Iterator[Metric]:
         yield CounterMetricFamily("bunkhouse_compute_gate_waits",
                                   "requests that waited for another model's compute turn",
                                   value=self.compute.waits)
@@ -145,12 +163,6 @@ class StateCollector(Collector):
         yield GaugeMetricFamily("bunkhouse_compute_gate_suspended",
                                 "models whose worker is suspended now, waiting for its turn",
                                 value=len(self.compute.suspended))
-        left = r.pause_left_s()
-        yield GaugeMetricFamily("bunkhouse_paused", "1 while an operator's pause holds every "
-                                "model (POST /admin/pause), else 0",
-                                value=0 if left is None else 1)
-        yield GaugeMetricFamily("bunkhouse_pause_remaining_seconds", "seconds until the "
-                                "pause ends by itself (0 when none is held)", value=left or 0)
 
 
 class Metrics:
