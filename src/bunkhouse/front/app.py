@@ -58,8 +58,6 @@ from bunkhouse.residency.manager import ResidencyManager
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY = defaults.MAX_BODY_BYTES
-MAX_AUDIO_BYTES = defaults.MAX_AUDIO_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +72,14 @@ class FrontOptions:
     audio upload (front/audio.py). ``strict_context``: an OpenAI chat request's
     ``max_tokens`` is a need, refused when it does not fit, not a ceiling."""
 
-    max_body_bytes: int = DEFAULT_MAX_BODY
+    max_body_bytes: int = defaults.MAX_BODY_BYTES
     admin: AdminOptions = dataclasses.field(default_factory=AdminOptions)
     site: SitePolicy = dataclasses.field(default_factory=SitePolicy)
     strict_context: bool = False
     cors_origins: Sequence[str] = ()
     events_heartbeat_s: float = 15.0
     waiting: WaitingOptions = dataclasses.field(default_factory=WaitingOptions)
-    max_audio_bytes: int = MAX_AUDIO_BYTES
+    max_audio_bytes: int = defaults.MAX_AUDIO_BYTES
 
 
 @dataclasses.dataclass

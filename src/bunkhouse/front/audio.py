@@ -41,9 +41,10 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from bunkhouse.api.schemas import FORM_OVERHEAD_BYTES, MAX_FIELD_BYTES, MAX_FIELDS, MAX_FILES
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.whisper import OPENAI_NAME
-from bunkhouse.defaults import MAX_AUDIO_BYTES
+from bunkhouse.defaults import MAX_AUDIO_BYTES, UPLOADS_IN_FLIGHT_BYTES
 from bunkhouse.engines import engine_for
 from bunkhouse.errors import (
     BunkhouseError,
@@ -61,24 +62,6 @@ from bunkhouse.shares import Shares
 log = logging.getLogger(__name__)
 
 ROUTE = "/v1/audio/transcriptions"
-
-UPLOADS_IN_FLIGHT_BYTES = 1 << 30
-"""Upload bytes held (on disk, while read and transcribed) by all requests together; one
-client holds at most a share of them (bunkhouse/shares.py: a quarter, 256 MiB, ten uploads
-of OpenAI's 25 MB)."""
-
-FORM_OVERHEAD_BYTES = 64 * 1024
-"""A form's bytes besides the file: boundaries, part headers, the option fields."""
-
-MAX_FIELD_BYTES = 16 * 1024
-"""The largest option field (a prompt: OpenAI takes 224 tokens of it)."""
-
-MAX_FIELDS = 16
-"""Text fields in a form (OpenAI defines 9)."""
-
-MAX_FILES = 4
-"""File parts a form may carry: one is served; the others are refused by name (all of them
-count against ``--max-audio``)."""
 
 SETTLE_S = 120.0
 """How long an abandoned transcription's lease is held at most while its worker finishes the

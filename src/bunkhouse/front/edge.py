@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bunkhouse.api.schemas import known_fields
+from bunkhouse.api.schemas import MAX_TOOLS_BYTES, known_fields
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import ENGINES, engine_for
 from bunkhouse.errors import InvalidRequest
@@ -77,9 +77,6 @@ def known_only(schema: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
 @functools.cache
 def _any_engine_fields(schema: type[BaseModel]) -> frozenset[str]:
     return frozenset().union(*(_forwarded_fields(schema, name) for name in ENGINES))
-
-
-MAX_TOOLS_BYTES = 256 * 1024  # the tools' JSON: the template renders them into every prompt
 
 
 def _check_tools_size(tools: Any) -> None:
