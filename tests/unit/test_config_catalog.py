@@ -16,6 +16,7 @@ from bunkhouse.config import (
 )
 from bunkhouse.errors import ConfigError, ModelNotFound
 from tests.helpers import write_tiny_gguf
+from tests.models import QWEN
 
 
 def _settings(**kw: object) -> Settings:
@@ -224,7 +225,7 @@ def test_unknown_default_model_is_a_startup_error(tmp_path: Path) -> None:
 
 def test_packaged_default_is_qwen() -> None:
     catalog = build_catalog(Settings())
-    assert catalog.default_id == "qwen2.5-coder-0.5b-instruct"
+    assert catalog.default_id == QWEN
     assert catalog.get(None).info.has_chat_template
 
 

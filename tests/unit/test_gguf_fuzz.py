@@ -31,8 +31,8 @@ from bunkhouse.front.app import build_app
 from bunkhouse.front.auth import Keys
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from tests import hostile_gguf
+from tests.fakes import FakeWorker
 from tests.helpers import write_tiny_gguf
-from tests.unit.test_manager import FakeWorker
 
 CASES = list(hostile_gguf.hostile_headers())
 

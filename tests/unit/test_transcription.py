@@ -18,6 +18,7 @@ from bunkhouse.errors import ConfigError, InvalidRequest
 from bunkhouse.front.audio import looks_like_audio, parse_fields, srt, timestamp, vtt
 from bunkhouse.residency.estimate import estimate
 from tests.helpers import silent_flac
+from tests.models import GEMMA, QWEN, WHISPER
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "speech.wav"
 
@@ -114,11 +115,11 @@ def test_the_packaged_whisper_is_a_transcription_model_named_whisper_1(
         tmp_path: Path) -> None:
     catalog = build_catalog(Settings(cache_dir=tmp_path))
     whisper = catalog.get("whisper-1")
-    assert whisper.id == "whisper-tiny.en" and whisper.kind == "transcription"
+    assert whisper.id == WHISPER and whisper.kind == "transcription"
     assert whisper.engine == "whisper" and whisper.options.parallel == 1
     assert catalog.default_id != whisper.id
-    assert catalog.get("qwen2.5-coder-0.5b-instruct").kind == "chat"
-    assert catalog.get("gemma-3-270m").kind == "completion"
+    assert catalog.get(QWEN).kind == "chat"
+    assert catalog.get(GEMMA).kind == "completion"
     need = estimate(whisper)
     assert need.weights == whisper.size_bytes > 70_000_000
     # measured with tiny.en: 507 MiB at its peak on a 10-minute file (docs/benchmarks.md)
@@ -130,17 +131,17 @@ def test_a_configured_whisper_directory_is_served_and_takes_whisper_1(tmp_path: 
     config = tmp_path / "bunkhouse.toml"
     config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n'
                       f'aliases = ["dictation"]\n\n'
-                      f'[[models]]\nid = "whisper-tiny.en"\nttl = 600\n')
+                      f'[[models]]\nid = "{WHISPER}"\nttl = 600\n')
     settings = load_config_file(config, Settings(cache_dir=tmp_path))
     catalog = build_catalog(settings)
     mine = catalog.get("dictation")
     assert mine.id == "mine" and mine.transcribes and mine.size_bytes == sum(
         f.stat().st_size for f in own.iterdir())
     assert catalog.get("whisper-1").id == "mine"  # a configured one comes first
-    packaged = catalog.get("whisper-tiny.en")  # configured by the overlay, still Whisper
+    packaged = catalog.get(WHISPER)  # configured by the overlay, still Whisper
     assert packaged.engine == "whisper" and packaged.ttl_s == 600
     assert packaged.options.parallel == 1
-    assert catalog.default_id == "qwen2.5-coder-0.5b-instruct"
+    assert catalog.default_id == QWEN
 
 
 def test_a_whisper_directory_without_its_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
