@@ -16,7 +16,6 @@ from bunkhouse.config import (
 )
 from bunkhouse.errors import ConfigError, ModelNotFound
 from tests.helpers import write_tiny_gguf
-from tests.models import QWEN
 
 
 def _settings(**kw: object) -> Settings:
@@ -221,12 +220,6 @@ def test_unknown_default_model_is_a_startup_error(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "a.gguf")
     with pytest.raises(ConfigError, match="not in the catalog"):
         build_catalog(_settings(models_dirs=(tmp_path,), default_model="zzz"))
-
-
-def test_packaged_default_is_qwen() -> None:
-    catalog = build_catalog(Settings())
-    assert catalog.default_id == QWEN
-    assert catalog.get(None).info.has_chat_template
 
 
 def test_pins_ttls_and_budget_from_the_config(tmp_path: Path) -> None:
