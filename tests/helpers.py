@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -67,6 +68,17 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, context: int = 2048,
     w.close()
     return path
 
+
+def whisper_dir(root: Path, name: str = "my-whisper", tokenizer: bool = True) -> Path:
+    """A directory shaped like a CTranslate2 Whisper model's (its weights are zeros)."""
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "model.bin").write_bytes(b"\0" * 1000)
+    (path / "config.json").write_text(json.dumps({"suppress_ids": []}))
+    (path / "vocabulary.txt").write_text("a\nb\n")
+    if tokenizer:
+        (path / "tokenizer.json").write_text("{}")
+    return path
 
 def app_without_workers(root: Path, **build_app_kwargs: Any) -> Any:
     """The front over one tiny GGUF in ROOT, whose workers must never be reached: for tests of

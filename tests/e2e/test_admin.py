@@ -16,9 +16,9 @@ import pytest
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for, write_tiny_gguf
+from tests.models import GEMMA
 
 ADMIN = {"authorization": "Bearer admin-e2e"}
-GEMMA = "gemma-3-270m"
 
 
 @pytest.fixture(scope="module")

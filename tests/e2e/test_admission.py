@@ -13,6 +13,7 @@ import pytest
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
 from tests.helpers import listening_socket, wait_for
+from tests.models import GEMMA, QWEN
 
 A = "qwen-2x4"  # 2 slots, queue 4
 B = "gemma-1"  # 1 slot
@@ -21,8 +22,8 @@ B = "gemma-1"  # 1 slot
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory, packaged_catalog: Catalog) -> Iterator[Server]:
     workdir = tmp_path_factory.mktemp("admission")
-    qwen = packaged_catalog.get("qwen2.5-coder-0.5b-instruct").path
-    gemma = packaged_catalog.get("gemma-3-270m").path
+    qwen = packaged_catalog.get(QWEN).path
+    gemma = packaged_catalog.get(GEMMA).path
     config = workdir / "bunkhouse.toml"
     config.write_text(f"""
 include_packaged = false

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from tests.e2e.server import Server, serve
+from tests.models import QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
 GREEDY = {"temperature": 0}  # the SDK has no sampling arguments: sent as extra fields
 
 

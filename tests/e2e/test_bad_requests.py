@@ -13,9 +13,8 @@ import pytest
 
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 
 

@@ -18,9 +18,7 @@ import pytest
 
 from tests.e2e.server import Server, running, serve
 from tests.helpers import wait_for
-
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
+from tests.models import GEMMA, QWEN
 
 
 @pytest.fixture(scope="module")

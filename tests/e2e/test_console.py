@@ -15,9 +15,8 @@ import httpx
 import pytest
 
 from tests.e2e.server import Server, serve
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 CHROMIUM = os.environ.get("BUNKHOUSE_CHROMIUM", "/usr/bin/chromium")
 # as this machine's notes start it: no sandbox as root, and none of the background
 # connections a closed network refuses
@@ -58,7 +57,7 @@ def test_console_in_headless_chromium(server: Server, tmp_path: Path) -> None:
             for model in (QWEN, GEMMA):
                 page.wait_for_selector(f'#models tr[data-model="{model}"]')
             page.wait_for_selector("#live.on")  # the event stream is open
-            assert page.locator('#models tr[data-model="gemma-3-270m"] [data-state]'
+            assert page.locator(f'#models tr[data-model="{GEMMA}"] [data-state]'
                                 ).get_attribute("data-state") == "absent"
 
             # without the key, the buttons say what they need

@@ -13,8 +13,7 @@ import httpx
 import psutil
 
 from tests.e2e.server import Server, serve
-
-MODEL = "qwen2.5-coder-0.5b-instruct"
+from tests.models import QWEN
 
 
 def _enum_schema(n: int, tag: str) -> dict[str, Any]:
@@ -37,7 +36,7 @@ class _Stream(threading.Thread):
         self.started = threading.Event()
 
     def run(self) -> None:
-        body = {"model": MODEL, "stream": True, "max_tokens": 400, "ignore_eos": True,
+        body = {"model": QWEN, "stream": True, "max_tokens": 400, "ignore_eos": True,
                 "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": "Count from 1 to 1000."}]}
         with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body,
@@ -62,12 +61,12 @@ class _Stream(threading.Thread):
 
 def _states(server: Server, seen: set[str], stop: threading.Event) -> None:
     while not stop.wait(0.2):
-        seen.add(server.model(MODEL)["state"])
+        seen.add(server.model(QWEN)["state"])
 
 
 def _chat(server: Server, **extra: Any) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
-        "model": MODEL, "max_tokens": 4, **extra,
+        "model": QWEN, "max_tokens": 4, **extra,
         "messages": [{"role": "user", "content": "Pick one."}]})
 
 

@@ -12,9 +12,7 @@ import openai
 import pytest
 
 from tests.e2e.server import serve
-
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
+from tests.models import GEMMA, QWEN
 
 
 def _count(url: str, model: str, text: str) -> int:

@@ -12,8 +12,8 @@ import httpx
 import psutil
 
 from tests.e2e.server import Server, running, serve
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -72,7 +72,7 @@ def test_corrupt_gguf_is_a_clear_load_error(tmp_path: Path,
     from bunkhouse.catalog import Catalog
 
     assert isinstance(packaged_catalog, Catalog)
-    real = packaged_catalog.get("gemma-3-270m").path
+    real = packaged_catalog.get(GEMMA).path
     models = tmp_path / "models"
     models.mkdir()
     with real.open("rb") as src, (models / "truncated.gguf").open("wb") as dst:
@@ -91,7 +91,7 @@ def test_corrupt_gguf_is_a_clear_load_error(tmp_path: Path,
 
 
 def test_sigkill_of_the_front_leaves_no_worker(tmp_path: Path) -> None:
-    with running(tmp_path, "--preload", QWEN, "--preload", "gemma-3-270m") as server:
+    with running(tmp_path, "--preload", QWEN, "--preload", GEMMA) as server:
         assert len(server.model_workers()) == 2
         workers = server.workers()  # and the spare worker, if there is one by now
         server.proc.kill()

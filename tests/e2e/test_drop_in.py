@@ -23,6 +23,7 @@ from bunkhouse.catalog import Catalog
 from bunkhouse.catalog.packaged import GEMMA3_270M, QWEN_CODER_05B
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for
+from tests.models import GEMMA, QWEN
 
 OLLAMA_NAME = "gemma3:270m"
 HF_NAME = "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF:qwen2.5-coder-0.5b-instruct-q4_k_m"
@@ -84,8 +85,8 @@ def hf_cache(root: Path, gguf: Path) -> None:
 def server(tmp_path_factory: pytest.TempPathFactory, packaged_catalog: Catalog
            ) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("drop-in")
-    ollama_store(root / "ollama", packaged_catalog.get("gemma-3-270m").path)
-    hf_cache(root / "hub", packaged_catalog.get("qwen2.5-coder-0.5b-instruct").path)
+    ollama_store(root / "ollama", packaged_catalog.get(GEMMA).path)
+    hf_cache(root / "hub", packaged_catalog.get(QWEN).path)
     config = root / "bunkhouse.toml"
     config.write_text(f'[[models]]\nid = "{OLLAMA_NAME}"\nembeddings = true\n'
                       f'[aliases]\n"qwen-coder" = "{HF_NAME}"\n')

@@ -13,6 +13,7 @@ import psutil
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for, write_tiny_gguf
+from tests.models import QWEN
 
 ENGINE = "tests.fault_engine:FaultEngine"
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +109,7 @@ def test_a_stall_on_a_requests_grammar_is_that_requests_not_the_models(
     never counts a failure (nor gives up)."""
     models = tmp_path / "models"
     models.mkdir()
-    os.link(packaged_catalog.get("qwen2.5-coder-0.5b-instruct").path, models / "stally.gguf")
+    os.link(packaged_catalog.get(QWEN).path, models / "stally.gguf")
     env = {"BUNKHOUSE_FAULTS": json.dumps({"stally": {"stall_on_grammar": True}}),
            "PYTHONPATH": str(ROOT)}
     with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine",

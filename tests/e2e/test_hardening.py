@@ -15,6 +15,7 @@ import psutil
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
 from tests.helpers import write_tiny_gguf
+from tests.models import GEMMA
 
 ADMIN = {"authorization": "Bearer admin-k"}
 CLIENT = {"authorization": "Bearer client-k"}
@@ -44,7 +45,7 @@ def _no_internals(text: str, tmp_path: Path) -> None:
 
 def test_model_files_are_checked_at_every_load_and_clients_see_no_internals(
         tmp_path: Path, packaged_catalog: Catalog) -> None:
-    gemma = packaged_catalog.get("gemma-3-270m").path
+    gemma = packaged_catalog.get(GEMMA).path
     root, outside = tmp_path / "root", tmp_path / "outside"
     (root / "sub").mkdir(parents=True)
     outside.mkdir()
@@ -111,8 +112,8 @@ def test_model_files_are_checked_at_every_load_and_clients_see_no_internals(
 
 def test_rebinding_and_cross_site_requests_are_refused_but_curl_works(
         tmp_path: Path) -> None:
-    with serve(tmp_path, "--preload", "gemma-3-270m") as server:
-        body = json.dumps({"model": "gemma-3-270m", "prompt": "The sky is", "max_tokens": 2})
+    with serve(tmp_path, "--preload", GEMMA) as server:
+        body = json.dumps({"model": GEMMA, "prompt": "The sky is", "max_tokens": 2})
         rebound = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60,
                              headers={"host": "attacker.example:8080",
                                       "content-type": "application/json"})
@@ -131,7 +132,7 @@ def test_rebinding_and_cross_site_requests_are_refused_but_curl_works(
 
 
 def _amplification_and_bad_text_are_400(server: Server) -> None:
-    gemma, url = "gemma-3-270m", server.url
+    gemma, url = GEMMA, server.url
     front = psutil.Process(server.proc.pid)
     for route, body, param in [
         ("completions", {"prompt": "a", "max_tokens": 16, "n_probs": 300000}, "n_probs"),
@@ -231,7 +232,7 @@ def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(
 def test_every_part_of_a_split_model_is_checked_and_counted(
         tmp_path: Path, packaged_catalog: Catalog) -> None:
     from tests.helpers import split_gguf
-    gemma = packaged_catalog.get("gemma-3-270m").path
+    gemma = packaged_catalog.get(GEMMA).path
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()

@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from tests.e2e.server import serve
+from tests.models import QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -16,9 +16,8 @@ import httpx
 
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 ONE_MODEL = "900MiB"  # Qwen (about 860 MiB here) or Gemma, never both
 BOTH = "2GiB"
 ADMIN = "test-admin-key"

@@ -9,8 +9,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.server import serve
-
-QWEN = "qwen2.5-coder-0.5b-instruct"
+from tests.models import QWEN
 
 
 def test_twenty_requests_are_twenty_access_lines_and_no_polling(tmp_path: Path) -> None:

@@ -16,9 +16,8 @@ from bunkhouse.catalog import Catalog
 from bunkhouse.residency.estimate import estimate
 from bunkhouse.supervisor.handle import process_memory
 from tests.e2e.server import Server, serve
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 MIB = 2**20
 CONTEXT = 1024
 

@@ -11,9 +11,8 @@ import ollama
 import pytest
 
 from tests.e2e.server import Server, serve
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 GREEDY = {"temperature": 0, "num_predict": 8}
 ASK = [{"role": "user", "content": "What is the capital of France? One word."}]
 

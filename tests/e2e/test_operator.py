@@ -22,9 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for
-
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
+from tests.models import GEMMA, QWEN, WHISPER
 
 
 class Follower:
@@ -106,7 +104,7 @@ def test_events_follow_a_load_an_eviction_and_a_crash_and_resume(server: Server)
         for _ in range(3):
             assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 200
     assert {m["id"]: m["state"] for m in server.stats()["models"]} == {
-        QWEN: "absent", GEMMA: "absent", "whisper-tiny.en": "absent"}  # polling loads nothing
+        QWEN: "absent", GEMMA: "absent", WHISPER: "absent"}  # polling loads nothing
 
     # CORS, as a browser asks it: a page on this machine may call, another site may not
     def preflight(origin: str, path: str = "/v1/chat/completions") -> httpx.Response:

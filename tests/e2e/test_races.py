@@ -17,9 +17,7 @@ from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, running, serve
 from tests.e2e.test_faults import ENGINE, ROOT
 from tests.helpers import wait_for, write_tiny_gguf
-
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
+from tests.models import GEMMA, QWEN
 
 
 def _stream(url: str, path: str, body: dict[str, Any], first: threading.Event | None = None,

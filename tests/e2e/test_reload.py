@@ -19,6 +19,7 @@ import httpx
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for
+from tests.models import GEMMA, QWEN
 
 ADMIN = {"authorization": "Bearer adm"}
 
@@ -46,8 +47,8 @@ def _stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_sighup_adds_removes_mid_stream_and_refuses_a_broken_file(
         tmp_path: Path, packaged_catalog: Catalog) -> None:
-    gemma = packaged_catalog.get("gemma-3-270m").path
-    qwen = packaged_catalog.get("qwen2.5-coder-0.5b-instruct").path
+    gemma = packaged_catalog.get(GEMMA).path
+    qwen = packaged_catalog.get(QWEN).path
     config = tmp_path / "bunkhouse.toml"
     _write(config, f'include_packaged = false\n[[models]]\nid = "g"\npath = "{gemma}"\n'
                    'parallel = 2\ncontext = 2048\n')

@@ -14,10 +14,9 @@ import pytest
 
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"  # ~710 MiB
-GEMMA = "gemma-3-270m"  # ~450 MiB
-BUDGET = 800 * 2**20  # either model, never both
+BUDGET = 800 * 2**20  # either model (Qwen ~710 MiB, Gemma ~450 MiB resident), never both
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 

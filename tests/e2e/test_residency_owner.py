@@ -23,10 +23,9 @@ from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
 from tests.e2e.test_races import _stale_plan_config, _stream, _usage
 from tests.helpers import wait_for
+from tests.models import GEMMA, QWEN
 
 ADMIN = {"authorization": "Bearer admin-owner"}
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 FREEZE_RUNS = int(os.environ.get("BUNKHOUSE_FREEZE_RUNS", "3"))
 
 

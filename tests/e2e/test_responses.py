@@ -18,8 +18,8 @@ import pytest
 
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for
+from tests.models import QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
 TERSE = "You are terse. Answer in a few words."
 
 

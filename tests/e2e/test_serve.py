@@ -14,9 +14,8 @@ import pytest
 
 from tests.e2e.server import Server, serve
 from tests.helpers import listening_socket, wait_for
+from tests.models import GEMMA, QWEN, WHISPER
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -45,7 +44,7 @@ def test_openai_sdk_sync(server: Server) -> None:
                                                max_tokens=24, temperature=0)
         assert "Paris" in (reply.choices[0].message.content or "")
         models = [m.id for m in client.models.list()]
-    assert models == [QWEN, GEMMA, "whisper-tiny.en"]  # the packaged ones
+    assert models == [QWEN, GEMMA, WHISPER]  # the packaged ones
 
 
 def test_openai_sdk_async_streaming(server: Server) -> None:

@@ -13,9 +13,8 @@ import psutil
 from bunkhouse import defaults
 from tests.e2e.server import Server, running, serve
 from tests.helpers import wait_for
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 MIB = 1024 * 1024
 
 

@@ -23,13 +23,12 @@ import pytest
 
 from tests.e2e.server import Server, serve
 from tests.helpers import silent_flac, wait_for
+from tests.models import QWEN, WHISPER
 
 pytestmark = pytest.mark.slow
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "speech.wav"
 DURATION_S = 7.55
-WHISPER = "whisper-tiny.en"
-QWEN = "qwen2.5-coder-0.5b-instruct"
 ADMIN = {"authorization": "Bearer admin-secret"}
 SPOKEN = {"quick", "fox", "lazy", "dog", "serves", "every", "local", "model"}
 MAX_AUDIO = 1_000_000  # --max-audio below: the fixture (242 KB) fits, 2 MB does not

@@ -16,9 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.server import Server, serve
 from tests.helpers import wait_for
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
-GEMMA = "gemma-3-270m"
 ADMIN = {"authorization": "Bearer admin-secret"}
 
 

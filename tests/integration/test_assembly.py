@@ -13,8 +13,8 @@ import pytest
 from bunkhouse.catalog import Catalog
 from bunkhouse.front.assemble import assemble_chat, assemble_completion, sse_events, sse_lines
 from tests.helpers import worker_socket
+from tests.models import QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
 ASK = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -20,8 +20,8 @@ from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.engines.contract import EngineClient, EngineRefused
 from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess, WorkerState
 from tests.helpers import write_tiny_gguf
+from tests.models import GEMMA
 
-GEMMA = "gemma-3-270m"
 ENGINES = ["llama.cpp", "fault"]
 
 

@@ -16,8 +16,8 @@ from bunkhouse.kvcache.store import SnapshotStore
 from bunkhouse.residency.events import EventLog
 from bunkhouse.residency.slots import SlotGate
 from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess
+from tests.models import QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
 PROMPT = "Count the items. " + " ".join(f"Item {i}: a red apple." for i in range(30))
 OTHER = "List the colours. " + " ".join(f"Colour {i}: a deep blue." for i in range(30))
 THIRD = "Name the towns. " + " ".join(f"Town {i}: a small harbour." for i in range(30))

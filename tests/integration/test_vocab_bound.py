@@ -12,6 +12,7 @@ import pytest
 from bunkhouse.catalog import Catalog
 from bunkhouse.catalog.vocab import PairTable, pair_table
 from tests.helpers import worker_socket
+from tests.models import GEMMA, QWEN
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +41,7 @@ def _worker(catalog: Catalog, model_id: str) -> Iterator[httpx.Client]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_id", ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m"])
+@pytest.mark.parametrize("model_id", [QWEN, GEMMA])
 def test_the_bound_never_exceeds_the_real_count(packaged_catalog: Catalog,
                                                 model_id: str) -> None:
     path = packaged_catalog.get(model_id).path

@@ -30,8 +30,8 @@ from bunkhouse.supervisor.process import (
     worker_argv,
 )
 from tests.helpers import healthy_socket, wait_for, worker_socket, write_tiny_gguf
+from tests.models import GEMMA, QWEN
 
-QWEN = "qwen2.5-coder-0.5b-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -93,7 +93,7 @@ def _model_at(path: Path) -> CatalogModel:
 
 def test_supervisor_start_measure_stop(packaged_catalog: Catalog, tmp_path: Path) -> None:
     async def run() -> None:
-        model = packaged_catalog.get("gemma-3-270m")
+        model = packaged_catalog.get(GEMMA)
         worker = WorkerProcess(model, WorkerLaunch(tmp_path / "g.sock", LaunchOptions(60, 5)))
         await worker.start()
         try:
@@ -132,7 +132,7 @@ def test_load_failure_quotes_the_engine_in_its_detail_only(tmp_path: Path) -> No
 
 def test_worker_exits_when_its_parent_is_killed(packaged_catalog: Catalog,
                                                 tmp_path: Path) -> None:
-    model = packaged_catalog.get("gemma-3-270m")
+    model = packaged_catalog.get(GEMMA)
     argv = worker_argv(model, WorkerLaunch(tmp_path / "o.sock", LaunchOptions(60, 5)))
     # An intermediate parent that starts the worker (naming itself as parent), then waits.
     script = (

@@ -18,8 +18,8 @@ from bunkhouse.errors import WorkerLoadFailed
 from bunkhouse.front.admin import AdminOptions
 from bunkhouse.front.auth import Keys
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+from tests.fakes import FakeWorker
 from tests.helpers import front_app, write_tiny_gguf
-from tests.unit.test_manager import FakeWorker
 
 ADMIN = {"authorization": "Bearer admin-key"}
 CLIENT = {"authorization": "Bearer client-key"}

@@ -66,16 +66,6 @@ def test_a_preload_the_budget_cannot_hold_is_refused_before_serving(
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("engine", ["nonexistent_mod:Foo", "tests.fault_engine:Nope", "x"])
-def test_a_worker_engine_that_cannot_load_is_refused_before_serving(
-        engine: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "a.gguf")
-    code = main(["serve", "--no-packaged", "--models-dir", str(tmp_path),
-                 "--worker-engine", engine, "--port", "1"])
-    err = capsys.readouterr().err
-    assert code == 2 and "--worker-engine" in err and "Traceback" not in err
-
-
 def test_help_explains_serve(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["serve", "--help"])

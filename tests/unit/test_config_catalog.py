@@ -298,12 +298,6 @@ def test_unknown_default_model_is_a_startup_error(tmp_path: Path) -> None:
         build_catalog(_settings(models_dirs=(tmp_path,), default_model="zzz"), engines=ENGINES)
 
 
-def test_packaged_default_is_qwen() -> None:
-    catalog = build_catalog(Settings(), engines=ENGINES)
-    assert catalog.default_id == "qwen2.5-coder-0.5b-instruct"
-    assert catalog.get(None).info.has_chat_template
-
-
 def test_pins_ttls_and_budget_from_the_config(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "a.gguf")
     path = _config(tmp_path, """

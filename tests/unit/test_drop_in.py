@@ -79,18 +79,16 @@ def test_ollama_params_become_request_defaults() -> None:
     assert ollama_params({"temperature": "hot", "top_k": 1e400, "top_p": 7}) == {}
 
 
-def test_embeddings_pool_as_the_model_file_says(tmp_path: Any) -> None:
+def test_embeddings_pool_as_the_model_file_says() -> None:
+    """Only a model whose file says it pools is started with --pooling (what that becomes
+    in llama.cpp's parameters: tests/integration/test_llamacpp_params.py)."""
     import dataclasses
     from pathlib import Path
-
-    import xllamacpp
 
     from bunkhouse.catalog.catalog import CatalogModel
     from bunkhouse.config import EngineOptions
     from bunkhouse.engines import engine_for
     from bunkhouse.gguf.meta import GGUFInfo
-    from bunkhouse.worker.engine import WorkerConfig
-    from bunkhouse.worker.engines.llamacpp import build_params
 
     info = GGUFInfo("bert", None, 512, 12, 384, 12, 12, 32, 32, None, None, None, 0,
                     pooling=True)
@@ -98,13 +96,6 @@ def test_embeddings_pool_as_the_model_file_says(tmp_path: Any) -> None:
     generator = dataclasses.replace(embedder, info=dataclasses.replace(info, pooling=False))
     assert "--pooling" in engine_for(embedder).worker_args(embedder)
     assert "--pooling" not in engine_for(generator).worker_args(generator)
-    pooling = xllamacpp.llama_pooling_type
-    for kind, expected in (("model", pooling.LLAMA_POOLING_TYPE_UNSPECIFIED),
-                           ("mean", pooling.LLAMA_POOLING_TYPE_MEAN)):
-        config = WorkerConfig("e", Path("/m/e.gguf"), Path(tmp_path) / "w.sock", 512, 1,
-                              embeddings=True, pooling=kind)
-        assert build_params(config).pooling_type == expected
-
 
 def test_several_infill_answers_are_one_completion_with_a_choice_each() -> None:
     answers = [{"content": "a", "stop": True, "tokens_predicted": 1, "tokens_evaluated": 3},

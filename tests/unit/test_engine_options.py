@@ -62,18 +62,6 @@ def test_options_reach_the_worker_engine_as_one_json_object(tmp_path: Path) -> N
             opts.decode(text, LlamaCpp().options)
 
 
-def test_the_llamacpp_worker_sets_its_options_on_the_engine(tmp_path: Path) -> None:
-    from bunkhouse.worker.engine import WorkerConfig
-    from bunkhouse.worker.engines.llamacpp import build_params
-
-    own = LlamaCppOptions(cache_ram_mib=64, threads=3, swa_full=True)
-    config = WorkerConfig("m", tmp_path / "m.gguf", tmp_path / "w.sock", 512, 1,
-                          engine_options=opts.worker_args(own)[1])
-    params = build_params(config)
-    assert (params.cache_ram_mib, params.swa_full) == (64, True)
-    assert params.cpuparams.n_threads == params.cpuparams_batch.n_threads == 3
-
-
 def test_llamacpp_slots_are_whole_blocks_of_256_tokens_within_the_ask() -> None:
     slots = LlamaCpp()
     assert [slots.slot_tokens(t) for t in (1, 255, 256, 300, 511, 512, 8192)] == \

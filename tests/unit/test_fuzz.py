@@ -32,8 +32,8 @@ from bunkhouse.front.constraints import ConstraintGate
 from bunkhouse.front.response_store import ResponseStore
 from bunkhouse.front.site import SitePolicy
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
+from tests.fakes import FakeWorker
 from tests.helpers import front_app, write_tiny_gguf
-from tests.unit.test_manager import FakeWorker
 
 
 async def _streamed(data: bytes) -> AsyncIterator[bytes]:

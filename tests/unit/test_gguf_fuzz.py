@@ -30,8 +30,8 @@ from bunkhouse.gguf.meta import (
 )
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from tests import hostile_gguf
+from tests.fakes import FakeWorker
 from tests.helpers import front_app, write_tiny_gguf
-from tests.unit.test_manager import FakeWorker
 
 CASES = list(hostile_gguf.hostile_headers())
 

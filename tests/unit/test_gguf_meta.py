@@ -5,7 +5,6 @@ from pathlib import Path
 import gguf
 import pytest
 
-from bunkhouse.catalog import Catalog
 from bunkhouse.errors import GGUFError
 from bunkhouse.gguf.meta import read_fields, read_gguf_info
 from tests.helpers import write_tiny_gguf
@@ -65,19 +64,3 @@ def test_truncated_file_says_truncated(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:3000])
     with pytest.raises(GGUFError, match="truncated"):
         read_gguf_info(path)
-
-
-def test_packaged_models_metadata(packaged_catalog: Catalog) -> None:
-    qwen = packaged_catalog.get("qwen2.5-coder-0.5b-instruct").info
-    assert (qwen.architecture, qwen.block_count, qwen.head_count_kv) == ("qwen2", 24, 2)
-    assert (qwen.key_length, qwen.value_length, qwen.context_length) == (64, 64, 32768)
-    assert qwen.has_chat_template
-    gemma = packaged_catalog.get("gemma-3-270m").info
-    assert (gemma.architecture, gemma.block_count, gemma.sliding_window) == ("gemma3", 18, 512)
-    assert (gemma.head_count_kv, gemma.key_length) == (1, 256)
-    assert not gemma.has_chat_template
-    assert (qwen.vocab_size, gemma.vocab_size) == (151936, 262144)
-    for model_id in ("qwen2.5-coder-0.5b-instruct", "gemma-3-270m"):  # within every budget
-        model = packaged_catalog.get(model_id)
-        fields, _ = read_fields(model.path, frozenset({"tokenizer.ggml.tokens"}))
-        assert len(fields["tokenizer.ggml.tokens"]) == model.info.vocab_size

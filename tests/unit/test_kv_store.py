@@ -178,23 +178,6 @@ def test_the_order_of_use_survives_a_restart(tmp_path: Path) -> None:
     assert [d for _, d, _ in reopened.snapshots()] == [new, old]
 
 
-def test_one_process_at_a_time_holds_the_directory(tmp_path: Path) -> None:
-
-    import subprocess
-    import sys
-
-    code = ("import sys; from pathlib import Path; from bunkhouse.kvcache.store import "
-            "SnapshotStore, StoreInUse\ntry:\n    SnapshotStore(Path(sys.argv[1]), 1000)\n"
-            "except StoreInUse:\n    sys.exit(3)\n")
-    store = SnapshotStore(tmp_path / "kv", 1 << 20)
-    other = subprocess.run([sys.executable, "-c", code, str(tmp_path / "kv")], timeout=60)
-    assert other.returncode == 3  # another process: refused
-    SnapshotStore(tmp_path / "kv", 1 << 20).close()  # this process: shared
-    store.close()
-    assert subprocess.run([sys.executable, "-c", code, str(tmp_path / "kv")],
-                          timeout=60).returncode == 0
-
-
 def test_private_files_and_purge(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "kv", 1 << 20, clock=Clock())
     digest = _save(store, "org/model:q4", [1])

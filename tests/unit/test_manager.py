@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Coroutine
-from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from bunkhouse import defaults
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.config import EngineOptions
-from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import (
     BunkhouseError,
     InsufficientMemory,
@@ -25,175 +19,8 @@ from bunkhouse.errors import (
     ShuttingDown,
     WorkerLoadFailed,
 )
-from bunkhouse.gguf.meta import GGUFInfo
-from bunkhouse.residency.clock import FakeClock
-from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
-from bunkhouse.supervisor.handle import Placement, WorkerMemory
 from bunkhouse.supervisor.restart import RestartPolicy
-
-GIB = 1024**3
-INFO = GGUFInfo("fake", None, 4096, 0, 64, 1, 1, 64, 64, None, None, None, 0)
-
-
-def model(id: str, gib: float = 4, *, pinned: bool = False,
-          ttl_s: float | None = None) -> CatalogModel:
-    return CatalogModel(id, Path(f"/models/{id}.gguf"), "config", INFO,
-                        EngineOptions(context=4096, parallel=1),
-                        int(gib * GIB), pinned=pinned, ttl_s=ttl_s)
-
-
-class FakeWorker:
-    """A worker handle whose engine answers through ``transport`` (default: only liveness
-    probes, answered while ``answers`` is true)."""
-
-    def __init__(self, m: CatalogModel, stop_gate: asyncio.Event | None = None,
-                 leases: Callable[[], int] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.model = m
-        self.placement = Placement("local", 1000 + len(m.id))
-        self.stopped = False
-        self.stop_gate = stop_gate  # a stop waits for it: a worker slow to exit
-        self.leases_at_stop: list[int] = []
-        self._leases = leases
-        self.engine = LlamaCppClient(transport or httpx.MockTransport(self._slots), m.id)
-        self.on_exit: Callable[[], None] | None = None
-        self.exit_cause: str | None = None
-        self.exit_detail: str | None = None
-        self.answers = True  # to probes
-        self.suspended = False
-
-    def suspend(self) -> None:
-        self.suspended = True
-
-    def resume(self) -> None:
-        self.suspended = False
-
-    def _slots(self, request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200 if self.answers else 503, json=[])
-
-    def kill(self) -> None:
-        self.die("killed")
-
-    def die(self, cause: str) -> None:
-        """The process exits on its own (or is killed): as the real watcher reports it."""
-        self.stopped = True
-        self.exit_cause = cause
-        if self.on_exit is not None:
-            self.on_exit()
-
-    @property
-    def alive(self) -> bool:
-        return not self.stopped
-
-    def memory(self) -> WorkerMemory:
-        return WorkerMemory(self.model.size_bytes, self.model.size_bytes)
-
-    async def stop(self) -> None:
-        if self._leases is not None:
-            self.leases_at_stop.append(self._leases())
-        if self.stop_gate is not None:
-            await self.stop_gate.wait()
-        self.stopped = True
-        await self.engine.aclose()
-
-
-FAST_RESTART = RestartPolicy(backoff_s=0.001)
-
-
-class FakeSpares:
-    """A spare pool that records fills and drops; models whose id starts with 'w' run
-    another engine (as Whisper's do)."""
-
-    def __init__(self) -> None:
-        self.engine: str | None = None
-        self.log: list[str] = []
-
-    @property
-    def spare_pid(self) -> int | None:
-        return 4242 if self.engine else None
-
-    def engine_of(self, m: CatalogModel) -> str:
-        return "whisper" if m.id.startswith("w") else "llama"
-
-    async def fill_spare(self, engine: str) -> None:
-        if self.engine == engine:
-            return
-        self.engine = engine
-        self.log.append(f"+{engine}")
-
-    def drop_spare(self) -> None:
-        if self.engine:
-            self.log.append(f"-{self.engine}")
-        self.engine = None
-
-
-class Host:
-    """A manager over fake workers that records every start and how many overlap."""
-
-    def __init__(self, models: list[CatalogModel], budget_gib: float = 10,
-                 admission_wait_s: float = 30, ttl_s: float = 0,
-                 restart: RestartPolicy = FAST_RESTART, probe_interval_s: float = 0,
-                 spares: FakeSpares | None = None, budget_bytes: int | None = None) -> None:
-        self.clock = FakeClock()
-        self.starts: list[str] = []
-        self.running = 0
-        self.max_concurrent_starts = 0
-        self.workers: list[FakeWorker] = []
-        self.fail: set[str] = set()
-        self.gate: asyncio.Event | None = None
-        self.stop_gate: asyncio.Event | None = None
-        self.spares = spares
-        options = ResidencyOptions(budget_bytes=budget_bytes or int(budget_gib * GIB),
-                                   ttl_s=ttl_s, admission_wait_s=admission_wait_s,
-                                   drain_grace_s=1, restart=restart,
-                                   probe_interval_s=probe_interval_s)
-        self.manager = ResidencyManager(models, options, self.start, clock=self.clock,
-                                        spare=spares)
-        self.models = {m.id: m for m in models}
-
-    async def start(self, m: CatalogModel, use_spare: bool = False) -> FakeWorker:
-        self.starts.append(m.id)
-        if use_spare and self.spares is not None:
-            self.spares.engine = None  # the spare became this worker
-        self.running += 1
-        self.max_concurrent_starts = max(self.max_concurrent_starts, self.running)
-        try:
-            if self.gate is not None:
-                await self.gate.wait()
-            await asyncio.sleep(0)
-            if m.id in self.fail:
-                raise WorkerLoadFailed(f"model {m.id!r} failed to load")
-        finally:
-            self.running -= 1
-        w = FakeWorker(m, self.stop_gate, lambda: self.manager.status(m.id).leases)
-        self.workers.append(w)
-        return w
-
-    def state(self, id: str) -> str:
-        return self.manager.status(id).state
-
-    async def use(self, id: str) -> None:
-        (await self.manager.acquire(self.models[id])).release()
-        await settle()
-
-    def advance(self, seconds: float) -> None:
-        self.clock.advance(seconds)
-
-
-def run(coro: Coroutine[Any, Any, None]) -> None:
-    asyncio.run(asyncio.wait_for(coro, 10))
-
-
-async def settle(turns: int = 30) -> None:
-    """Let every task that can run, run (event-loop turns, not time)."""
-    for _ in range(turns):
-        await asyncio.sleep(0)
-
-
-async def _until(h: Host, check: Callable[[], bool]) -> None:
-    """Wait on the residency loop's steps until ``check`` holds (run() bounds it)."""
-    while not check():
-        await h.manager.changed(0.05)
+from tests.fakes import GIB, FakeSpares, FakeWorker, Host, model, run, settle, until
 
 
 def test_concurrent_acquires_of_a_cold_model_share_one_load() -> None:
@@ -359,12 +186,12 @@ def test_ttl_unloads_idle_models_but_not_pinned_or_leased() -> None:
         await h.use("c")
         held = await h.manager.acquire(h.models["c"])
         h.advance(61)
-        await _until(h, lambda: h.state("a") == "absent")
+        await until(h, lambda: h.state("a") == "absent")
         assert (h.state("a"), h.state("b"), h.state("c")) == ("absent", "ready", "ready")
         held.release()
         await settle()
         h.advance(2000)
-        await _until(h, lambda: h.state("c") == "absent")
+        await until(h, lambda: h.state("c") == "absent")
 
     run(go())
 
@@ -422,7 +249,7 @@ def test_pause_all_waits_for_leases_and_holds_new_ones() -> None:
         await settle()
         assert order == []  # the pause waits for a's lease
         lease.release()
-        await _until(h, lambda: order == ["paused"])
+        await until(h, lambda: order == ["paused"])
         await settle()
         assert not other.done()  # held while paused
         resume.set()
@@ -450,7 +277,7 @@ def test_a_crashed_worker_is_respawned_with_the_same_model() -> None:
         await h.use("a")
         h.advance(100)  # it ran a while: no backoff
         h.workers[0].die("exit code -9")
-        await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
+        await until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
         assert h.starts == ["a", "a"]
         kinds = [e.kind for e in h.manager.events.recent() if e.model == "a"]
         assert kinds[-4:] == ["absent", "respawning", "loading", "ready"]
@@ -493,14 +320,14 @@ def test_quick_deaths_back_off_exponentially() -> None:
         await h.use("a")
         for n, backoff in enumerate((1, 2, 4)):
             h.workers[-1].die("crashed at once")
-            await _until(h, lambda: h.state("a") == "absent")
+            await until(h, lambda: h.state("a") == "absent")
             await settle()
             assert len(h.workers) == n + 1  # not before its backoff
             h.advance(backoff - 0.01)
             await settle()
             assert len(h.workers) == n + 1
             h.advance(0.02)
-            await _until(h, lambda n=n: len(h.workers) == n + 2 and h.state("a") == "ready")
+            await until(h, lambda n=n: len(h.workers) == n + 2 and h.state("a") == "ready")
 
     run(go())
 
@@ -513,8 +340,8 @@ def test_a_worker_that_stops_answering_probes_is_replaced() -> None:
         for _ in range(2):
             h.advance(5)
             await settle()
-            await _until(h, lambda: h.manager.snapshot().health["a"].probing is None)
-        await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
+            await until(h, lambda: h.manager.snapshot().health["a"].probing is None)
+        await until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
         assert h.workers[0].stopped and h.workers[0].exit_cause == "killed"
 
     run(go())
@@ -536,13 +363,13 @@ def test_a_stall_while_a_constrained_request_runs_is_that_requests_not_the_model
             for _ in range(2):
                 h.advance(5)
                 await settle()
-                await _until(h, lambda: h.manager.snapshot().health["a"].probing is None)
-            await _until(h, lambda n=n: h.workers[n].stopped)
+                await until(h, lambda: h.manager.snapshot().health["a"].probing is None)
+            await until(h, lambda n=n: h.workers[n].stopped)
             assert lease.blamed() and not other.blamed()
             assert h.manager.snapshot().health["a"].failures == ()
             lease.release()
             other.release()
-            await _until(h, lambda: not h.manager.snapshot().models["a"].blamed)
+            await until(h, lambda: not h.manager.snapshot().models["a"].blamed)
         await h.use("a")
         assert h.state("a") == "ready" and len(h.workers) == 4
 
@@ -559,8 +386,8 @@ def test_a_stall_after_a_constrained_request_ended_is_the_models() -> None:
         for _ in range(2):
             h.advance(5)
             await settle()
-            await _until(h, lambda: h.manager.snapshot().health["a"].probing is None)
-        await _until(h, lambda: h.workers[0].stopped)
+            await until(h, lambda: h.manager.snapshot().health["a"].probing is None)
+        await until(h, lambda: h.workers[0].stopped)
         assert not lease.blamed()
         assert len(h.manager.snapshot().health["a"].failures) == 1
         lease.release()
@@ -599,9 +426,9 @@ def test_a_worker_that_fails_every_request_is_replaced() -> None:
         lease = await h.manager.acquire(h.models["a"])
         lease.report(False)  # the third failure in a row
         lease.release()
-        await _until(h, lambda: h.state("a") == "absent")
+        await until(h, lambda: h.state("a") == "absent")
         h.advance(1)  # its crash-loop backoff
-        await _until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
+        await until(h, lambda: len(h.workers) == 2 and h.state("a") == "ready")
 
     run(go())
 
@@ -623,7 +450,7 @@ def test_a_reload_adds_removes_without_cutting_and_changes_at_the_next_load() ->
         await settle()
         assert h.state("a") == "draining" and not h.workers[0].stopped
         lease.release()
-        await _until(h, lambda: "a" not in h.manager.catalog.ids())
+        await until(h, lambda: "a" not in h.manager.catalog.ids())
         assert h.workers[0].stopped
         # c keeps its running settings until it is loaded again
         assert h.manager.status("c").estimated_bytes < 2 * GIB
@@ -632,7 +459,7 @@ def test_a_reload_adds_removes_without_cutting_and_changes_at_the_next_load() ->
         await h.use("d")
         # keep_alive: 0 unloads as soon as nobody holds the model; inf never for idleness
         h.manager.keep_alive("d", 0)
-        await _until(h, lambda: h.state("d") == "absent")
+        await until(h, lambda: h.state("d") == "absent")
         await h.use("b")
         h.manager.keep_alive("b", math.inf)
         await settle()
@@ -643,7 +470,7 @@ def test_a_reload_adds_removes_without_cutting_and_changes_at_the_next_load() ->
         await settle()
         assert h.manager.expires_at("b") is not None
         h.advance(61)
-        await _until(h, lambda: h.state("b") == "absent")
+        await until(h, lambda: h.state("b") == "absent")
 
     run(go())
 
@@ -662,7 +489,7 @@ def test_a_model_removed_and_added_back_while_it_drains_stays() -> None:
         back = await h.manager.apply_catalog(Catalog([model("a", 1), model("b", 1)], None))
         assert back["added"] == ["a"]
         lease.release()
-        await _until(h, lambda: h.state("a") == "absent")
+        await until(h, lambda: h.state("a") == "absent")
         assert "a" in h.manager.catalog.ids()
         await h.use("a")
         # names and request params change at once, even while the model runs
@@ -787,7 +614,7 @@ def test_a_paused_request_gives_up_after_the_admission_wait_and_a_pause_ends_by_
         assert refused.value.headers()["Retry-After"] == "25"
         assert h.manager.status("a").waiting == 0  # its place was given up
         h.advance(25)  # the pause's 30 s passed: nobody resumed it
-        await _until(h, lambda: not h.manager.paused)
+        await until(h, lambda: not h.manager.paused)
         await h.use("a")
         reasons = [e.reason for e in h.manager.events.recent(50) if e.kind == "resumed"]
         assert reasons == ["not resumed within 30 s"]
@@ -836,7 +663,7 @@ def test_a_spare_is_kept_while_idle_counted_in_the_budget_and_taken_by_the_next_
         await settle()
         assert spares.log == []  # a request in flight: no spare yet
         lease.release()
-        await _until(h, lambda: h.manager.spare_status() is not None)
+        await until(h, lambda: h.manager.spare_status() is not None)
         assert spares.log == ["+llama"]  # idle: one spare for a's engine
         assert h.manager.used_bytes() == budget - 1
         await h.use("b")  # b's worker is the spare: a is evicted, the spare is not dropped
@@ -880,7 +707,7 @@ def test_a_spare_still_being_made_is_waited_for_without_spinning() -> None:
         budget = Host(models).manager.status("a").estimated_bytes * 2 + 1
         h = Host(models, spares=spares, budget_bytes=budget)
         await h.use("a")  # idle afterwards: a spare starts, and does not return
-        await _until(h, lambda: h.manager.snapshot().nodes["local"].spare is not None)
+        await until(h, lambda: h.manager.snapshot().nodes["local"].spare is not None)
         waiting = asyncio.create_task(h.use("b"))  # needs the spare's room
         await settle()
         steps = h.manager.steps

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from bunkhouse.catalog import packaged
 from bunkhouse.catalog.packaged import PackagedModel, Part, assemble, part_paths
 from bunkhouse.errors import PackagedModelError
 
@@ -61,18 +60,3 @@ def test_absent_distributions_mean_not_installed() -> None:
     model = PackagedModel("x", "x.gguf", 1, "0" * 64,
                           (Part("no-such-distribution-bunkhouse", "x/y.bin"),))
     assert part_paths(model) is None
-
-
-def test_some_parts_missing_is_an_error() -> None:
-    real = packaged.QWEN_CODER_05B.parts[0]
-    model = PackagedModel("x", "x.gguf", 1, "0" * 64,
-                          (real, Part("no-such-distribution-bunkhouse", "x/y.bin")))
-    with pytest.raises(PackagedModelError, match="no-such-distribution-bunkhouse"):
-        part_paths(model)
-
-
-@pytest.mark.parametrize("model", packaged.KNOWN, ids=lambda m: m.id)
-def test_installed_parts_found_through_metadata(model: PackagedModel) -> None:
-    paths = part_paths(model)
-    assert paths is not None and len(paths) == len(model.parts)
-    assert sum(p.stat().st_size for p in paths) == model.size

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bunkhouse.residency.policy import Fits, Holding, MustWait, NeverFits, Resident, Room, plan
-
-GIB = 1024**3
+from tests.fakes import GIB
 
 
 def r(id: str, gib: float, last_used: float, *, pinned: bool = False, busy: bool = False,

@@ -16,7 +16,7 @@ from bunkhouse.errors import ShuttingDown
 from bunkhouse.front.admission import ComputeGate
 from bunkhouse.residency.manager import Lease
 from bunkhouse.supervisor.restart import RestartPolicy
-from tests.unit.test_manager import Host, _until, model, run
+from tests.fakes import Host, model, run, until
 
 
 async def _turns(n: int) -> None:
@@ -134,7 +134,7 @@ def test_a_crash_during_an_admin_drain_ends_absent_without_a_respawn(
         h = _host(("a", 1), budget_gib=3)
         lease = await h.manager.acquire(h.models["a"])
         unload = asyncio.create_task(h.manager.unload("a", "operator"))
-        await _until(h, lambda: h.state("a") == "draining")
+        await until(h, lambda: h.state("a") == "draining")
         h.workers[0].die("exit code -9")
         lease.release()
         assert await unload is True
@@ -155,7 +155,7 @@ def test_a_crash_during_an_eviction_drain_lets_the_load_go_on() -> None:
         await h.use("a")
         h.stop_gate.clear()
         b = asyncio.create_task(h.use("b"))
-        await _until(h, lambda: h.state("a") == "draining")
+        await until(h, lambda: h.state("a") == "draining")
         h.workers[0].die("exit code 139")
         h.stop_gate.set()
         await b
@@ -170,7 +170,7 @@ def test_ttl_expiry_racing_an_acquire() -> None:
         await h.use("a")
         h.stop_gate.clear()
         h.advance(61)
-        await _until(h, lambda: h.state("a") == "draining")
+        await until(h, lambda: h.state("a") == "draining")
         waiting = asyncio.create_task(h.manager.acquire(h.models["a"]))
         await _turns(5)
         assert not waiting.done()
@@ -198,7 +198,7 @@ def test_admin_unload_racing_an_eviction(unload_first: bool) -> None:
             b = asyncio.create_task(h.use("b"))
         else:
             b = asyncio.create_task(h.use("b"))
-            await _until(h, lambda: h.state("a") == "draining")
+            await until(h, lambda: h.state("a") == "draining")
             unload = asyncio.create_task(h.manager.unload("a", "operator"))
         await _turns(5)
         h.stop_gate.set()
@@ -215,10 +215,10 @@ def test_close_while_one_model_drains_and_another_loads_stops_every_worker() -> 
         h = _host(("a", 1), ("b", 1), budget_gib=3)
         lease = await h.manager.acquire(h.models["a"])
         unload = asyncio.create_task(h.manager.unload("a", "operator"))
-        await _until(h, lambda: h.state("a") == "draining")
+        await until(h, lambda: h.state("a") == "draining")
         h.gate = asyncio.Event()  # b's start never finishes on its own
         loading = asyncio.create_task(h.manager.acquire(h.models["b"]))
-        await _until(h, lambda: h.state("b") == "loading")
+        await until(h, lambda: h.state("b") == "loading")
         await h.manager.close()
         assert all(w.stopped for w in h.workers) and h.running == 0
         assert (h.state("a"), h.state("b")) == ("absent", "absent")
@@ -257,7 +257,7 @@ def test_a_worker_that_served_for_minutes_does_not_count_towards_a_crash_loop() 
         for n in range(4):
             h.advance(61)  # each worker served longer than the window
             h.workers[-1].die("exit code -9")
-            await _until(h, lambda n=n: len(h.workers) == n + 2 and h.state("a") == "ready")
+            await until(h, lambda n=n: len(h.workers) == n + 2 and h.state("a") == "ready")
         assert h.state("a") == "ready"
 
     run(go())

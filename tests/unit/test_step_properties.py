@@ -16,17 +16,13 @@ starvation: two models that cannot be resident together are served in turn).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import hypothesis
 from hypothesis import strategies as st
 
 from bunkhouse import defaults
-from bunkhouse.catalog import CatalogModel
-from bunkhouse.config import EngineOptions
 from bunkhouse.errors import InsufficientMemory, Paused, WorkerLoadFailed
-from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.residency import messages as msg
 from bunkhouse.residency.state import (
     HOLDING,
@@ -39,18 +35,16 @@ from bunkhouse.residency.state import (
 )
 from bunkhouse.residency.step import step, wake_at
 from bunkhouse.supervisor.restart import RestartPolicy
+from tests.fakes import model
 
 MIB = 1024 * 1024
-INFO = GGUFInfo("fake", None, 4096, 0, 64, 1, 1, 64, 64, None, None, None, 0)
 SIZES = {"a": 300, "b": 500, "c": 700, "w": 400}  # MiB; w runs another engine
 BUDGETS = {"n1": 1000, "n2": 800}  # MiB
 
 
 def _spec(model_id: str, mib: int) -> Spec:
-    model = CatalogModel(model_id, Path(f"/m/{model_id}.gguf"), "config", INFO,
-                         EngineOptions(context=4096, parallel=1),
-                         mib * MIB)
-    return Spec(model, mib * MIB, "whisper" if model_id == "w" else "llama", True)
+    return Spec(model(model_id, mib / 1024), mib * MIB, "whisper" if model_id == "w" else "llama",
+                True)
 
 
 def _initial() -> State:

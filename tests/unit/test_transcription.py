@@ -4,7 +4,6 @@ and Whisper model directories in the catalog."""
 from __future__ import annotations
 
 import io
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,7 @@ from bunkhouse.config import Settings, load_config_file
 from bunkhouse.engines import ENGINES
 from bunkhouse.errors import ConfigError, InvalidRequest
 from bunkhouse.front.audio import looks_like_audio, parse_fields, srt, timestamp, vtt
-from bunkhouse.residency.estimate import estimate
-from tests.helpers import silent_flac
+from tests.helpers import silent_flac, whisper_dir
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "speech.wav"
 
@@ -100,54 +98,10 @@ def test_srt_and_vtt_are_well_formed() -> None:
     assert srt([]) == "" and vtt([]) == "WEBVTT\n\n"
 
 
-def _whisper_dir(root: Path, name: str = "my-whisper", tokenizer: bool = True) -> Path:
-    path = root / name
-    path.mkdir(parents=True)
-    (path / "model.bin").write_bytes(b"\0" * 1000)
-    (path / "config.json").write_text(json.dumps({"suppress_ids": []}))
-    (path / "vocabulary.txt").write_text("a\nb\n")
-    if tokenizer:
-        (path / "tokenizer.json").write_text("{}")
-    return path
-
-
-def test_the_packaged_whisper_is_a_transcription_model_named_whisper_1(
-        tmp_path: Path) -> None:
-    catalog = build_catalog(Settings(cache_dir=tmp_path), engines=ENGINES)
-    whisper = catalog.get("whisper-1")
-    assert whisper.id == "whisper-tiny.en" and whisper.kind == "transcription"
-    assert whisper.engine == "whisper" and whisper.options.parallel == 1
-    assert catalog.default_id != whisper.id
-    assert catalog.get("qwen2.5-coder-0.5b-instruct").kind == "chat"
-    assert catalog.get("gemma-3-270m").kind == "completion"
-    need = estimate(whisper)
-    assert need.weights == whisper.size_bytes > 70_000_000
-    # measured with tiny.en: 507 MiB at its peak on a 10-minute file (docs/benchmarks.md)
-    assert 507 * 2**20 < need.total < 700 * 2**20
-
-
-def test_a_configured_whisper_directory_is_served_and_takes_whisper_1(tmp_path: Path) -> None:
-    own = _whisper_dir(tmp_path)
-    config = tmp_path / "bunkhouse.toml"
-    config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n'
-                      f'aliases = ["dictation"]\n\n'
-                      f'[[models]]\nid = "whisper-tiny.en"\nttl = 600\n')
-    settings = load_config_file(config, Settings(cache_dir=tmp_path))
-    catalog = build_catalog(settings, engines=ENGINES)
-    mine = catalog.get("dictation")
-    assert mine.id == "mine" and mine.transcribes and mine.size_bytes == sum(
-        f.stat().st_size for f in own.iterdir())
-    assert catalog.get("whisper-1").id == "mine"  # a configured one comes first
-    packaged = catalog.get("whisper-tiny.en")  # configured by the overlay, still Whisper
-    assert packaged.engine == "whisper" and packaged.ttl_s == 600
-    assert packaged.options.parallel == 1
-    assert catalog.default_id == "qwen2.5-coder-0.5b-instruct"
-
-
 def test_a_whisper_model_takes_its_own_options_only(tmp_path: Path) -> None:
     from bunkhouse.engines.whisper import Whisper
 
-    own = _whisper_dir(tmp_path)
+    own = whisper_dir(tmp_path)
     config = tmp_path / "bunkhouse.toml"
     entry = f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n'
     config.write_text(f"[defaults]\nswa_full = true\n\n{entry}threads = 1\n")
@@ -162,7 +116,7 @@ def test_a_whisper_model_takes_its_own_options_only(tmp_path: Path) -> None:
 
 
 def test_a_whisper_directory_without_its_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
-    own = _whisper_dir(tmp_path, tokenizer=False)
+    own = whisper_dir(tmp_path, tokenizer=False)
     config = tmp_path / "bunkhouse.toml"
     config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n')
     with pytest.raises(ConfigError, match=r"tokenizer\.json"):
