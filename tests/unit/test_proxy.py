@@ -143,6 +143,32 @@ def test_stream_that_breaks_ends_with_an_error_event() -> None:
     assert payload["error"]["code"] == "engine_unavailable"
 
 
+def test_an_assembled_answer_that_breaks_names_no_transport_detail() -> None:
+    async def body() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete "
+                                        "message body: incomplete chunked read")
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    upstream = LlamaCppClient(httpx.MockTransport(handler), "m")
+
+    async def route(request: Request) -> Response:
+        try:
+            return await forward(upstream, "/v1/chat/completions", {"messages": []},
+                                 stream=False, request=request, model_id="m")
+        except BunkhouseError as e:
+            return JSONResponse(error_body(e), status_code=e.status)
+
+    client = TestClient(Starlette(routes=[Route("/c", route, methods=["POST"])]))
+    resp = client.post("/c", content=b"{}")
+    assert resp.status_code == 502
+    error = resp.json()["error"]
+    assert error["code"] == "engine_unavailable"
+    assert error["message"] == "model 'm': its worker's answer broke off; retry"
+
+
 def test_plain_answer_holding_unicode_line_separators_is_assembled_whole() -> None:
     # Found by the fuzz against a real worker: a generated U+2028 split an SSE event in two
     # and the plain answer became a 500.

@@ -3,6 +3,7 @@ and Whisper model directories in the catalog."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ from bunkhouse.config import Settings, load_config_file
 from bunkhouse.engines import ENGINES
 from bunkhouse.errors import ConfigError, InvalidRequest
 from bunkhouse.front.audio import looks_like_audio, parse_fields, srt, timestamp, vtt
-from tests.helpers import silent_flac, whisper_dir
+from tests.helpers import silent_flac, whisper_dir, write_tiny_gguf
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "speech.wav"
 
@@ -177,3 +178,20 @@ def test_audio_decoding_to_too_many_samples_is_refused_whatever_its_length() -> 
     with pytest.raises(AudioTooLong) as counted:  # the frames say so
         _decoded(lying, max_s=60, max_samples=60 * 16_000)
     assert "samples" in str(counted.value)
+
+
+def test_a_transcription_model_is_never_the_default(tmp_path: Path) -> None:
+    own = whisper_dir(tmp_path)
+    write_tiny_gguf(tmp_path / "t.gguf")
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n'
+                      f'[[models]]\nid = "text"\npath = "{tmp_path / "t.gguf"}"\n')
+    settings = Settings(cache_dir=tmp_path, include_packaged=False)
+    catalog = build_catalog(load_config_file(config, settings), engines=ENGINES)
+    assert catalog.default_id == "text"
+    with pytest.raises(InvalidRequest, match="transcription model") as refused:
+        catalog.set_default("mine")
+    assert refused.value.param == "model" and catalog.default_id == "text"
+    chosen = dataclasses.replace(settings, default_model="mine")
+    with pytest.raises(ConfigError, match="'mine' is a transcription model"):
+        build_catalog(load_config_file(config, chosen), engines=ENGINES)

@@ -33,7 +33,13 @@ from bunkhouse.config import (
 )
 from bunkhouse.defaults import DEFAULT_SLOT_TOKENS
 from bunkhouse.engines import ENGINES
-from bunkhouse.errors import ConfigError, GGUFError, ModelNotFound, PackagedModelError
+from bunkhouse.errors import (
+    ConfigError,
+    GGUFError,
+    InvalidRequest,
+    ModelNotFound,
+    PackagedModelError,
+)
 from bunkhouse.gguf.meta import GGUFInfo, read_gguf_info
 
 log = logging.getLogger(__name__)
@@ -112,6 +118,8 @@ class Catalog:
                 f"default model {default_id!r} is not in the catalog; known: {self.ids()}"
             )
         self.default_id = None if default_id is None else self.resolve(default_id)
+        if self.default_id is not None and self._models[self.default_id].transcribes:
+            raise ConfigError(_TRANSCRIBES_NO_DEFAULT.format(model=self.default_id))
         self._switched: str | None = None  # an operator's choice of default model
 
     def __iter__(self) -> Iterator[CatalogModel]:
@@ -175,8 +183,12 @@ class Catalog:
 
     def set_default(self, name: str) -> CatalogModel:
         """Make the model ``name`` means the default one, until a restart (ModelNotFound if
-        none); a configuration reload keeps it while the model is served."""
+        none, InvalidRequest for a transcription model); a configuration reload keeps it
+        while the model is served."""
         model = self.get(name)
+        if model.transcribes:
+            raise InvalidRequest(_TRANSCRIBES_NO_DEFAULT.format(model=model.id),
+                                 param="model")
         self.default_id = self._switched = model.id
         return model
 
@@ -190,6 +202,11 @@ class Catalog:
         self._aliases = dict(new._aliases)
         switched = self._switched
         self.default_id = switched if switched in new._models else new.default_id
+
+
+_TRANSCRIBES_NO_DEFAULT = (
+    "model {model!r} is a transcription model and cannot be the default model (a request "
+    "that names no model is a text request); choose a model that generates text")
 
 
 def _spellings(name: str) -> tuple[str, ...]:

@@ -91,6 +91,10 @@ _PROMPT_FIELDS = frozenset({"messages", "max_tokens", "prompt", "n_predict", "st
 _SERIAL = itertools.count()
 
 
+_EXITED_S = 5.0
+"""Seconds to wait for a probe process that exited to close its stdout."""
+
+
 @dataclass
 class _Probe:
     key: tuple[str, str, int, str]
@@ -231,9 +235,13 @@ class ConstraintGate:
         try:
             while True:
                 done, _ = await asyncio.wait({reply}, timeout=_POLL_S)
-                cpu, memory = probe.usage()
+                try:
+                    cpu, memory = probe.usage()
+                except psutil.Error:  # it exited: its stdout ends at once
+                    await asyncio.wait({reply}, timeout=_EXITED_S)
+                    done, (cpu, memory) = {reply}, (cpu0, 0)
                 if done:
-                    if not reply.result():  # the engine died on it (or at its warm-up)
+                    if not reply.done() or not reply.result():  # the engine died on it
                         if baseline is not None:
                             raise TooCostly("crashed the engine")
                         raise ServerBusy("the constraint probe exited; retry")

@@ -117,6 +117,11 @@ def stream_broke(model_id: str, error: Exception) -> BunkhouseError:
                              detail=repr(error))
 
 
+def _unreadable(model_id: str, error: Exception) -> BunkhouseError:
+    return EngineUnavailable(f"model {model_id!r}: its worker's answer was unreadable; retry",
+                             detail=repr(error))
+
+
 _ASSEMBLERS: dict[str, Callable[[], Assembly]] = {
     "/v1/chat/completions": ChatAssembly,
     "/v1/completions": CompletionAssembly,
@@ -369,11 +374,9 @@ async def _call(engine: EngineClient, send: Upstream, path: str, model_id: str,
                 try:
                     return JSONResponse(shape.answer(json.loads(await resp.aread())))
                 except httpx.TransportError as e:
-                    raise EngineUnavailable(f"model {model_id!r}: worker answer broke: "
-                                            f"{e!r}") from e
+                    raise stream_broke(model_id, e) from e
                 except ValueError as e:
-                    raise EngineUnavailable(f"model {model_id!r}: unreadable answer from "
-                                            f"worker: {e}") from e
+                    raise _unreadable(model_id, e) from e
             if assembler is None:
                 relayed = True
                 return _Relay(resp, engine, model_id, on_done, None)
@@ -401,11 +404,11 @@ async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model
                 assembly.add(event)
                 timings = engine.timings(event) or timings
     except httpx.TransportError as e:
-        raise EngineUnavailable(f"model {model_id!r}: worker answer broke: {e!r}") from e
+        raise stream_broke(model_id, e) from e
     except StreamError as e:
         return _engine_error(engine, 500, json.dumps(e.body).encode(), path, shape)
     except ValueError as e:
-        raise EngineUnavailable(f"model {model_id!r}: unreadable stream from worker: {e}") from e
+        raise _unreadable(model_id, e) from e
     if on_timings is not None and timings is not None:
         on_timings(timings)
     result = assembly.result()
