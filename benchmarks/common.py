@@ -59,6 +59,7 @@ class Profile:
     marginal_tokens: tuple[int, int] = (8, 128)
     hol_runs: int = 2  # head-of-line: runs of each configuration
     hol_tokens: int = 1000  # the long stream's tokens
+    fuzz_max_tokens: int | None = None  # fuzzed generations' tokens, fixed (None: theirs)
 
 
 PROFILES = {
@@ -79,7 +80,8 @@ PROFILES = {
                     chaos_runs=1, chaos_seconds=5, flood_runs=1, flood_requests=100,
                     flood_concurrency=16, fuzz_examples=2, fuzz_seconds=20,
                     kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0,
-                    marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=80),
+                    marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=80,
+                    fuzz_max_tokens=4),
 }
 
 

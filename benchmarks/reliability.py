@@ -106,7 +106,9 @@ def fuzz(profile: Profile) -> dict[str, Any]:
         root = Path(tmp) / "root"
         root.mkdir()
         config = Path(tmp) / "fuzz.toml"
-        config.write_text(FUZZ_CONFIG.format(path=packaged(GEMMA).path))
+        fixed = ("" if profile.fuzz_max_tokens is None  # the tiny profile: quick answers
+                 else f"fixed_params = {{ max_tokens = {profile.fuzz_max_tokens} }}\n")
+        config.write_text(FUZZ_CONFIG.format(path=packaged(GEMMA).path) + fixed)
         report = Path(tmp) / "events.ndjson"
         with bunkhouse("fuzz-bunkhouse", "--config", str(config), "--admin-key", "fuzz-admin",
                        "--allow-runtime-load", "--allowed-root", str(root),
