@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -33,21 +35,25 @@ def _texts() -> list[str]:
     ]
 
 
-def _worker(catalog: Catalog, model_id: str) -> Iterator[httpx.Client]:
-    with worker_socket(catalog.get(model_id)) as sock, httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://w",
-            timeout=60) as client:
-        yield client
+@contextmanager
+def _worker(request: pytest.FixtureRequest, catalog: Catalog,
+            model_id: str) -> Iterator[httpx.Client]:
+    """A client of ``model_id``'s worker: the shared Qwen worker (conftest.py), or its own."""
+    with contextlib.ExitStack() as stack:
+        sock = request.getfixturevalue("qwen_worker") if model_id == QWEN else \
+            stack.enter_context(worker_socket(catalog.get(model_id)))
+        yield stack.enter_context(httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)),
+                                               base_url="http://w", timeout=60))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_id", [QWEN, GEMMA])
-def test_the_bound_never_exceeds_the_real_count(packaged_catalog: Catalog,
-                                                model_id: str) -> None:
+def test_the_bound_never_exceeds_the_real_count(packaged_catalog: Catalog, model_id: str,
+                                                request: pytest.FixtureRequest) -> None:
     path = packaged_catalog.get(model_id).path
     table = pair_table(path, path.stat().st_mtime_ns)
     assert isinstance(table, PairTable)
-    for client in _worker(packaged_catalog, model_id):
+    with _worker(request, packaged_catalog, model_id) as client:
         for add_special in (False, True):
             for text in _texts():
                 real = len(client.post("/tokenize", json={
