@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks", "run", "--profile", "tiny",
          "--out", str(tmp_path / "docs"), "--llama-server", ""],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
     assert out.returncode == 0, out.stderr[-4000:]
 
     results = json.loads((tmp_path / "docs" / "benchmarks" / "results.json").read_text())

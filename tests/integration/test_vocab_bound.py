@@ -6,17 +6,14 @@ import contextlib
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
 
 from bunkhouse.catalog import Catalog
 from bunkhouse.catalog.vocab import PairTable, pair_table
-from tests.helpers import worker_socket
+from tests.helpers import REPO, worker_socket
 from tests.models import GEMMA, QWEN
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _texts() -> list[str]:
@@ -24,8 +21,8 @@ def _texts() -> list[str]:
     alphabet = "abc XYZ 012 ,.;!? \n\t é ü ß 中文 日本語 🙂 ∑ ▁ <|im_start|> <start_of_turn>"
     noise = ["".join(rng.choice(alphabet) for _ in range(400)) for _ in range(5)]
     return [
-        (ROOT / "README.md").read_text(),
-        (ROOT / "src/bunkhouse/residency/manager.py").read_text(),
+        (REPO / "README.md").read_text(),
+        (REPO / "src/bunkhouse/residency/manager.py").read_text(),
         "The capital of France is Paris. " * 40,
         "a" * 3000, " " * 500, "\n\n\n" * 100, "-=" * 300, "1234567890" * 50,
         "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
@@ -61,7 +58,7 @@ def test_the_bound_never_exceeds_the_real_count(packaged_catalog: Catalog, model
                     "parse_special": True}).json()["tokens"])
                 bound = table.min_tokens(text)
                 assert bound <= real, f"{model_id}: bound {bound} > {real} for {text[:60]!r}"
-        prose = (ROOT / "README.md").read_text()
+        prose = (REPO / "README.md").read_text()
         real = len(client.post("/tokenize", json={"content": prose}).json()["tokens"])
         ratio = table.min_tokens(prose) / real
         print(f"{model_id}: the bound is {ratio:.2f} of the real count on the README")
