@@ -24,6 +24,9 @@ import psutil
 
 from bunkhouse.catalog import Catalog, CatalogModel, build_catalog
 from bunkhouse.config import Settings
+from bunkhouse.engines import ENGINES
+from bunkhouse.engines import options as engine_opts
+from bunkhouse.engines.llamacpp import model_options
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 GEMMA = "gemma-3-270m"
@@ -155,7 +158,7 @@ def packaged(model_id: str) -> CatalogModel:
 def _packaged_catalog() -> Catalog:
     """Built once per run: a build reads every model file's header (and, the first time,
     assembles and checks the packaged files)."""
-    return build_catalog(Settings())
+    return build_catalog(Settings(), engines=ENGINES)
 
 
 @contextmanager
@@ -180,7 +183,7 @@ def engine_server_argv(model_id: str, port: int, key: str = "") -> list[str]:
         sys.executable, "-m", "benchmarks.engine_server", "--model-id", model_id,
         "--model-path", str(model.path), "--port", str(port), "--api-key", key,
         "--context", str(o.context), "--parallel", str(o.parallel),
-        "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
+        *engine_opts.worker_args(model_options(model)),
     ]
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from bunkhouse.catalog import CatalogModel, build_catalog
 from bunkhouse.config import Settings
+from bunkhouse.engines import ENGINES
 from bunkhouse.engines.llamacpp import constraint_checks
 from bunkhouse.front.constraints import ConstraintGate
 
@@ -75,7 +76,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     args = p.parse_args()
-    asyncio.run(measure(build_catalog(Settings()).get(args.model)))
+    asyncio.run(measure(build_catalog(Settings(), engines=ENGINES).get(args.model)))
 
 
 if __name__ == "__main__":

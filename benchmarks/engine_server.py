@@ -1,7 +1,8 @@
 """The engine's own HTTP server (xllamacpp's embedded llama-server) on loopback TCP.
 
 The peer that benchmarks compare bunkhouse against: the same GGUF with the same engine
-parameters bunkhouse's worker uses (context, slots, threads, prompt cache), listening on
+parameters bunkhouse's worker uses (context, slots, and llama.cpp's own options: threads,
+prompt cache, as ``--engine-options`` JSON, as a worker gets them), listening on
 127.0.0.1 with a per-process API key instead of a private Unix socket.
 """
 
@@ -26,11 +27,10 @@ def main() -> None:
     p.add_argument("--api-key", default="")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--cache-ram-mib", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--engine-options", default="{}", metavar="JSON")
     a = p.parse_args()
     config = WorkerConfig(a.model_id, a.model_path, Path("unused.sock"), a.context,
-                          a.parallel, a.cache_ram_mib, a.threads)
+                          a.parallel, engine_options=a.engine_options)
     params = build_params(config)
     params.hostnames = ["127.0.0.1"]
     params.port = a.port

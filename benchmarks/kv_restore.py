@@ -128,8 +128,8 @@ def run_bunkhouse(tokens: int) -> dict[str, Any]:
 
 
 def run_router(binary: str, tokens: int) -> dict[str, Any]:
-    options = dataclasses.replace(packaged(QWEN).options, context=CONTEXT, parallel=PARALLEL,
-                                  cache_ram_mib=0)
+    # no prompt cache, as a worker's (llama.cpp's option's default)
+    options = dataclasses.replace(packaged(QWEN).options, context=CONTEXT, parallel=PARALLEL)
     with router(binary, "kv-router", options) as (url, _):
         return scenario(url, tokens)
 

@@ -157,10 +157,12 @@ def _marginal(o: dict[str, Any], goals: list[list[str]]) -> list[str]:
 
 def _slots(model_id: str) -> str:
     from benchmarks.common import packaged
+    from bunkhouse.engines.llamacpp import model_options
 
-    o = packaged(model_id).options
+    model = packaged(model_id)
+    o = model.options
     return (f"{model_id} {o.parallel} slots of {o.context // o.parallel} tokens, "
-            f"{o.threads} threads")
+            f"{model_options(model).threads} threads")
 
 
 def _throughput(t: dict[str, Any], goals: list[list[str]]) -> list[str]:

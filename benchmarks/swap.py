@@ -42,6 +42,7 @@ from benchmarks.common import (
     wait_http,
 )
 from bunkhouse.config import EngineOptions
+from bunkhouse.engines.llamacpp import parse_options, server_flags
 
 BUDGET = "1150MiB"  # one packaged model at its default context (Qwen 1,058 MiB), not both
 TOKENS = 8
@@ -189,8 +190,8 @@ def engine_starts(llama_server: str | None) -> dict[str, dict[str, float]]:
 
 def _engine_args(model: Any, options: EngineOptions | None = None) -> list[str]:
     o = options or model.options
-    return ["-c", str(o.context), "-np", str(o.parallel), "-t", str(o.threads),
-            "-tb", str(o.threads), "--cache-ram", str(o.cache_ram_mib), "-b", "512",
+    own = parse_options(dict(o.engine_keys), "the benchmark's options")
+    return ["-c", str(o.context), "-np", str(o.parallel), *server_flags(own), "-b", "512",
             "-ub", "512", "--no-webui"]
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from bunkhouse.catalog import Catalog, build_catalog
 from bunkhouse.config import Settings
+from bunkhouse.engines import ENGINES
 from tests.models import GEMMA, QWEN
 
 # `pytest --hypothesis-profile long`: the property tests' longer run (docs/architecture.md)
@@ -35,7 +36,7 @@ def private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
 @pytest.fixture(scope="session")
 def packaged_catalog() -> Catalog:
     """The models shipped in the `models` extra, assembled into the user's cache once."""
-    catalog = build_catalog(Settings())
+    catalog = build_catalog(Settings(), engines=ENGINES)
     missing = {QWEN, GEMMA} - set(catalog.ids())
     if missing:
         pytest.fail(f'packaged models not installed: {missing}; pip install -e ".[test]"')

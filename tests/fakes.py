@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import WorkerLoadFailed
+from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.residency.clock import FakeClock
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from bunkhouse.supervisor.handle import Placement, WorkerMemory
@@ -29,7 +29,7 @@ INFO = GGUFInfo("fake", None, 4096, 0, 64, 1, 1, 64, 64, None, None, None, 0)
 def model(id: str, gib: float = 4, *, pinned: bool = False,
           ttl_s: float | None = None) -> CatalogModel:
     return CatalogModel(id, Path(f"/models/{id}.gguf"), "config", INFO,
-                        EngineOptions(context=4096, parallel=1, cache_ram_mib=0, threads=1),
+                        EngineOptions(context=4096, parallel=1),
                         int(gib * GIB), pinned=pinned, ttl_s=ttl_s)
 
 

@@ -13,8 +13,10 @@ from the environment, per model id: ``BUNKHOUSE_FAULTS='{"m": {"crash_after_toke
   llama.cpp's loop stalls on a grammar too costly to apply.
 
 It keeps the worker contract (engines/contract.py) as llama.cpp's server does: health, slots,
-``/tokenize`` (a token per word) and ``/apply-template``, streamed and plain generations, and
-slot save/restore to files in its snapshot directory (tests/integration/test_contract.py).
+``/tokenize`` (a token per word, with pieces if asked), ``/detokenize`` and
+``/apply-template``, streamed and plain generations (``/infill`` too) in the slot asked for
+with their timings, and slot save/restore to files in its snapshot directory
+(tests/integration/test_contract.py).
 """
 
 from __future__ import annotations
@@ -123,23 +125,41 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, {"prompt": text})
             return
         if self.path == "/tokenize":
-            self._json(200, {"tokens": list(range(len(body["content"].split())))})
+            words = body["content"].split()
+            tokens: list[Any] = list(range(len(words)))
+            if body.get("with_pieces"):
+                tokens = [{"id": i, "piece": (" " if i else "") + w} for i, w in enumerate(words)]
+            self._json(200, {"tokens": tokens})
+            return
+        if self.path == "/detokenize":
+            self._json(200, {"content": " ".join(f"t{i}" for i in body["tokens"])})
             return
         self.engine.requests += 1
-        prompt = body.get("prompt") or body.get("messages") or ""
-        self.engine.slot_tokens[0] = len(json.dumps(prompt).split())
+        prompt = body.get("prompt") or body.get("messages") or body.get("input_prefix") or ""
+        slot = body.get("id_slot", 0)
+        if not isinstance(slot, int) or not 0 <= slot < len(self.engine.slot_tokens):
+            self._json(400, {"error": {"message": f"invalid id_slot {slot!r}",
+                                       "type": "invalid_request_error"}})
+            return
+        self.engine.slot_tokens[slot] = len(json.dumps(prompt).split())
         faults = self.engine.faults
         if faults.get("fail_generation"):
             self._json(500, {"error": {"message": "fault engine: generation failed",
                                        "type": "server_error"}})
             return
-        tokens = int(body.get("max_tokens") or 16)
+        tokens = int(body.get("max_tokens") or body.get("n_predict") or 16)
         model = self.engine.config.model_id
+        timings = {"prompt_n": self.engine.slot_tokens[slot], "cache_n": 0,
+                   "predicted_n": tokens, "prompt_ms": 1.0, "predicted_ms": 1.0}
+        if not body.get("stream") and self.path == "/infill":  # llama.cpp's own shape
+            text = " ".join(f"t{i}" for i in range(tokens))
+            self._json(200, {"content": text, "stop": True, "timings": timings})
+            return
         if not body.get("stream"):
             text = " ".join(f"t{i}" for i in range(tokens))
             self._json(200, {"object": "chat.completion", "model": model, "choices": [
                 {"index": 0, "message": {"role": "assistant", "content": text},
-                 "finish_reason": "length"}]})
+                 "finish_reason": "length"}], "timings": timings})
             return
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
@@ -154,6 +174,9 @@ class _Handler(BaseHTTPRequestHandler):
                      "choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
             self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
             time.sleep(float(faults.get("token_interval_s", _TOKEN_INTERVAL_S)))
+        final = {"object": "chat.completion.chunk", "model": model, "timings": timings,
+                 "choices": []}
+        self._chunk(f"data: {json.dumps(final)}\n\n".encode())
         self._chunk(b"data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
         self.close_connection = True

@@ -87,17 +87,32 @@ def app_without_workers(root: Path, **build_app_kwargs: Any) -> Any:
     the HTTP edge (validation, auth, limits) that a request to a worker would defeat."""
     from bunkhouse.catalog import build_catalog
     from bunkhouse.config import Settings
-    from bunkhouse.front.app import build_app
+    from bunkhouse.engines import ENGINES
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 
     write_tiny_gguf(root / "tiny.gguf")
-    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False))
+    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False), engines=ENGINES)
 
     async def no_workers(model: object) -> Any:
         raise AssertionError("no request here may reach a worker")
 
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**30), no_workers)
-    return build_app(catalog, residency, **build_app_kwargs)
+    return front_app(catalog, residency, **build_app_kwargs)
+
+
+def front_app(catalog: Any, residency: Any, **given: Any) -> Any:
+    """The front's app, ``given`` named by the fields of its ``Parts`` and ``FrontOptions``
+    (``admin_options``: ``FrontOptions.admin``)."""
+    import dataclasses
+
+    from bunkhouse.front.app import FrontOptions, Parts, build_app
+
+    if "admin_options" in given:
+        given["admin"] = given.pop("admin_options")
+    part_names = {f.name for f in dataclasses.fields(Parts)}
+    parts = Parts(**{k: v for k, v in given.items() if k in part_names})
+    options = FrontOptions(**{k: v for k, v in given.items() if k not in part_names})
+    return build_app(catalog, residency, parts, options)
 
 
 def healthy_socket(sock: Path) -> bool:

@@ -21,11 +21,13 @@ The TOML file (``--config FILE``) looks like::
     context = 32768                 # total context shared by the slots (tokens); default:
                                     # 8192 a slot, within the model's trained context
     parallel = 4                    # slots: requests decoded at once
-    cache_ram_mib = 0               # engine's RAM prompt cache (counted in the estimate)
-    threads = 2                     # CPU threads of each worker
     queue = 8                       # requests waiting for a slot; beyond: 429 queue_full
     embeddings = false              # serve /v1/embeddings (default: only embedding models);
                                     # it raises the model's memory estimate
+    # an engine's own options, checked by its adapter (bunkhouse.engines) when the catalog
+    # is built; llama.cpp's:
+    cache_ram_mib = 0               # engine's RAM prompt cache (counted in the estimate)
+    threads = 2                     # CPU threads of each worker (whisper's too)
     swa_full = false                # sliding-window models: keep the whole context in every
                                     # layer's KV cache (more memory, counted in the estimate),
                                     # so that any saved prefix can be reused
@@ -42,7 +44,9 @@ The TOML file (``--config FILE``) looks like::
     chat_template = "chatml"        # for a GGUF without one: a name llama.cpp knows, or a
                                     # .jinja file (relative paths: to this file)
 
-Unknown keys are errors, so that a typo never silently does nothing.
+Unknown keys are errors, so that a typo never silently does nothing: the keys of no engine
+in [defaults], and in a model's entry the keys its engine does not know (the catalog checks
+those, with the engine's adapter).
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ from pathlib import Path
 from typing import Any
 
 from bunkhouse import defaults as d
-from bunkhouse.engines import ENGINES
 from bunkhouse.errors import ConfigError
 
 DEFAULT_ENGINE = "llama.cpp"
@@ -66,27 +69,26 @@ _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
-    """How one model is served: its engine's settings (each set explicitly on the engine) and
-    its admission queue in the front."""
+    """How one model is served: what every engine is told (each set explicitly on it), its
+    admission queue in the front, and its engine's own options."""
 
     context: int = d.DEFAULT_SLOT_TOKENS * 4
     parallel: int = 4
-    cache_ram_mib: int = 0  # off: it would grow a worker beyond its estimate
-    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     queue: int = 8  # requests waiting for a slot beyond the ones running; more: 429
     embeddings: bool | None = None  # serve embeddings; None: if the GGUF is an embedding model
-    swa_full: bool = False  # sliding-window layers keep the whole slot (KV snapshots reuse all)
     # context set by no one: the catalog makes it parallel x DEFAULT_SLOT_TOKENS, within the
     # model's trained context (catalog.effective_options)
     context_auto: bool = True
+    # the engine's own keys, as written: in [defaults], those of any engine; in a catalogued
+    # model, its engine's, checked by its adapter (EngineAdapter.options), which types them
+    engine_keys: tuple[tuple[str, Any], ...] = ()
 
     def validate(self, where: str) -> EngineOptions:
-        for name in ("context", "parallel", "threads"):
+        for name in ("context", "parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}: {name} must be >= 1")
-        for name in ("cache_ram_mib", "queue"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{where}: {name} must be >= 0")
+        if self.queue < 0:
+            raise ConfigError(f"{where}: queue must be >= 0")
         if self.context < 64 * self.parallel:
             raise ConfigError(
                 f"{where}: context {self.context} leaves fewer than 64 tokens for each of "
@@ -101,7 +103,7 @@ class ModelEntry:
 
     id: str
     path: Path
-    options: dict[str, Any]
+    options: dict[str, Any]  # EngineOptions' fields it sets
     pinned: bool = False
     ttl_s: float | None = None  # None: the global ttl
     chat_template: str | None = None  # a template name llama.cpp knows, or a .jinja file
@@ -110,6 +112,7 @@ class ModelEntry:
     params: RequestParams = field(default_factory=lambda: RequestParams())
     # no path: it configures a model of another source (packaged, a model folder) by its id
     overlay: bool = False
+    engine_keys: tuple[tuple[str, Any], ...] = ()  # its keys for its engine, as written
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,8 +259,8 @@ def check_model_id(model_id: str, where: str, what: str = "model id") -> str:
     return model_id
 
 
-_OPTION_KEYS = frozenset({"context", "parallel", "cache_ram_mib", "threads", "queue"})
-_BOOL_OPTION_KEYS = frozenset({"embeddings", "swa_full"})
+_OPTION_KEYS = frozenset({"context", "parallel", "queue"})
+_BOOL_OPTION_KEYS = frozenset({"embeddings"})
 SOURCES = ("hf_cache", "ollama", "lmstudio")
 _TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models",
                        "budget", "strict_context", "aliases", *SOURCES})
@@ -292,10 +295,8 @@ def engine_options(base: EngineOptions, overrides: dict[str, Any], where: str) -
     return replace(base, **overrides).validate(where)
 
 
-def _options(table: dict[str, Any], where: str, extra: frozenset[str]) -> dict[str, Any]:
-    unknown = set(table) - _OPTION_KEYS - _BOOL_OPTION_KEYS - extra - {"ttl"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
+def _options(table: dict[str, Any], where: str) -> dict[str, Any]:
+    """The EngineOptions fields ``table`` sets (its engine's keys: :func:`_engine_keys`)."""
     out: dict[str, Any] = {}
     for key in _BOOL_OPTION_KEYS & set(table):
         if not isinstance(table[key], bool):
@@ -311,13 +312,28 @@ def _options(table: dict[str, Any], where: str, extra: frozenset[str]) -> dict[s
     return out
 
 
+def _engine_keys(table: dict[str, Any], extra: frozenset[str]) -> tuple[tuple[str, Any], ...]:
+    """The keys of ``table`` that are an engine's own options (or no one's: the catalog
+    refuses those, once it knows the engines): every key but the table's own (``extra``) and
+    :class:`EngineOptions`'."""
+    ours = _OPTION_KEYS | _BOOL_OPTION_KEYS | extra | {"ttl"}
+    return tuple((k, v) for k, v in table.items() if k not in ours)
+
+
+def _defaults(table: dict[str, Any], base: EngineOptions) -> EngineOptions:
+    """``base`` with what the [defaults] ``table`` sets (an engine's keys added to its)."""
+    options = engine_options(base, _options(table, "[defaults]"), "[defaults]")
+    keys = {**dict(options.engine_keys), **dict(_engine_keys(table, frozenset()))}
+    return replace(options, engine_keys=tuple(keys.items()))
+
+
 def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> ModelEntry:
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: must be a table")
-    options = _options(table, where,
-                       frozenset({"id", "path", "pinned", "chat_template", "engine", "aliases",
-                                  "params", "fixed_params", "strip_params"}))
+    entry_keys = frozenset({"id", "path", "pinned", "chat_template", "engine", "aliases",
+                            "params", "fixed_params", "strip_params"})
+    options = _options(table, where)
     model_id, path = table.get("id"), table.get("path", "")
     if not isinstance(model_id, str) or not isinstance(path, str):
         raise ConfigError(f"{where}: needs a string key 'id' (and 'path', a GGUF file, unless "
@@ -332,16 +348,15 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
         raise ConfigError(f"{where}: pinned must be true or false")
     ttl = _ttl(table["ttl"], where) if "ttl" in table else None
     template = _chat_template(table.get("chat_template"), base_dir, where)
-    engine = table.get("engine", DEFAULT_ENGINE)
-    if engine not in ENGINES:
-        raise ConfigError(f"{where}: engine must be one of {sorted(ENGINES)}, not {engine!r}")
+    engine = table.get("engine", DEFAULT_ENGINE)  # checked where the catalog is built
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise ConfigError(f"{where}: aliases must be an array of strings")
     for alias in aliases:
         check_model_id(alias, f"{where} aliases", "alias")
     return ModelEntry(model_id, resolved, options, pinned, ttl, template, engine,
-                      tuple(dict.fromkeys(aliases)), _params(table, where), overlay=not path)
+                      tuple(dict.fromkeys(aliases)), _params(table, where), overlay=not path,
+                      engine_keys=_engine_keys(table, entry_keys))
 
 
 def _params(table: dict[str, Any], where: str) -> RequestParams:
@@ -396,9 +411,7 @@ def load_config_file(path: Path, settings: Settings) -> Settings:
     defaults_table = data.get("defaults", {})
     if not isinstance(defaults_table, dict):
         raise ConfigError(f"{path}: [defaults] must be a table")
-    defaults = engine_options(
-        settings.defaults, _options(defaults_table, "[defaults]", frozenset()), "[defaults]"
-    )
+    defaults = _defaults(defaults_table, settings.defaults)
     models = data.get("models", [])
     if not isinstance(models, list):
         raise ConfigError(f"{path}: 'models' must be an array of tables ([[models]])")

@@ -125,3 +125,8 @@ trained for 32,768, so 4 slots of 8,192 stay inside it)."""
 
 MAX_AUDIO_BYTES = 25 * 1000 * 1000
 """The largest audio upload to POST /v1/audio/transcriptions, bytes: OpenAI's 25 MB."""
+
+UPLOADS_IN_FLIGHT_BYTES = 1 << 30
+"""Upload bytes held (on disk, while read and transcribed) by all requests together; one
+client holds at most a share of them (bunkhouse/shares.py: a quarter, 256 MiB, ten uploads
+of OpenAI's 25 MB)."""

@@ -51,7 +51,7 @@ class Server:
 
 def _probe(proc: psutil.Process) -> bool:
     try:
-        return "bunkhouse.worker.probe" in proc.cmdline()
+        return "bunkhouse.worker.engines.llamacpp_probe" in proc.cmdline()
     except psutil.Error:
         return False
 

@@ -86,6 +86,15 @@ def test_expensive_constraints_are_refused_before_a_shared_worker_meets_them(
         small = _chat(server, response_format=_enum_schema(5, "c"), max_tokens=40)
         assert small.status_code == 200, small.text
         assert json.loads(small.json()["choices"][0]["message"]["content"]).startswith("c-")
+        # a schema the engine cannot convert: the engine's own refusal, naming the field,
+        # and the probe still measures the next one
+        for _ in range(2):
+            invalid = _chat(server, response_format={"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "bogus"}}})
+            assert invalid.status_code == 400, invalid.text
+            assert invalid.json()["error"]["param"] == "response_format", invalid.text
+        other = _chat(server, response_format=_enum_schema(6, "d"), max_tokens=40)
+        assert other.status_code == 200, other.text
         refusals = [
             ("response_format", {"response_format": _enum_schema(3000, "a")}),
             ("grammar", {"grammar": _alternatives(5000)}),
@@ -113,6 +122,7 @@ def test_expensive_constraints_are_refused_before_a_shared_worker_meets_them(
         assert stream.finish == "length" and stream.tokens == 400, (stream.finish, stream.tokens)
         assert [p.pid for p in server.model_workers()] == [worker.pid]  # never replaced
         assert "failed" not in seen and "absent" not in seen, seen
-        probes = [p for p in server.workers() if "bunkhouse.worker.probe" in p.cmdline()]
+        probes = [p for p in server.workers()
+                  if "bunkhouse.worker.engines.llamacpp_probe" in p.cmdline()]
         assert len(probes) <= 1
     assert not [p for p in probes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -176,7 +176,7 @@ def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(
 
     from gguf import GGUFValueType
 
-    from bunkhouse.catalog.gguf_meta import MAX_HEADER_ITEMS
+    from bunkhouse.gguf.meta import MAX_HEADER_ITEMS
     from tests import hostile_gguf
     hostile = hostile_gguf.write_all(tmp_path / "models")
     listing = subprocess.run([sys.executable, "-m", "bunkhouse", "models", "--no-packaged",

@@ -25,15 +25,15 @@ from starlette.testclient import TestClient
 
 from bunkhouse.catalog import CatalogModel, build_catalog
 from bunkhouse.config import Settings
+from bunkhouse.engines import ENGINES
 from bunkhouse.front.admin import AdminOptions
-from bunkhouse.front.app import build_app
 from bunkhouse.front.auth import Keys
 from bunkhouse.front.constraints import ConstraintGate
 from bunkhouse.front.response_store import ResponseStore
 from bunkhouse.front.site import SitePolicy
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from tests.fakes import FakeWorker
-from tests.helpers import write_tiny_gguf
+from tests.helpers import front_app, write_tiny_gguf
 
 
 async def _streamed(data: bytes) -> AsyncIterator[bytes]:
@@ -52,7 +52,9 @@ def _engine(request: httpx.Request) -> httpx.Response:
     if path == "/apply-template":
         return _reply({"prompt": "x"})
     if path == "/tokenize":
-        return _reply({"tokens": [1]})
+        return _reply({"tokens": [{"id": 1, "piece": "x"}] if body.get("with_pieces") else [1]})
+    if path == "/detokenize":
+        return _reply({"content": "x"})
     if path == "/v1/embeddings":
         return _reply({"object": "list", "data": [
             {"object": "embedding", "index": 0, "embedding": [1.0]}]})
@@ -81,13 +83,13 @@ class MockWorker(FakeWorker):
 
 def _app(root: Path) -> Any:
     write_tiny_gguf(root / "tiny.gguf", context=4096)
-    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False))
+    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False), engines=ENGINES)
 
     async def start(model: CatalogModel) -> Any:
         return MockWorker(model)
 
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
-    return build_app(catalog, residency, keys=Keys(admin=["fuzz"]),
+    return front_app(catalog, residency, keys=Keys(admin=["fuzz"]),
                      responses=ResponseStore(root / "responses.db"),
                      admin_options=AdminOptions(allow_runtime_load=True, roots=(root,)),
                      site=SitePolicy(allowed_hosts=("testserver",)),  # the test client's Host

@@ -69,7 +69,8 @@ def _model(engine: str, catalog: Catalog, tmp_path: Path) -> tuple[CatalogModel,
         return dataclasses.replace(base, id="fault", path=path, options=options,
                                    size_bytes=path.stat().st_size), \
             ENGINE
-    options = dataclasses.replace(base.options, context=1024, parallel=2, threads=1)
+    options = dataclasses.replace(base.options, context=1024, parallel=2,
+                                  engine_keys=(("threads", 1),))
     return dataclasses.replace(base, options=options), None
 
 
@@ -146,8 +147,8 @@ def test_slots_and_kv_save_restore(run: Callable[[Steps], None]) -> None:
         assert [s.id for s in slots] == list(range(started.worker.model.options.parallel))
         assert not any(s.busy for s in slots)
         body = {"prompt": "the quick brown fox jumps over the lazy dog " * 4, "max_tokens": 2,
-                "temperature": 0, "id_slot": 0, "cache_prompt": True}
-        resp = await engine.generate("/v1/completions", json.dumps(body).encode())
+                "temperature": 0, "cache_prompt": True}
+        resp = await engine.generate("/v1/completions", body, slot=0)
         assert resp.status_code == 200, await _read(resp)
         await _read(resp)
         held = (await engine.slots())[0].tokens
@@ -161,6 +162,62 @@ def test_slots_and_kv_save_restore(run: Callable[[Steps], None]) -> None:
             await engine.restore_slot(0, "missing.bin")
 
     run(go)
+
+
+def test_tokens_pieces_and_template(run: Callable[[Steps], None]) -> None:
+    async def go(started: Started) -> None:
+        engine = started.engine
+        pieces = await engine.token_pieces("hello world", add_special=False,
+                                           parse_special=True)
+        assert len(pieces) >= 2 and all(isinstance(p.piece, str) for p in pieces)
+        text = await engine.detokenize([p.id for p in pieces])
+        assert isinstance(text, str) and text
+        prompt = await engine.apply_template({"messages": [{"role": "user",
+                                                            "content": "hello"}]})
+        assert "hello" in prompt
+        assert await engine.count_tokens(prompt) > 0
+
+    run(go)
+
+
+def test_a_generation_runs_in_the_slot_chosen_and_reports_its_timings(
+        run: Callable[[Steps], None]) -> None:
+    async def go(started: Started) -> None:
+        engine = started.engine
+        body = {"prompt": "one two three four five six seven eight", "max_tokens": 3,
+                "temperature": 0, "stream": True, "cache_prompt": True}
+        resp = await engine.generate("/v1/completions", body, slot=1)
+        assert resp.status_code == 200
+        timings = [t async for t in _timings(engine, resp)]
+        assert len(timings) == 1 and timings[0].prompt_tokens > 0
+        assert timings[0].generated_tokens > 0
+        slots = await engine.slots()
+        assert slots[1].tokens > 0 and slots[0].tokens == 0
+
+    run(go)
+
+
+def test_infill_answers_or_is_refused_as_the_model_cannot(
+        run: Callable[[Steps], None]) -> None:
+    async def go(started: Started) -> None:
+        engine = started.engine
+        resp = await engine.infill({"input_prefix": "def add(a, b):\n    return ",
+                                    "input_suffix": "\n", "n_predict": 3})
+        raw = await _read(resp)
+        if resp.status_code == 200:
+            assert isinstance(json.loads(raw)["content"], str)
+        else:  # a model without fill-in-the-middle tokens (the packaged Gemma)
+            status, error = engine.error(resp.status_code, raw, "/infill")
+            assert status == 400 and error["error"]["param"] == "model"
+
+    run(go)
+
+
+async def _timings(engine: EngineClient, resp: Any) -> AsyncIterator[Any]:
+    async for line in _stream_lines(resp):
+        timings = engine.timings_line(line)
+        if timings is not None:
+            yield timings
 
 
 def test_closing_the_client_ends_a_running_stream(run: Callable[[Steps], None]) -> None:

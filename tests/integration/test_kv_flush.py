@@ -27,7 +27,7 @@ def test_slots_saved_and_restored_by_the_keeper(packaged_catalog: Catalog,
                                                 tmp_path: Path) -> None:
     base = packaged_catalog.get(QWEN)
     model = dataclasses.replace(base, options=dataclasses.replace(
-        base.options, context=2048, parallel=2, threads=2))
+        base.options, context=2048, parallel=2, engine_keys=(("threads", 2),)))
     store = SnapshotStore(tmp_path / "kv", 1 << 30)
     events = EventLog()
     keeper = SnapshotKeeper(store, events, KeeperOptions(min_tokens=32, idle_flush_s=3600))

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from bunkhouse.catalog import Catalog, build_catalog, packaged
-from bunkhouse.catalog.gguf_meta import read_fields
 from bunkhouse.catalog.packaged import PackagedModel, Part, part_paths
 from bunkhouse.config import Settings, load_config_file
+from bunkhouse.engines import ENGINES
 from bunkhouse.errors import PackagedModelError
+from bunkhouse.gguf.meta import read_fields
 from bunkhouse.residency.estimate import estimate
 from tests.helpers import whisper_dir
 from tests.models import GEMMA, QWEN, WHISPER
@@ -74,7 +75,8 @@ def test_a_configured_whisper_directory_is_served_and_takes_whisper_1(tmp_path: 
     config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n'
                       f'aliases = ["dictation"]\n\n'
                       f'[[models]]\nid = "{WHISPER}"\nttl = 600\n')
-    catalog = build_catalog(load_config_file(config, Settings()))  # the packaged ones assembled
+    catalog = build_catalog(load_config_file(config, Settings()),  # the packaged ones assembled
+                            engines=ENGINES)
     mine = catalog.get("dictation")
     assert mine.id == "mine" and mine.transcribes and mine.size_bytes == sum(
         f.stat().st_size for f in own.iterdir())

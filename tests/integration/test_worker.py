@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.catalog.gguf_meta import read_gguf_info
 from bunkhouse.config import EngineOptions
 from bunkhouse.errors import WorkerLoadFailed
+from bunkhouse.gguf.meta import read_gguf_info
 from bunkhouse.supervisor.process import (
     LaunchOptions,
     WorkerLaunch,
@@ -88,7 +88,7 @@ def test_async_completions_and_embeddings(qwen_socket: Path) -> None:
 
 def _model_at(path: Path) -> CatalogModel:
     return CatalogModel("broken", path, "models_dir", read_gguf_info(path),
-                        EngineOptions(context=512, parallel=1, cache_ram_mib=0, threads=1),
+                        EngineOptions(context=512, parallel=1, engine_keys=(("threads", 1),)),
                         path.stat().st_size)
 
 

@@ -13,13 +13,13 @@ from starlette.testclient import TestClient
 
 from bunkhouse.catalog import CatalogModel, build_catalog
 from bunkhouse.config import Settings, load_config_file
+from bunkhouse.engines import ENGINES
 from bunkhouse.errors import WorkerLoadFailed
 from bunkhouse.front.admin import AdminOptions
-from bunkhouse.front.app import build_app
 from bunkhouse.front.auth import Keys
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from tests.fakes import FakeWorker
-from tests.helpers import write_tiny_gguf
+from tests.helpers import front_app, write_tiny_gguf
 
 ADMIN = {"authorization": "Bearer admin-key"}
 CLIENT = {"authorization": "Bearer client-key"}
@@ -47,7 +47,7 @@ def _make(tmp_path: Path, allow: bool) -> Iterator[Setup]:
     config = tmp_path / "bunkhouse.toml"
     config.write_text(f'include_packaged = false\n[[models]]\nid = "conf"\n'
                       f'path = "{models / "conf.gguf"}"\npinned = true\n')
-    catalog = build_catalog(load_config_file(config, Settings()))
+    catalog = build_catalog(load_config_file(config, Settings()), engines=ENGINES)
     starts: list[str] = []
     failing: set[str] = set()
 
@@ -58,7 +58,7 @@ def _make(tmp_path: Path, allow: bool) -> Iterator[Setup]:
         return FakeWorker(model)
 
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
-    app = build_app(catalog, residency, keys=Keys(["client-key"], ["admin-key"]),
+    app = front_app(catalog, residency, keys=Keys(["client-key"], ["admin-key"]),
                     admin_options=AdminOptions(allow_runtime_load=allow, roots=(root,)))
     with TestClient(app, base_url="http://localhost") as client:
         yield Setup(client, root, outside, starts, failing, residency)

@@ -12,11 +12,11 @@ import httpx
 import pytest
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
+from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.residency.slots import SlotGate
 
 INFO = GGUFInfo("qwen2", None, 32768, 24, 896, 14, 2, 64, 64, None, "{{x}}", 15, 0)
@@ -130,8 +130,7 @@ def test_compute_gate_off_admits_everyone() -> None:
 
 def _model(context: int = 4096, parallel: int = 4) -> CatalogModel:
     return CatalogModel("m", Path("/m.gguf"), "config", INFO,
-                        EngineOptions(context=context, parallel=parallel, threads=1,
-                                      embeddings=True), 1)
+                        EngineOptions(context=context, parallel=parallel, embeddings=True), 1)
 
 
 class Worker:

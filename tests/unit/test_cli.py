@@ -29,6 +29,24 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert err.startswith("bunkhouse: error:") and "paralel" in err
 
 
+def test_an_unknown_engine_is_refused_at_start_and_on_reload(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bunkhouse.cli.compose import reread
+    from bunkhouse.cli.parser import parser
+    from bunkhouse.errors import ConfigError
+
+    write_tiny_gguf(tmp_path / "a.gguf")
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text("[[models]]\nid = 'a'\npath = 'a.gguf'\nengine = 'nope'\n")
+    flags = ["--no-packaged", "--config", str(config)]
+    message = "[[models]] #1: engine must be one of ['llama.cpp', 'whisper'], not 'nope'"
+    assert main(["serve", *flags, "--port", "1"]) == 2
+    assert f"bunkhouse: error: {message}" in capsys.readouterr().err
+    with pytest.raises(ConfigError) as info:  # what POST /admin/reload and SIGHUP read
+        reread(parser().parse_args(["serve", *flags]))
+    assert info.value.message == message
+
+
 def test_unknown_preload_is_refused_before_serving(capsys: pytest.CaptureFixture[str],
                                                    tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "a.gguf")
@@ -90,12 +108,14 @@ def test_a_zero_budget_is_refused(budget: str, capsys: pytest.CaptureFixture[str
 def test_a_budget_smaller_than_a_model_is_warned_about(tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     from bunkhouse.catalog import build_catalog
-    from bunkhouse.cli import _warn_never_fit
+    from bunkhouse.cli.prestart import warn_never_fit
     from bunkhouse.config import Settings
+    from bunkhouse.engines import ENGINES
 
     write_tiny_gguf(tmp_path / "a.gguf")
-    catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False))
-    _warn_never_fit(catalog, 10 * 2**20)
+    catalog = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False),
+                            engines=ENGINES)
+    warn_never_fit(catalog, 10 * 2**20)
     assert "model a needs about" in caplog.text and "raise --budget" in caplog.text
 
 
@@ -129,7 +149,7 @@ def test_socket_dirs_of_fronts_that_are_gone_are_removed(tmp_path: Path) -> None
 def test_ps_shows_idle_time_only_for_loaded_models_serving_nothing() -> None:
     import time
 
-    from bunkhouse.cli import format_ps
+    from bunkhouse.cli.output import format_ps
 
     now = time.time()
     base = {"pinned": False, "estimated_bytes": 1, "measured_bytes": None, "pid": None}
@@ -148,7 +168,7 @@ def test_ps_shows_idle_time_only_for_loaded_models_serving_nothing() -> None:
 
 def test_ps_watch_waits_for_an_unreachable_server_until_interrupted(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import bunkhouse.cli
+    import bunkhouse.cli.remote
 
     naps: list[float] = []
 
@@ -157,7 +177,7 @@ def test_ps_watch_waits_for_an_unreachable_server_until_interrupted(
         if len(naps) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(bunkhouse.cli.time, "sleep", nap)
+    monkeypatch.setattr(bunkhouse.cli.remote.time, "sleep", nap)
     assert main(["ps", "--url", "http://127.0.0.1:1", "--watch", "0.1"]) == 0
     assert capsys.readouterr().err.count("cannot read http://127.0.0.1:1/stats") == 3
     assert naps == [0.1, 0.1, 0.1]
@@ -167,13 +187,13 @@ def test_ps_watch_stops_on_a_refused_key(capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import httpx
 
-    import bunkhouse.cli
+    import bunkhouse.cli.remote
 
     def refused(*args: object, **kwargs: object) -> httpx.Response:
         return httpx.Response(401, json={"error": {"message": "the API key is not valid"}})
 
     monkeypatch.setattr(httpx, "get", refused)
-    monkeypatch.setattr(bunkhouse.cli.time, "sleep", lambda s: None)
+    monkeypatch.setattr(bunkhouse.cli.remote.time, "sleep", lambda s: None)
     assert main(["ps", "--watch", "0.1"]) == 1
     assert "the API key is not valid (--api-key)" in capsys.readouterr().err
 
@@ -182,7 +202,7 @@ def test_json_log_lines_carry_an_access_line_field_by_field() -> None:
     import json
     import logging
 
-    from bunkhouse.cli import JsonLogFormatter
+    from bunkhouse.cli.logs import JsonLogFormatter
 
     record = logging.LogRecord("bunkhouse.access", logging.INFO, __file__, 1,
                                "GET %s status=%s", ("/v1/models", 200), None)
@@ -194,19 +214,20 @@ def test_json_log_lines_carry_an_access_line_field_by_field() -> None:
 
 
 def test_events_prints_one_line_an_event() -> None:
-    from bunkhouse.cli import _event_line
+    from bunkhouse.cli.output import event_line
 
     data = ('{"seq": 7, "time": 0, "model": "m", "kind": "ready", "reason": "measured 1 MiB", '
             '"data": {}}')
-    assert _event_line(data, as_json=False).endswith("#7 m: ready (measured 1 MiB)")
-    assert _event_line(data, as_json=True) == data
-    assert "gap" in _event_line('{"kind": "gap", "time": 0, "reason": "restarted"}', False)
+    assert event_line(data, as_json=False).endswith("#7 m: ready (measured 1 MiB)")
+    assert event_line(data, as_json=True) == data
+    assert "gap" in event_line('{"kind": "gap", "time": 0, "reason": "restarted"}', False)
 
 
 def test_control_characters_never_reach_a_log_line_or_a_terminal() -> None:
     import logging
 
-    from bunkhouse.cli import TextLogFormatter, _event_line, format_ps
+    from bunkhouse.cli.logs import TextLogFormatter
+    from bunkhouse.cli.output import event_line, format_ps
 
     evil = "esc\x1b]0;PWNED\x07\x1b[31mred\nline2"
     record = logging.LogRecord("bunkhouse", logging.INFO, __file__, 1, "model %s: ready",
@@ -215,7 +236,7 @@ def test_control_characters_never_reach_a_log_line_or_a_terminal() -> None:
     assert "\n" not in line and "\x1b" not in line and "\\x1b]0;PWNED\\x07" in line
     data = ('{"seq": 1, "time": 0, "model": "' + evil.encode("unicode_escape").decode()
             + '", "kind": "ready", "reason": "r"}')
-    assert "\x1b" not in _event_line(data, as_json=False)
+    assert "\x1b" not in event_line(data, as_json=False)
     table = format_ps({"models": [{"id": evil, "state": "ready", "pinned": False, "leases": 0,
                                    "estimated_bytes": 1, "measured_bytes": None, "pid": None,
                                    "last_used": None}],

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,13 @@ from bunkhouse.config import (
     load_config_file,
     parse_size,
 )
+from bunkhouse.engines import ENGINES
 from bunkhouse.errors import ConfigError, ModelNotFound
 from tests.helpers import write_tiny_gguf
 
 
 def _settings(**kw: object) -> Settings:
-    kw.setdefault("defaults", EngineOptions(threads=1))
+    kw.setdefault("defaults", EngineOptions(engine_keys=(("threads", 1),)))
     return Settings(include_packaged=False, **kw)  # type: ignore[arg-type]
 
 
@@ -41,7 +43,7 @@ def test_models_dir_ids_are_relative_paths(tmp_path: Path) -> None:
 def test_catalog_from_models_dir_skips_unreadable_files(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "good.gguf", context=1024)
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
-    catalog = build_catalog(_settings(models_dirs=(tmp_path,)))
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,)), engines=ENGINES)
     assert catalog.ids() == ["good"]
     assert catalog.default_id == "good"
     options = catalog.get(None).options  # each slot capped at the trained context
@@ -51,13 +53,13 @@ def test_catalog_from_models_dir_skips_unreadable_files(tmp_path: Path) -> None:
 def test_default_slots_hold_8192_tokens_within_the_trained_context(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "long.gguf", context=32768)
     write_tiny_gguf(tmp_path / "short.gguf", context=2048)
-    catalog = build_catalog(_settings(models_dirs=(tmp_path,)))
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,)), engines=ENGINES)
     long, short = catalog.get("long").options, catalog.get("short").options
     assert (long.context // long.parallel, short.context // short.parallel) == (8192, 2048)
     # a context someone set is kept, only a slot past the trained context is lowered
-    given = engine_options(EngineOptions(threads=1), {"context": 65536, "context_auto": False,
+    given = engine_options(EngineOptions(), {"context": 65536, "context_auto": False,
                                                       "parallel": 2}, "test")
-    catalog = build_catalog(_settings(models_dirs=(tmp_path,), defaults=given))
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,), defaults=given), engines=ENGINES)
     assert catalog.get("long").options.context == 65536
     assert catalog.get("short").options.context == 2 * 2048
 
@@ -74,7 +76,7 @@ def test_aliases_tags_and_suggestions(tmp_path: Path) -> None:
         path = "models/qwen-coder.gguf"
         aliases = ["qwen:0.5b", "autocomplete"]
     """)
-    catalog = build_catalog(load_config_file(path, _settings()))
+    catalog = build_catalog(load_config_file(path, _settings()), engines=ENGINES)
     assert catalog.get("qwen:0.5b").id == catalog.get("autocomplete").id == "coder"
     assert catalog.get("gpt-4o-mini").id == "qwen-coder"
     assert catalog.get("qwen-coder").aliases == ("gpt-4o-mini",)
@@ -107,7 +109,7 @@ def test_bad_names_are_refused(tmp_path: Path, toml: str, error: str) -> None:
     path = tmp_path / "bunkhouse.toml"
     path.write_text(toml)
     with pytest.raises(ConfigError) as e:
-        build_catalog(load_config_file(path, _settings()))
+        build_catalog(load_config_file(path, _settings()), engines=ENGINES)
     assert error in e.value.message
 
 
@@ -126,7 +128,7 @@ id = "a"
 path = "models/a.gguf"
 """)
     settings = load_config_file(path, _settings(models_dirs=(tmp_path / "models",)))
-    catalog = build_catalog(settings)
+    catalog = build_catalog(settings, engines=ENGINES)
     assert catalog.ids() == ["mine", "a"]
     mine = catalog.get("mine")
     assert (mine.options.context, mine.options.parallel, mine.source) == (4096, 2, "config")
@@ -136,7 +138,7 @@ path = "models/a.gguf"
 
 def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "a.gguf")
-    catalog = build_catalog(_settings(models_dirs=(tmp_path,)))
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,)), engines=ENGINES)
     with pytest.raises(ModelNotFound, match="known models: a") as info:
         catalog.get("b")
     assert info.value.status == 404 and info.value.code == "model_not_found"
@@ -145,7 +147,6 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nctx = 3\n", "unknown key"),
         ("bogus = 1\n", "unknown key"),
         ("[[models]]\npath = 'x.gguf'\n", "needs a string key 'id'"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {mirostat = 2}\n",
@@ -172,8 +173,6 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
         ("[defaults]\ncontext = 100\nparallel = 4\n", "fewer than 64 tokens"),
         ("[[models]]\nid='x'\npath='a'\n[[models]]\nid='x'\npath='b'\n", "configured twice"),
         ("this is = = not toml", "not valid TOML"),
-        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nengine = 'vllm'\n", "engine must be one of"),
-        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nengine = 3\n", "engine must be one of"),
         ("[defaults]\nembeddings = 'yes'\n", "embeddings must be true or false"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nembeddings = 1\n",
          "embeddings must be true or false"),
@@ -182,6 +181,83 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
 def test_config_errors_are_clear(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config_file(_config(tmp_path, text), _settings())
+
+
+@pytest.mark.parametrize(("value", "shown"), [("'vllm'", "'vllm'"), ("3", "3"),
+                                             ("['llama.cpp']", "['llama.cpp']")])
+def test_an_unknown_engine_is_refused_when_the_catalog_is_built(
+        tmp_path: Path, value: str, shown: str) -> None:
+    """The config file keeps the name as written (config.py knows no engine); the catalog
+    checks it against the engines it is given."""
+    write_tiny_gguf(tmp_path / "x.gguf")
+    text = ("[[models]]\nid = 'ok'\npath = 'x.gguf'\n"
+            f"[[models]]\nid = 'x'\npath = 'x.gguf'\nengine = {value}\n")
+    settings = load_config_file(_config(tmp_path, text), _settings())
+    message = f"[[models]] #2: engine must be one of {sorted(ENGINES)}, not {shown}"
+    with pytest.raises(ConfigError) as info:
+        build_catalog(settings, engines=ENGINES)
+    assert info.value.message == message
+
+
+def test_the_engines_a_catalog_accepts_are_the_ones_it_is_given(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "x.gguf")
+    path = _config(tmp_path, "[[models]]\nid = 'x'\npath = 'x.gguf'\nengine = 'llama.cpp'\n")
+    settings = load_config_file(path, _settings())
+    assert build_catalog(settings, engines=ENGINES).get("x").engine == "llama.cpp"
+    with pytest.raises(ConfigError, match=r"engine must be one of \['other'\], not 'llama.cpp'"):
+        build_catalog(settings, engines=frozenset({"other"}))
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nctx = 3\n",
+         r"^model 'x': unknown key\(s\) \['ctx'\]$"),
+        ("[defaults]\nctx = 3\n", r"^\[defaults\]: unknown key\(s\) \['ctx'\]$"),
+        ("[defaults]\nthreads = 0\n", r"^\[defaults\]: threads must be >= 1$"),
+        ("[defaults]\ncache_ram_mib = -1\n", r"^\[defaults\]: cache_ram_mib must be >= 0$"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nthreads = 'two'\n",
+         r"^model 'x': threads must be an integer, not 'two'$"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nswa_full = 1\n",
+         r"^model 'x': swa_full must be true or false$"),
+        ("models_dirs = ['.']\n[[models]]\nid = 'm'\nthreads = 0\n",
+         r"^model 'm': threads must be >= 1$"),  # an entry configuring a found model
+    ],
+)
+def test_engine_options_are_checked_by_their_engine_when_the_catalog_is_built(
+        tmp_path: Path, text: str, match: str) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf")
+    settings = load_config_file(_config(tmp_path, text), _settings())
+    with pytest.raises(ConfigError) as e:
+        build_catalog(settings, engines=ENGINES)
+    assert re.search(match, e.value.message), e.value.message
+
+
+def test_engine_options_of_defaults_and_entries_reach_the_engine(tmp_path: Path) -> None:
+    from bunkhouse.engines.llamacpp import LlamaCpp, LlamaCppOptions, model_options
+
+    write_tiny_gguf(tmp_path / "m.gguf")
+    path = _config(tmp_path, """
+        [defaults]
+        threads = 3
+        cache_ram_mib = 16
+        [[models]]
+        id = "x"
+        path = "m.gguf"
+        cache_ram_mib = 64
+        swa_full = true
+        [[models]]
+        id = "y"
+        path = "m.gguf"
+    """)
+    catalog = build_catalog(load_config_file(path, _settings()), engines=ENGINES)
+    x, y = catalog.get("x"), catalog.get("y")
+    assert model_options(x) == LlamaCppOptions(cache_ram_mib=64, threads=3, swa_full=True)
+    assert model_options(y) == LlamaCppOptions(cache_ram_mib=16, threads=3, swa_full=False)
+    args = LlamaCpp().worker_args(x)
+    assert args[args.index("--engine-options") + 1] == \
+        '{"cache_ram_mib": 64, "swa_full": true, "threads": 3}'
+    assert LlamaCpp().estimate(x).prompt_cache == 64 * 2**20
 
 
 def test_entries_without_a_path_configure_found_models_and_params_apply(
@@ -198,7 +274,7 @@ def test_entries_without_a_path_configure_found_models_and_params_apply(
         fixed_params = { top_k = 40 }
         strip_params = ["logit_bias"]
     """)
-    model = build_catalog(load_config_file(path, _settings())).get("f")
+    model = build_catalog(load_config_file(path, _settings()), engines=ENGINES).get("f")
     assert (model.id, model.pinned, model.options.parallel) == ("found", True, 2)
     assert model.options.context == 2 * 8192
     body = model.request.apply({"temperature": 1.0, "top_k": 5, "logit_bias": {"1": 2},
@@ -207,19 +283,19 @@ def test_entries_without_a_path_configure_found_models_and_params_apply(
     assert model.request.apply({"stop": None})["stop"] == ["END"]
     nobody = _config(tmp_path, '[[models]]\nid = "ghost"\npinned = true\n')
     with pytest.raises(ConfigError, match="no such model found to configure"):
-        build_catalog(load_config_file(nobody, _settings()))
+        build_catalog(load_config_file(nobody, _settings()), engines=ENGINES)
 
 
 def test_missing_model_file_is_a_startup_error(tmp_path: Path) -> None:
     path = _config(tmp_path, "[[models]]\nid = 'x'\npath = 'nowhere.gguf'\n")
     with pytest.raises(ConfigError, match="no file at"):
-        build_catalog(load_config_file(path, _settings()))
+        build_catalog(load_config_file(path, _settings()), engines=ENGINES)
 
 
 def test_unknown_default_model_is_a_startup_error(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "a.gguf")
     with pytest.raises(ConfigError, match="not in the catalog"):
-        build_catalog(_settings(models_dirs=(tmp_path,), default_model="zzz"))
+        build_catalog(_settings(models_dirs=(tmp_path,), default_model="zzz"), engines=ENGINES)
 
 
 def test_pins_ttls_and_budget_from_the_config(tmp_path: Path) -> None:
@@ -239,7 +315,7 @@ ttl = 5
 """)
     settings = load_config_file(path, _settings())
     assert settings.budget_bytes == int(1.5 * 2**30) and settings.ttl_s == 300
-    catalog = build_catalog(settings)
+    catalog = build_catalog(settings, engines=ENGINES)
     assert (catalog.get("pinned").pinned, catalog.get("pinned").ttl_s) == (True, None)
     assert (catalog.get("quick").pinned, catalog.get("quick").ttl_s) == (False, 5.0)
 
@@ -284,7 +360,8 @@ path = "{tmp_path / 'models' / 'on.gguf'}"
 embeddings = true
 engine = "llama.cpp"
 """)
-    catalog = build_catalog(load_config_file(path, _settings(models_dirs=(tmp_path / "models",))))
+    catalog = build_catalog(load_config_file(path, _settings(models_dirs=(tmp_path / "models",))),
+                            engines=ENGINES)
     assert catalog.get("on").embeddings and catalog.get("on").engine == "llama.cpp"
     assert not catalog.get("gen").embeddings  # a generation model: off unless configured
     pooled = dataclasses.replace(catalog.get("gen").info, pooling=True)
@@ -302,20 +379,22 @@ def test_a_config_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> 
 
 def test_slots_are_whole_blocks_of_256_tokens(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "m.gguf", context=32768)
-    given = engine_options(EngineOptions(threads=1), {"context": 600, "context_auto": False,
+    given = engine_options(EngineOptions(), {"context": 600, "context_auto": False,
                                                       "parallel": 2}, "test")
-    options = build_catalog(_settings(models_dirs=(tmp_path,), defaults=given)).get("m").options
+    options = build_catalog(_settings(models_dirs=(tmp_path,), defaults=given),
+                            engines=ENGINES).get("m").options
     assert (options.context, options.parallel) == (512, 2)
-    small = engine_options(EngineOptions(threads=1), {"context": 600, "context_auto": False,
+    small = engine_options(EngineOptions(), {"context": 600, "context_auto": False,
                                                       "parallel": 3}, "test")
-    options = build_catalog(_settings(models_dirs=(tmp_path,), defaults=small)).get("m").options
+    options = build_catalog(_settings(models_dirs=(tmp_path,), defaults=small),
+                            engines=ENGINES).get("m").options
     assert (options.context, options.parallel) == (768, 3)  # llama.cpp's least: 256 a slot
 
 
 def test_names_that_are_one_by_their_latest_spelling_keep_the_first(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "m.gguf")
     write_tiny_gguf(tmp_path / "m:latest.gguf")
-    catalog = build_catalog(_settings(models_dirs=(tmp_path,)))
+    catalog = build_catalog(_settings(models_dirs=(tmp_path,)), engines=ENGINES)
     assert catalog.ids() == ["m"] and catalog.get("m:latest").id == "m"
 
 

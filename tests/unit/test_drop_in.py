@@ -86,9 +86,9 @@ def test_embeddings_pool_as_the_model_file_says() -> None:
     from pathlib import Path
 
     from bunkhouse.catalog.catalog import CatalogModel
-    from bunkhouse.catalog.gguf_meta import GGUFInfo
     from bunkhouse.config import EngineOptions
     from bunkhouse.engines import engine_for
+    from bunkhouse.gguf.meta import GGUFInfo
 
     info = GGUFInfo("bert", None, 512, 12, 384, 12, 12, 32, 32, None, None, None, 0,
                     pooling=True)

@@ -7,9 +7,9 @@ import dataclasses
 from pathlib import Path
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.llamacpp import N_UBATCH, estimate, kv_cache_bytes
+from bunkhouse.gguf.meta import GGUFInfo
 
 MIB = 2**20
 # Like Gemma 3: 18 layers, every 6th full attention, the others a 512-token window.
@@ -20,8 +20,8 @@ FULL = dataclasses.replace(SWA, architecture="qwen2", sliding_window=None)
 
 def _model(info: GGUFInfo, context: int = 8192, parallel: int = 4,
            embeddings: bool = False, cache_ram_mib: int = 0) -> CatalogModel:
-    options = EngineOptions(context=context, parallel=parallel, threads=1,
-                            cache_ram_mib=cache_ram_mib, embeddings=embeddings)
+    options = EngineOptions(context=context, parallel=parallel, embeddings=embeddings,
+                            engine_keys=(("threads", 1), ("cache_ram_mib", cache_ram_mib)))
     return CatalogModel("m", Path("/m.gguf"), "config", info, options, 300 * MIB)
 
 
@@ -62,7 +62,7 @@ def test_more_slots_and_longer_slots_never_need_less() -> None:
 def test_a_full_sliding_window_cache_counts_every_layer_at_the_whole_context() -> None:
     per_token_layer = 1 * (256 + 256) * 2
     full = dataclasses.replace(_model(SWA), options=dataclasses.replace(
-        _model(SWA).options, swa_full=True))
+        _model(SWA).options, engine_keys=(("swa_full", True),)))
     assert estimate(full).kv_cache == per_token_layer * 18 * 8192 == kv_cache_bytes(
         SWA, 8192, 4, swa_full=True)
     assert estimate(full).kv_cache > estimate(_model(SWA)).kv_cache

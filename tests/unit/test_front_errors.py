@@ -173,11 +173,13 @@ def test_only_openai_and_engine_extension_fields_are_forwarded(tmp_path: Path) -
     from bunkhouse.api.schemas import ChatCompletionRequest
     from bunkhouse.catalog import build_catalog
     from bunkhouse.config import Settings
+    from bunkhouse.engines import ENGINES
     from bunkhouse.front.edge import prepare
     from tests.helpers import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
-    model = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False)).get("tiny")
+    model = build_catalog(Settings(models_dirs=(tmp_path,), include_packaged=False),
+                          engines=ENGINES).get("tiny")
     body = prepare("/v1/chat/completions", ChatCompletionRequest, model, {
         "messages": MSGS, "max_completion_tokens": 7, "ignore_eos": True, "n_probs": 2,
         "temprature": 0.5, "secret_debug": 1})

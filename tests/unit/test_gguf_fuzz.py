@@ -16,23 +16,22 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from bunkhouse.catalog import CatalogModel, build_catalog
-from bunkhouse.catalog.gguf_meta import (
+from bunkhouse.config import EngineOptions, Settings
+from bunkhouse.engines import ENGINES, engine_for
+from bunkhouse.errors import GGUFError
+from bunkhouse.front.admin import AdminOptions
+from bunkhouse.front.auth import Keys
+from bunkhouse.gguf.meta import (
     MAX_KEPT_BYTES,
     MAX_STRING_BYTES,
     GGUFInfo,
     read_fields,
     read_gguf_info,
 )
-from bunkhouse.config import EngineOptions, Settings
-from bunkhouse.engines import engine_for
-from bunkhouse.errors import GGUFError
-from bunkhouse.front.admin import AdminOptions
-from bunkhouse.front.app import build_app
-from bunkhouse.front.auth import Keys
 from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 from tests import hostile_gguf
 from tests.fakes import FakeWorker
-from tests.helpers import write_tiny_gguf
+from tests.helpers import front_app, write_tiny_gguf
 
 CASES = list(hostile_gguf.hostile_headers())
 
@@ -122,7 +121,7 @@ def test_the_catalog_scan_skips_every_hostile_file_with_a_warning(
     write_tiny_gguf(tmp_path / "models" / "good.gguf")
     with caplog.at_level(logging.WARNING):
         catalog = build_catalog(Settings(models_dirs=(tmp_path / "models",),
-                                         include_packaged=False))
+                                         include_packaged=False), engines=ENGINES)
     assert "good" in catalog
     skipped = [p for p in paths if p.stem not in catalog]
     assert skipped and all(f"skipping {p}" in caplog.text for p in skipped)
@@ -132,13 +131,13 @@ def test_the_catalog_scan_skips_every_hostile_file_with_a_warning(
 def app(tmp_path: Path) -> Iterator[tuple[TestClient, Path]]:
     root = tmp_path / "root"
     write_tiny_gguf(root / "good.gguf")
-    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False))
+    catalog = build_catalog(Settings(models_dirs=(root,), include_packaged=False), engines=ENGINES)
 
     async def start(model: CatalogModel) -> Any:
         return FakeWorker(model)
 
     residency = ResidencyManager(catalog, ResidencyOptions(budget_bytes=2**34), start)
-    app = build_app(catalog, residency, keys=Keys(admin=["a"]),
+    app = front_app(catalog, residency, keys=Keys(admin=["a"]),
                     admin_options=AdminOptions(allow_runtime_load=True, roots=(root,)))
     with TestClient(app, base_url="http://localhost") as client:
         yield client, root
@@ -180,7 +179,8 @@ def test_a_fifo_is_never_opened_blocking(app: tuple[TestClient, Path], tmp_path:
     resp = client.post("/v1/models", headers={"x-api-key": "a"},
                        json={"id": "f", "path": str(root / "fifo.gguf")})
     assert resp.status_code == 400
-    good = build_catalog(Settings(models_dirs=(root,), include_packaged=False)).get("good")
+    good = build_catalog(Settings(models_dirs=(root,), include_packaged=False),
+                         engines=ENGINES).get("good")
     os.replace(root / "fifo.gguf", root / "good.gguf")  # the registered file, now a FIFO
     with pytest.raises(WorkerLoadFailed, match="no longer the file"):
         open_model_file(good)

@@ -5,8 +5,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from bunkhouse.catalog.gguf_meta import read_fields, read_gguf_info
 from bunkhouse.errors import GGUFError
+from bunkhouse.gguf.meta import read_fields, read_gguf_info
 from tests.helpers import write_tiny_gguf
 
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from bunkhouse.catalog import CatalogModel
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.config import EngineOptions
-from bunkhouse.engines.contract import SlotSnapshot
+from bunkhouse.engines.contract import SlotSnapshot, Timings
+from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.kvcache.keeper import KeeperOptions, SnapshotKeeper
 from bunkhouse.kvcache.store import SnapshotStore
 from bunkhouse.residency.events import EventLog
@@ -58,7 +58,7 @@ def _model(tmp_path: Path, **options: Any) -> CatalogModel:
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF")
     return CatalogModel("m", path, "config", INFO,
-                        EngineOptions(context=4096, parallel=2, threads=1, **options), 4)
+                        EngineOptions(context=4096, parallel=2, **options), 4)
 
 
 def _setup(tmp_path: Path, idle_s: float = 3600) -> tuple[SnapshotKeeper, SlotGate, FakeEngine]:
@@ -77,8 +77,9 @@ async def _run(keeper: SnapshotKeeper, gate: SlotGate, engine: FakeEngine, model
     restore = await keeper.prepare(model, engine, slot, tokens)  # type: ignore[arg-type]
     engine.held[slot.id] = list(tokens or [])
     if restore is not None:
-        keeper.check(model, restore, {"cache_n": restore.shared if reused is None else reused,
-                                      "prompt_n": 1})
+        keeper.check(model, restore, Timings(
+            prompt_tokens=1, cached_tokens=restore.shared if reused is None else reused,
+            generated_tokens=0))
     gate.leave(slot)
     keeper.slot_idle(model, engine, gate, slot)  # type: ignore[arg-type]
     return slot.id, restore
@@ -119,7 +120,7 @@ def test_a_restore_the_engine_did_not_reuse_stops_restores_until_the_config_chan
         _, again = await _run(keeper, gate, engine, model, LONG + " more")
         assert again is None and engine.restores == 1  # its snapshots are not used again
         swa_full = dataclasses.replace(model, options=dataclasses.replace(
-            model.options, swa_full=True))  # no sliding window here: the same key
+            model.options, engine_keys=(("swa_full", True),)))  # no sliding window: same key
         assert keeper.key(swa_full) == keeper.key(model) and not keeper.active(swa_full)
         fixed = dataclasses.replace(model, options=dataclasses.replace(
             model.options, context=8192))  # a new key; its old snapshots do not match it

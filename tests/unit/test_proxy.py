@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from bunkhouse.engines.contract import Timings
 from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import BunkhouseError, error_body
 from bunkhouse.front.assemble import LineSplitter, sse_lines
@@ -142,6 +143,32 @@ def test_stream_that_breaks_ends_with_an_error_event() -> None:
     assert payload["error"]["code"] == "engine_unavailable"
 
 
+def test_an_assembled_answer_that_breaks_names_no_transport_detail() -> None:
+    async def body() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete "
+                                        "message body: incomplete chunked read")
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    upstream = LlamaCppClient(httpx.MockTransport(handler), "m")
+
+    async def route(request: Request) -> Response:
+        try:
+            return await forward(upstream, "/v1/chat/completions", {"messages": []},
+                                 stream=False, request=request, model_id="m")
+        except BunkhouseError as e:
+            return JSONResponse(error_body(e), status_code=e.status)
+
+    client = TestClient(Starlette(routes=[Route("/c", route, methods=["POST"])]))
+    resp = client.post("/c", content=b"{}")
+    assert resp.status_code == 502
+    error = resp.json()["error"]
+    assert error["code"] == "engine_unavailable"
+    assert error["message"] == "model 'm': its worker's answer broke off; retry"
+
+
 def test_plain_answer_holding_unicode_line_separators_is_assembled_whole() -> None:
     # Found by the fuzz against a real worker: a generated U+2028 split an SSE event in two
     # and the plain answer became a 500.
@@ -242,7 +269,7 @@ def test_the_engines_timings_reach_an_observer_streamed_or_assembled(stream: boo
              "timings": {"prompt_n": 3, "cache_n": 2990}}
     raw = (b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
            + f"data: {json.dumps(final)}\n\n".encode() + b"data: [DONE]\n\n")
-    seen: list[dict[str, int]] = []
+    seen: list[Timings] = []
 
     async def body() -> AsyncIterator[bytes]:
         for i in range(0, len(raw), 7):  # lines cut anywhere
@@ -261,7 +288,7 @@ def test_the_engines_timings_reach_an_observer_streamed_or_assembled(stream: boo
     client = TestClient(Starlette(routes=[Route("/c", route, methods=["POST"])]))
     resp = client.post("/c", content=b"{}")
     assert resp.status_code == 200
-    assert seen == [{"prompt_n": 3, "cache_n": 2990}]
+    assert seen == [Timings(prompt_tokens=3, cached_tokens=2990, generated_tokens=0)]
     if not stream:
         assert resp.json()["choices"][0]["message"]["content"] == "hi"
 

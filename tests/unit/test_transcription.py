@@ -3,6 +3,7 @@ and Whisper model directories in the catalog."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shutil
 from pathlib import Path
@@ -13,9 +14,10 @@ from starlette.datastructures import FormData, Headers, UploadFile
 
 from bunkhouse.catalog import build_catalog
 from bunkhouse.config import Settings, load_config_file
+from bunkhouse.engines import ENGINES
 from bunkhouse.errors import ConfigError, InvalidRequest
 from bunkhouse.front.audio import looks_like_audio, parse_fields, srt, timestamp, vtt
-from tests.helpers import silent_flac, whisper_dir
+from tests.helpers import silent_flac, whisper_dir, write_tiny_gguf
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "speech.wav"
 
@@ -97,15 +99,32 @@ def test_srt_and_vtt_are_well_formed() -> None:
     assert srt([]) == "" and vtt([]) == "WEBVTT\n\n"
 
 
+def test_a_whisper_model_takes_its_own_options_only(tmp_path: Path) -> None:
+    from bunkhouse.engines.whisper import Whisper
+
+    own = whisper_dir(tmp_path)
+    config = tmp_path / "bunkhouse.toml"
+    entry = f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n'
+    config.write_text(f"[defaults]\nswa_full = true\n\n{entry}threads = 1\n")
+    settings = Settings(cache_dir=tmp_path, include_packaged=False)
+    mine = build_catalog(load_config_file(config, settings), engines=ENGINES).get("mine")
+    assert mine.options.engine_keys == (("threads", 1),)  # llama.cpp's default is not its
+    assert Whisper().worker_args(mine) == ["--parallel", "1", "--engine-options",
+                                           '{"threads": 1}']
+    config.write_text(f"{entry}swa_full = true\n")
+    with pytest.raises(ConfigError, match=r"model 'mine': unknown key\(s\) \['swa_full'\]"):
+        build_catalog(load_config_file(config, settings), engines=ENGINES)
+
+
 def test_a_whisper_directory_without_its_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
     own = whisper_dir(tmp_path, tokenizer=False)
     config = tmp_path / "bunkhouse.toml"
     config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n')
     with pytest.raises(ConfigError, match=r"tokenizer\.json"):
-        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)))
+        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)), engines=ENGINES)
     shutil.rmtree(own)
     with pytest.raises(ConfigError, match="no Whisper model directory"):
-        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)))
+        build_catalog(load_config_file(config, Settings(cache_dir=tmp_path)), engines=ENGINES)
 
 
 def _decoded(data: bytes, **limits: Any) -> int:
@@ -159,3 +178,20 @@ def test_audio_decoding_to_too_many_samples_is_refused_whatever_its_length() -> 
     with pytest.raises(AudioTooLong) as counted:  # the frames say so
         _decoded(lying, max_s=60, max_samples=60 * 16_000)
     assert "samples" in str(counted.value)
+
+
+def test_a_transcription_model_is_never_the_default(tmp_path: Path) -> None:
+    own = whisper_dir(tmp_path)
+    write_tiny_gguf(tmp_path / "t.gguf")
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text(f'[[models]]\nid = "mine"\npath = "{own}"\nengine = "whisper"\n'
+                      f'[[models]]\nid = "text"\npath = "{tmp_path / "t.gguf"}"\n')
+    settings = Settings(cache_dir=tmp_path, include_packaged=False)
+    catalog = build_catalog(load_config_file(config, settings), engines=ENGINES)
+    assert catalog.default_id == "text"
+    with pytest.raises(InvalidRequest, match="transcription model") as refused:
+        catalog.set_default("mine")
+    assert refused.value.param == "model" and catalog.default_id == "text"
+    chosen = dataclasses.replace(settings, default_model="mine")
+    with pytest.raises(ConfigError, match="'mine' is a transcription model"):
+        build_catalog(load_config_file(config, chosen), engines=ENGINES)

@@ -16,6 +16,7 @@ import pytest
 
 from bunkhouse.catalog import build_catalog, packaged
 from bunkhouse.config import Settings, default_cache_dir
+from bunkhouse.engines import ENGINES
 from tests.unit.conftest import GUARD, UnitLayerViolation, refused
 
 
@@ -52,7 +53,7 @@ def test_a_native_engine_is_not_imported(name: str) -> None:
 
 def test_the_packaged_models_are_not_looked_up() -> None:
     with refused("looked up the packaged model distribution"):
-        build_catalog(Settings())  # include_packaged by default
+        build_catalog(Settings(), engines=ENGINES)  # include_packaged by default
     with refused("looked up the packaged model distribution"):
         packaged.directory_path(packaged.WHISPER_TINY_EN)
     assert importlib.metadata.distribution("pytest").metadata["Name"] == "pytest"  # others are

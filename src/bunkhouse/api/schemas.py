@@ -192,6 +192,51 @@ NonEmptyText = Annotated[StrictStr, Field(min_length=1)]
 Tokens = Annotated[list[TokenId], Field(min_length=1)]
 
 
+# -- an audio upload's multipart form (front/audio.py) --
+
+FORM_OVERHEAD_BYTES = 64 * 1024
+"""A form's bytes besides the file: boundaries, part headers, the option fields."""
+
+MAX_FIELD_BYTES = 16 * 1024
+"""The largest option field (a prompt: OpenAI takes 224 tokens of it)."""
+
+MAX_FIELDS = 16
+"""Text fields in a form (OpenAI defines 9)."""
+
+MAX_FILES = 4
+"""File parts a form may carry: one is served; the others are refused by name (all of them
+count against ``--max-audio``)."""
+
+
+MAX_TOOLS_BYTES = 256 * 1024
+"""A chat request's tools as JSON: its template renders them into every prompt."""
+
+
+MAX_DETOKENIZE = 1 << 20
+"""Token ids in one ``/detokenize`` request (a million: far past any context)."""
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (llama.cpp's server route, routed by ``model``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    content: StrictStr
+    add_special: StrictBool = False
+    parse_special: StrictBool = True
+    with_pieces: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (llama.cpp's server route, routed by ``model``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE)]
+
+
 class EmbeddingRequest(_Request):
     input: (NonEmptyText
             | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]

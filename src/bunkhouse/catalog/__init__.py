@@ -1,4 +1,4 @@
-"""Local models: config entries, model roots, packaged models, GGUF metadata."""
+"""Local models: config entries, model roots, packaged models (GGUF headers: bunkhouse.gguf)."""
 
 from bunkhouse.catalog.catalog import Catalog, CatalogModel, build_catalog
 

@@ -17,16 +17,30 @@ from __future__ import annotations
 import difflib
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bunkhouse.catalog import packaged, sources, whisper
-from bunkhouse.catalog.gguf_meta import GGUFInfo, read_gguf_info
-from bunkhouse.config import EngineOptions, ModelEntry, RequestParams, Settings, engine_options
+from bunkhouse.config import (
+    DEFAULT_ENGINE,
+    EngineOptions,
+    ModelEntry,
+    RequestParams,
+    Settings,
+    engine_options,
+)
 from bunkhouse.defaults import DEFAULT_SLOT_TOKENS
-from bunkhouse.errors import ConfigError, GGUFError, ModelNotFound, PackagedModelError
+from bunkhouse.engines import ENGINES
+from bunkhouse.errors import (
+    ConfigError,
+    GGUFError,
+    InvalidRequest,
+    ModelNotFound,
+    PackagedModelError,
+)
+from bunkhouse.gguf.meta import GGUFInfo, read_gguf_info
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +118,8 @@ class Catalog:
                 f"default model {default_id!r} is not in the catalog; known: {self.ids()}"
             )
         self.default_id = None if default_id is None else self.resolve(default_id)
+        if self.default_id is not None and self._models[self.default_id].transcribes:
+            raise ConfigError(_TRANSCRIBES_NO_DEFAULT.format(model=self.default_id))
         self._switched: str | None = None  # an operator's choice of default model
 
     def __iter__(self) -> Iterator[CatalogModel]:
@@ -167,8 +183,12 @@ class Catalog:
 
     def set_default(self, name: str) -> CatalogModel:
         """Make the model ``name`` means the default one, until a restart (ModelNotFound if
-        none); a configuration reload keeps it while the model is served."""
+        none, InvalidRequest for a transcription model); a configuration reload keeps it
+        while the model is served."""
         model = self.get(name)
+        if model.transcribes:
+            raise InvalidRequest(_TRANSCRIBES_NO_DEFAULT.format(model=model.id),
+                                 param="model")
         self.default_id = self._switched = model.id
         return model
 
@@ -184,8 +204,9 @@ class Catalog:
         self.default_id = switched if switched in new._models else new.default_id
 
 
-SLOT_BLOCK = 256
-"""Tokens llama.cpp rounds a slot's context up to a multiple of (its KV cache's padding)."""
+_TRANSCRIBES_NO_DEFAULT = (
+    "model {model!r} is a transcription model and cannot be the default model (a request "
+    "that names no model is a text request); choose a model that generates text")
 
 
 def _spellings(name: str) -> tuple[str, ...]:
@@ -195,11 +216,15 @@ def _spellings(name: str) -> tuple[str, ...]:
 
 
 def effective_options(base: EngineOptions, overrides: dict[str, Any], info: GGUFInfo,
-                      where: str) -> EngineOptions:
-    """``base`` with a model's ``overrides``, its context settled: set by no one, each slot
-    holds DEFAULT_SLOT_TOKENS (within the trained context); set, a slot past the trained
-    context is lowered to it. Raises ConfigError for invalid options."""
-    options = engine_options(base, overrides, where)
+                      where: str, engine: str = DEFAULT_ENGINE,
+                      own: tuple[tuple[str, Any], ...] = ()) -> EngineOptions:
+    """``base`` with a model's ``overrides`` and its ``own`` keys for ``engine``
+    (:func:`engine_keys`), its context settled: set by no one, each slot holds
+    DEFAULT_SLOT_TOKENS (within the trained context); set, a slot past the trained context is
+    lowered to it; then a slot is what ``engine`` allocates (its adapter's ``slot_tokens``).
+    Raises ConfigError for invalid options."""
+    options = replace(engine_options(base, overrides, where),
+                      engine_keys=engine_keys(engine, base, own, where))
     trained = info.context_length
     given = slot = options.context // options.parallel
     if options.context_auto:
@@ -208,12 +233,32 @@ def effective_options(base: EngineOptions, overrides: dict[str, Any], info: GGUF
         log.info("%s: slots of %d tokens capped at the model's trained context %d",
                  where, slot, trained)
         slot = trained
-    # llama.cpp sizes each slot in whole blocks of 256 tokens (rounding up, 256 at least): a
-    # slot that is not one would hold more than the front checks against
-    slot = max(SLOT_BLOCK, slot - slot % SLOT_BLOCK)
+    slot = ENGINES[engine].slot_tokens(slot)
     if slot == given and options.context == slot * options.parallel:
         return options
     return engine_options(options, {"context": slot * options.parallel}, where)
+
+
+def engine_keys(engine: str, base: EngineOptions, own: tuple[tuple[str, Any], ...],
+                where: str) -> tuple[tuple[str, Any], ...]:
+    """A model's options of its ``engine``: the keys of ``base`` (the defaults) that engine
+    knows, then the model's ``own``, checked by its adapter (ConfigError naming an unknown
+    key or a wrong value)."""
+    adapter = ENGINES[engine]
+    keys = {k: v for k, v in base.engine_keys if k in adapter.known_options} | dict(own)
+    adapter.options(keys, where)
+    return tuple(keys.items())
+
+
+def check_defaults(defaults: EngineOptions) -> None:
+    """ConfigError for a key of [defaults] that no engine knows, or a value an engine that
+    knows it refuses."""
+    known = frozenset().union(*(a.known_options for a in ENGINES.values()))
+    unknown = sorted(k for k, _ in defaults.engine_keys if k not in known)
+    if unknown:
+        raise ConfigError(f"[defaults]: unknown key(s) {unknown}")
+    for name in ENGINES:
+        engine_keys(name, defaults, (), "[defaults]")
 
 
 def model_files(path: Path, split_count: int) -> list[Path]:
@@ -251,7 +296,9 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
         return _whisper_model(model_id, path, source, settings, entry)
     info = read_gguf_info(path)
     overrides = entry.options if entry else {}
-    options = effective_options(settings.defaults, overrides, info, f"model {model_id!r}")
+    engine = entry.engine if entry else DEFAULT_ENGINE
+    options = effective_options(settings.defaults, overrides, info, f"model {model_id!r}",
+                                engine, entry.engine_keys if entry else ())
     st = path.stat()
     parts = model_files(path, info.split_count)
     size = files_size(parts)
@@ -259,7 +306,7 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
                         modified=int(st.st_mtime), pinned=entry.pinned if entry else False,
                         ttl_s=entry.ttl_s if entry else None,
                         chat_template=entry.chat_template if entry else None,
-                        engine=entry.engine if entry else "llama.cpp",
+                        engine=engine,
                         aliases=entry.aliases if entry else (),
                         projector=found.projector if found else None,
                         request=entry.params if entry else RequestParams(
@@ -272,13 +319,21 @@ def _whisper_model(model_id: str, path: Path, source: str, settings: Settings,
                    entry: ModelEntry | None = None) -> CatalogModel:
     """A CTranslate2 Whisper model directory (catalog/whisper.py): one slot, no context."""
     files = whisper.model_files(path)
-    overrides = {**(entry.options if entry else {}), "parallel": 1, "context": SLOT_BLOCK}
-    options = engine_options(settings.defaults, overrides, f"model {model_id!r}")
+    options = _transcription_options(settings.defaults, entry, f"model {model_id!r}")
     return CatalogModel(model_id, path, source, whisper.info(path), options,
                         files_size(files), modified=int(path.stat().st_mtime),
                         pinned=entry.pinned if entry else False,
                         ttl_s=entry.ttl_s if entry else None, engine=whisper.ENGINE,
                         aliases=entry.aliases if entry else ())
+
+
+def _transcription_options(base: EngineOptions, entry: ModelEntry | None,
+                           where: str) -> EngineOptions:
+    """A transcription model's options: its entry's, but one slot (whisper.OPTIONS)."""
+    options = engine_options(base, {**(entry.options if entry else {}), **whisper.OPTIONS},
+                             where)
+    own = engine_keys(whisper.ENGINE, base, entry.engine_keys if entry else (), where)
+    return replace(options, engine_keys=own)
 
 
 def _from_config(settings: Settings) -> Iterator[CatalogModel]:
@@ -370,8 +425,12 @@ def _from_sources(settings: Settings) -> Iterator[CatalogModel]:
                     log.warning("skipping %s: %s", found.path, e)
 
 
-def build_catalog(settings: Settings) -> Catalog:
-    """Scan every source named by ``settings`` into a catalog."""
+def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
+    """Scan every source named by ``settings`` into a catalog. ``engines``: the names of the
+    engines there are (``bunkhouse.engines.ENGINES``), which a configured model's
+    ``engine`` must be one of."""
+    _check_engines(settings, engines)
+    check_defaults(settings.defaults)
     models: dict[str, CatalogModel] = {}
     readers = [_from_config(settings)]
     if settings.include_packaged:
@@ -403,6 +462,15 @@ def build_catalog(settings: Settings) -> Catalog:
             _overlay(models, entry, settings)
     _name_transcription(models)
     return Catalog(models.values(), settings.default_model or _first_default(models))
+
+
+def _check_engines(settings: Settings, engines: Collection[str]) -> None:
+    """Each [[models]] entry names an engine there is (else ConfigError)."""
+    for index, entry in enumerate(settings.entries):
+        engine: object = entry.engine  # the file's value as written: any TOML value
+        if not isinstance(engine, str) or engine not in engines:
+            raise ConfigError(f"[[models]] #{index + 1}: engine must be one of "
+                              f"{sorted(engines)}, not {engine!r}")
 
 
 def _name_transcription(models: dict[str, CatalogModel]) -> None:
@@ -437,14 +505,14 @@ def _overlay(models: dict[str, CatalogModel], entry: ModelEntry, settings: Setti
     where = f"model {entry.id!r}"
     if model.transcribes:  # its engine and its one slot stay
         models[named] = replace(
-            model, options=engine_options(settings.defaults, {**entry.options, "parallel": 1,
-                                                              "context": SLOT_BLOCK}, where),
+            model, options=_transcription_options(settings.defaults, entry, where),
             pinned=entry.pinned or model.pinned,
             ttl_s=entry.ttl_s if entry.ttl_s is not None else model.ttl_s,
             aliases=(*model.aliases, *entry.aliases))
         return
     models[named] = replace(
-        model, options=effective_options(settings.defaults, entry.options, model.info, where),
+        model, options=effective_options(settings.defaults, entry.options, model.info, where,
+                                         entry.engine, entry.engine_keys),
         pinned=entry.pinned or model.pinned,
         ttl_s=entry.ttl_s if entry.ttl_s is not None else model.ttl_s,
         chat_template=entry.chat_template or model.chat_template,

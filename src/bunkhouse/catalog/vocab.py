@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bunkhouse.catalog.gguf_meta import read_fields
+from bunkhouse.gguf.meta import read_fields
 
 _TOKENS_KEY = "tokenizer.ggml.tokens"
 _MODEL_KEY = "tokenizer.ggml.model"

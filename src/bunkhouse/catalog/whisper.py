@@ -13,12 +13,16 @@ import json
 import stat
 from pathlib import Path
 
-from bunkhouse.catalog.gguf_meta import GGUFInfo
 from bunkhouse.errors import GGUFError
+from bunkhouse.gguf.meta import GGUFInfo
 
 ENGINE = "whisper"
 ENGINES = frozenset({ENGINE})
 """The engines (config ``engine`` key) that serve transcription models."""
+
+OPTIONS = {"parallel": 1, "context": 256}
+"""A transcription model's options, whatever is configured: one transcription at a time; its
+one slot holds no tokens (any context the options' checks accept)."""
 
 OPENAI_NAME = "whisper-1"
 """The model name OpenAI's clients send for a transcription."""

@@ -7,18 +7,13 @@ each engine lives in ``bunkhouse.worker.engines``. The contract they implement i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from bunkhouse.engines.contract import EngineAdapter
+from bunkhouse.engines.contract import EngineAdapter, ServedModel
 from bunkhouse.engines.llamacpp import LlamaCpp
 from bunkhouse.engines.whisper import Whisper
-
-if TYPE_CHECKING:
-    from bunkhouse.catalog import CatalogModel
 
 ENGINES: dict[str, EngineAdapter] = {LlamaCpp.name: LlamaCpp(), Whisper.name: Whisper()}
 
 
-def engine_for(model: CatalogModel) -> EngineAdapter:
+def engine_for(model: ServedModel) -> EngineAdapter:
     """The adapter of the engine serving ``model`` (its ``engine`` key)."""
     return ENGINES[model.engine]

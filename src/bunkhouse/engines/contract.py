@@ -12,16 +12,15 @@ engine refuses the input (a 4xx to the caller, naming the field when it can).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 
 from bunkhouse.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from bunkhouse.catalog import CatalogModel
+from bunkhouse.gguf.meta import GGUFInfo
 
 Messages = list[dict[str, Any]]
 
@@ -50,7 +49,7 @@ class ConstraintCheck:
     disposable process: a one-word prompt, two tokens, and only this part.
 
     ``param``: the field a refusal names; ``route``: ``"chat"`` or ``"completion"``, how the
-    probe runs ``body`` (worker/probe.py)."""
+    probe runs ``body`` (worker/engines/llamacpp_probe.py)."""
 
     param: str
     route: str
@@ -60,6 +59,43 @@ class ConstraintCheck:
 class EngineRefused(InvalidRequest):
     """The engine refused a request's input (a 400 ``invalid_request``, ``param`` the field
     it was about when known)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """An engine's own figures of one answer: prompt tokens it computed (prefill) and reused
+    from its KV cache, tokens it generated (decode), and the milliseconds each took (None:
+    not reported)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    prompt_ms: float | None = None
+    generated_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an engine does for a model: the front asks these, never the engine's type."""
+
+    generates: bool  # chat and text completions
+    embeds: bool  # /v1/embeddings
+    infills: bool  # fill-in-the-middle (/infill, a completion's ``suffix``)
+    transcribes: bool  # /v1/audio/transcriptions
+    saves_kv: bool  # a slot's KV state saved to a file and restored (kvcache/)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPiece:
+    """One token of a tokenized text and its text (``piece``: a string, or its bytes as
+    integers when they are not valid UTF-8 on their own)."""
+
+    id: int
+    piece: str | list[int]
+
+
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+"""The OpenAI routes :meth:`EngineClient.generate` serves (its ``route``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +120,9 @@ class SlotSnapshot:
 
 
 class EngineClient(Protocol):
-    """One ready worker, as the front and residency see it."""
+    """One ready worker, as the front and residency see it. An operation a model's engine
+    does not do (see :meth:`EngineAdapter.capabilities`) raises InvalidRequest naming
+    ``model``."""
 
     async def health(self, timeout_s: float) -> bool:
         """Whether the worker answers at all (it may still be loading: False)."""
@@ -102,15 +140,51 @@ class EngineClient(Protocol):
         chat request (the adapter templates the fields its template reads: messages, tools,
         template options)."""
 
-    async def generate(self, route: str, body: bytes) -> httpx.Response:
-        """Start an OpenAI-shaped generation (``route`` one of the OpenAI paths: chat,
-        completions, embeddings) with a JSON body; returns the open upstream response, whose
-        body the caller streams and closes. An error answer is returned as it is: turn it
-        into the caller's error with :meth:`error`."""
+    async def token_pieces(self, text: str, *, add_special: bool,
+                           parse_special: bool) -> list[TokenPiece]:
+        """``text``'s tokens with their text; ``add_special``: the tokens the model puts
+        before a prompt (BOS); ``parse_special``: special tokens written as text are
+        parsed as themselves."""
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """The text of token ids (ids past the vocabulary are the caller's to refuse)."""
+
+    async def apply_template(self, chat: dict[str, Any]) -> str:
+        """The prompt a chat request (its messages, tools, template options) becomes under
+        the model's chat template."""
+
+    async def generate(self, route: str, body: dict[str, Any] | bytes,
+                       slot: int | None = None) -> httpx.Response:
+        """Start an OpenAI-shaped generation (``route`` one of :data:`GENERATION_ROUTES`)
+        with a JSON body (bytes: sent as they are); ``slot``: the slot it runs in (the front
+        chose it: its KV state was restored there), else the engine picks. Returns the open
+        upstream response, whose body the caller streams and closes. An error answer is
+        returned as it is: turn it into the caller's error with :meth:`error`."""
+
+    async def infill(self, body: dict[str, Any] | bytes,
+                     slot: int | None = None) -> httpx.Response:
+        """Fill in the middle: ``body`` has ``input_prefix``, ``input_suffix`` and optional
+        ``prompt``, ``input_extra`` (files as context) and sampling fields; answered as a
+        text completion (``content``), streamed when ``stream`` is set. As
+        :meth:`generate` otherwise."""
 
     def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
         """An error answer from :meth:`generate` as (status, OpenAI error object): a refusal
         of the input is a 400 ``invalid_request`` naming its field."""
+
+    def timings(self, event: dict[str, Any]) -> Timings | None:
+        """The engine's figures of an answer, from its whole answer or the stream event that
+        carries them; None for any other."""
+
+    def timings_line(self, line: str) -> Timings | None:
+        """As :meth:`timings`, from one raw line of a streamed answer (cheap for the lines
+        that carry none: every line of a relayed stream is passed)."""
+
+    async def transcribe(self, audio: AsyncIterator[bytes], size: int,
+                         options: dict[str, Any]) -> httpx.Response:
+        """Send ``size`` bytes of an audio upload; the open NDJSON answer (the caller reads
+        and closes it). A refusal of the file is EngineRefused (not audio) or
+        RequestTooLarge (too long), naming ``file``."""
 
     async def slots(self) -> list[SlotState]:
         """Every slot's state."""
@@ -134,14 +208,21 @@ class EngineAdapter(Protocol):
     worker_engine: str
     """The worker-side engine class, ``module:Class`` (loaded inside the worker process)."""
 
-    def worker_args(self, model: CatalogModel) -> list[str]:
+    def worker_args(self, model: ServedModel) -> list[str]:
         """The worker command line's engine options for ``model``."""
 
-    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+    def estimate(self, model: ServedModel) -> MemoryEstimate:
         """The worker's worst case: every buffer it can grow to under ``model``'s options."""
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> EngineClient:
         """A client for ``model_id``'s worker, reached over ``transport``."""
+
+    def capabilities(self, model: ServedModel) -> Capabilities:
+        """What this engine does for ``model``."""
+
+    def pinnable(self, route: str, body: dict[str, Any]) -> bool:
+        """Whether a request runs in exactly one slot the front may choose (and so restore
+        KV state into): one prompt, one answer, no slot asked for by the client."""
 
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         """Refuse (InvalidRequest naming the field) an engine option given wrongly."""
@@ -156,23 +237,87 @@ class EngineAdapter(Protocol):
     def forwarded_fields(self) -> frozenset[str]:
         """Request fields beyond OpenAI's that this engine reads (passed through)."""
 
-    def embedding_limit(self, model: CatalogModel) -> int:
+    def embedding_limit(self, model: ServedModel) -> int:
         """The longest embeddings input in tokens (0: ``model`` serves no embeddings)."""
 
-    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+    def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         """The KV cache ``tokens`` tokens of one sequence take, bytes."""
+
+    def slot_tokens(self, tokens: int) -> int:
+        """The context of a slot asked to hold ``tokens`` tokens, as the engine allocates it:
+        at most ``tokens`` where the engine can (an engine that allocates whole blocks gets
+        whole blocks, its smallest slot at least), so that a slot holds what the front checks
+        requests against."""
 
     build: str
     """The engine and its build: a slot saved by another build is never restored."""
 
-    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+    known_options: frozenset[str]
+    """The config keys of this engine's own options (a model's ``engine_keys``)."""
+
+    def options(self, raw: Mapping[str, Any], where: str) -> object:
+        """``raw`` options of this engine (keys of :attr:`known_options`) as the adapter's own
+        frozen dataclass, defaults filled in; ConfigError naming the key (``where`` first) for
+        an unknown key or a wrong value."""
+
+    def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         """What a saved slot's KV state depends on beyond the model file and the build (cache
         types, a slot's context, sliding-window settings); None: this engine cannot save and
         restore slots."""
 
-    def sliding_window(self, model: CatalogModel) -> bool:
-        """Whether the model has layers whose KV cache holds only a window."""
+    def restore_hint(self, model: ServedModel) -> str:
+        """What to change in ``model``'s options so that a restored slot's KV state is reused
+        in full, for the log line of one that was not ("" : nothing)."""
 
     def saved_tokens(self, path: Path) -> list[int]:
         """The token ids a slot file saved by this engine covers; ValueError for a file that
         is not one."""
+
+
+# -- the model an adapter serves -------------------------------------------------------------
+
+
+class ServedOptions(Protocol):
+    """How a model is served, as its adapter reads it (``config.EngineOptions`` is one)."""
+
+    @property
+    def context(self) -> int:
+        """Total context in tokens, shared by the slots."""
+
+    @property
+    def parallel(self) -> int:
+        """Slots: requests decoded at once."""
+
+    @property
+    def engine_keys(self) -> tuple[tuple[str, Any], ...]:
+        """The engine's own options as configured (its adapter's :meth:`EngineAdapter.options`
+        checked them when the model was catalogued)."""
+
+
+class ServedModel(Protocol):
+    """A model as an engine adapter sees it (the catalog's ``CatalogModel`` is one): what it
+    reads to start, size and describe a worker, wherever the model was found."""
+
+    @property
+    def engine(self) -> str:
+        """The name of the adapter that serves it (:attr:`EngineAdapter.name`)."""
+
+    @property
+    def info(self) -> GGUFInfo:
+        """The model file's metadata."""
+
+    @property
+    def options(self) -> ServedOptions:
+        """How it is served: its slots and its engine's own options."""
+
+    @property
+    def embeddings(self) -> bool:
+        """Whether it serves embeddings."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """A configured chat template: a name the engine knows, or a file's path."""
+
+    @property
+    def size_bytes(self) -> int:
+        """Its files' bytes together."""

@@ -11,39 +11,81 @@ else (the worker side is ``bunkhouse.worker.engines.llamacpp``):
   llama.cpp embeds an input only in one micro-batch, so it is the longest input in tokens.
 - :func:`refusal`: which of the engine's error answers are refusals of bad input (4xx), told
   apart by their text: llama.cpp answers several of them with a 500.
+- :class:`LlamaCppOptions`: llama.cpp's own options of a model (config keys of the same
+  names), checked by :func:`parse_options`.
 - :func:`estimate`: the worker's worst-case memory (see docs/memory-estimate.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import re
 import struct
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from bunkhouse.api.tool_calls import call_schema
 from bunkhouse.engines import grammar_cost
+from bunkhouse.engines import options as opts
 from bunkhouse.engines.contract import (
+    GENERATION_ROUTES,
+    Capabilities,
     ConstraintCheck,
     EngineRefused,
     MemoryEstimate,
     Messages,
+    ServedModel,
     SlotSnapshot,
     SlotState,
+    Timings,
+    TokenPiece,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
-
-if TYPE_CHECKING:
-    from bunkhouse.catalog import CatalogModel
-    from bunkhouse.catalog.gguf_meta import GGUFInfo
+from bunkhouse.gguf.meta import GGUFInfo
 
 NAME = "llama.cpp"
 WORKER_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LlamaCppOptions:
+    """llama.cpp's own options of a model: the config keys of the same names ([defaults] and
+    [[models]]), each set explicitly on the engine (worker/engines/llamacpp.py)."""
+
+    cache_ram_mib: int = 0  # the RAM prompt cache; off: it would grow a worker past its estimate
+    threads: int = dataclasses.field(default_factory=opts.cpu_threads)  # decoding and batches
+    swa_full: bool = False  # sliding-window layers keep the whole slot (KV snapshots reuse all)
+
+
+_OPTION_CHECKS: dict[str, opts.Check] = {
+    "cache_ram_mib": opts.integer(0), "threads": opts.integer(1), "swa_full": opts.flag}
+KNOWN_OPTIONS = frozenset(_OPTION_CHECKS)
+
+
+def parse_options(raw: Mapping[str, Any], where: str) -> LlamaCppOptions:
+    """llama.cpp's options as written (``where`` names them in an error); ConfigError naming
+    an unknown key or a wrong value."""
+    return LlamaCppOptions(**opts.checked(raw, _OPTION_CHECKS, where))
+
+
+def model_options(model: ServedModel) -> LlamaCppOptions:
+    """``model``'s llama.cpp options (checked when it was catalogued)."""
+    return parse_options(dict(model.options.engine_keys), "the model's llama.cpp options")
+
+
+def server_flags(options: LlamaCppOptions) -> list[str]:
+    """``options`` as llama.cpp's own ``llama-server`` takes them on its command line (the
+    benchmarks run it with a worker's settings)."""
+    threads = str(options.threads)
+    return ["-t", threads, "-tb", threads, "--cache-ram", str(options.cache_ram_mib),
+            *(["--swa-full"] if options.swa_full else [])]
+
 
 # llama.cpp tools/server README, "POST /completion" and "POST /v1/chat/completions" options.
 EXTENSION_FIELDS = frozenset({
@@ -140,6 +182,9 @@ TEMPLATED_FIELDS = frozenset({"messages", "tools", "tool_choice", "parallel_tool
                               "chat_template_kwargs", "add_generation_prompt",
                               "enable_thinking", "reasoning_format", "response_format"})
 
+SLOT_BLOCK = 256
+"""Tokens llama.cpp rounds a slot's context up to a multiple of (its KV cache's padding)."""
+
 EMBEDDING_BATCH = 512  # worker: n_batch = n_ubatch = 512 (what runs with embeddings on)
 N_UBATCH = EMBEDDING_BATCH  # the micro-batch every worker runs with (set explicitly)
 
@@ -214,15 +259,8 @@ class LlamaCppClient(WorkerHTTP):
 
     async def tokenize(self, prompt: str | Messages | dict[str, Any]) -> list[int]:
         # as the server tokenizes a prompt: special tokens added and parsed
-        text: Any = prompt
-        if not isinstance(prompt, str):
-            chat = ({k: v for k, v in prompt.items() if k in TEMPLATED_FIELDS}
-                    if isinstance(prompt, dict) else {"messages": prompt})
-            templated = await self._post("/apply-template", chat)
-            text = templated.get("prompt") if isinstance(templated, dict) else None
-            if not isinstance(text, str):
-                raise EngineUnavailable(f"model {self._model_id!r}: /apply-template answered "
-                                        "no prompt")
+        text = prompt if isinstance(prompt, str) else await self.apply_template(
+            prompt if isinstance(prompt, dict) else {"messages": prompt})
         reply = await self._post("/tokenize", {"content": text, "add_special": True,
                                                "parse_special": True})
         tokens = reply.get("tokens") if isinstance(reply, dict) else None
@@ -230,12 +268,75 @@ class LlamaCppClient(WorkerHTTP):
             raise EngineUnavailable(f"model {self._model_id!r}: /tokenize answered no tokens")
         return tokens
 
-    async def generate(self, route: str, body: bytes) -> httpx.Response:
+    async def token_pieces(self, text: str, *, add_special: bool,
+                           parse_special: bool) -> list[TokenPiece]:
+        reply = await self._post("/tokenize", {"content": text, "add_special": add_special,
+                                               "parse_special": parse_special,
+                                               "with_pieces": True})
+        try:
+            return [TokenPiece(int(t["id"]), t["piece"]) for t in reply["tokens"]]
+        except (TypeError, KeyError, ValueError) as e:
+            raise EngineUnavailable(f"model {self._model_id!r}: /tokenize answered no "
+                                    "pieces") from e
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        reply = await self._post("/detokenize", {"tokens": tokens})
+        text = reply.get("content") if isinstance(reply, dict) else None
+        if not isinstance(text, str):
+            raise EngineUnavailable(f"model {self._model_id!r}: /detokenize answered no "
+                                    "content")
+        return text
+
+    async def apply_template(self, chat: dict[str, Any]) -> str:
+        templated = await self._post(
+            "/apply-template", {k: v for k, v in chat.items() if k in TEMPLATED_FIELDS})
+        text = templated.get("prompt") if isinstance(templated, dict) else None
+        if not isinstance(text, str):
+            raise EngineUnavailable(f"model {self._model_id!r}: /apply-template answered "
+                                    "no prompt")
+        return text
+
+    async def generate(self, route: str, body: dict[str, Any] | bytes,
+                       slot: int | None = None) -> httpx.Response:
+        if route not in GENERATION_ROUTES:
+            raise ValueError(f"not a generation route: {route}")
+        return await self._generate(route, body, slot)
+
+    async def infill(self, body: dict[str, Any] | bytes,
+                     slot: int | None = None) -> httpx.Response:
+        if isinstance(body, dict):  # the engine needs both, as the schema defaults them
+            body = {"input_prefix": "", "input_suffix": "", **body}
+        return await self._generate("/infill", body, slot)
+
+    async def _generate(self, path: str, body: dict[str, Any] | bytes,
+                        slot: int | None) -> httpx.Response:
+        if slot is not None:
+            if not isinstance(body, dict):
+                raise ValueError("a slot is given with a parsed body only")
+            body = {**body, "id_slot": slot}
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
         return await self._send(self._http.build_request(
-            "POST", route, content=body, headers={"content-type": "application/json"}))
+            "POST", path, content=content, headers={"content-type": "application/json"}))
 
     def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
         return error_object(status, body, route)
+
+    def timings(self, event: dict[str, Any]) -> Timings | None:
+        return parse_timings(event.get("timings"))
+
+    def timings_line(self, line: str) -> Timings | None:
+        if '"timings"' not in line or not line.startswith("data:"):
+            return None
+        try:
+            event = json.loads(line[5:])
+        except ValueError:
+            return None
+        return self.timings(event) if isinstance(event, dict) else None
+
+    async def transcribe(self, audio: AsyncIterator[bytes], size: int,
+                         options: dict[str, Any]) -> httpx.Response:
+        raise InvalidRequest(f"model {self._model_id!r} does not transcribe audio",
+                             param="model")
 
     async def slots(self) -> list[SlotState]:
         resp = await self._get("/slots", None)
@@ -255,6 +356,36 @@ class LlamaCppClient(WorkerHTTP):
         reply = await self._post(f"/slots/{slot_id}?action=restore", {"filename": filename})
         return SlotSnapshot(slot_id, filename, int(reply.get("n_restored", 0)),
                             int(reply.get("n_read", 0)))
+
+
+def parse_timings(raw: Any) -> Timings | None:
+    """llama.cpp's ``timings`` object of an answer (``prompt_n`` computed, ``cache_n``
+    reused, ``predicted_n`` generated, ``prompt_ms``, ``predicted_ms``) as :class:`Timings`;
+    None when it is not one."""
+    if not isinstance(raw, dict):
+        return None
+    prompt = raw.get("prompt_n")
+    if type(prompt) is not int:
+        return None
+    cached, generated = raw.get("cache_n"), raw.get("predicted_n")
+    return Timings(prompt, cached if type(cached) is int else 0,
+                   generated if type(generated) is int else 0,
+                   _ms(raw.get("prompt_ms")), _ms(raw.get("predicted_ms")))
+
+
+def _ms(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+    return float(value) if ok else None
+
+
+def pinnable(route: str, body: dict[str, Any]) -> bool:
+    """Whether the request runs in exactly one slot the front may choose: a chat or text
+    completion of one prompt and one answer, no ``id_slot`` asked for by the client."""
+    if route not in ("/v1/chat/completions", "/v1/completions") or "id_slot" in body:
+        return False
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    return body.get("n", 1) == 1 and not several
 
 
 STATE_MAGIC = 0x67677371  # "ggsq": llama.cpp's sequence-state file
@@ -417,40 +548,54 @@ class LlamaCpp:
     worker_engine = WORKER_ENGINE
     build = _build()
 
-    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+    known_options = KNOWN_OPTIONS
+
+    def options(self, raw: Mapping[str, Any], where: str) -> LlamaCppOptions:
+        return parse_options(raw, where)
+
+    def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         # the worker's settings (worker/engines/llamacpp.py build_params) a slot file holds
         o = model.options
         return {"cache_type_k": "f16", "cache_type_v": "f16", "n_ubatch": N_UBATCH,
                 "slot_context": o.context // o.parallel, "kv_unified": False,
-                "swa_full": o.swa_full and self.sliding_window(model),
+                "swa_full": model_options(model).swa_full and _swa_layers(model.info) > 0,
                 "embeddings": model.embeddings}
 
-    def sliding_window(self, model: CatalogModel) -> bool:
-        return _swa_layers(model.info) > 0
+    def restore_hint(self, model: ServedModel) -> str:
+        if _swa_layers(model.info, model_options(model).swa_full):
+            return "it has sliding-window attention: set swa_full = true for it"
+        return ""
 
     def saved_tokens(self, path: Path) -> list[int]:
         return saved_tokens(path)
 
-    def worker_args(self, model: CatalogModel) -> list[str]:
+    def worker_args(self, model: ServedModel) -> list[str]:
         o = model.options
         return ["--context", str(o.context), "--parallel", str(o.parallel),
-                "--cache-ram-mib", str(o.cache_ram_mib), "--threads", str(o.threads),
                 *(["--embeddings"] if model.embeddings else []),
                 *(["--pooling", "model"] if model.info.pooling else []),
-                *(["--swa-full"] if o.swa_full else []),
-                *(["--chat-template", model.chat_template] if model.chat_template else [])]
+                *(["--chat-template", model.chat_template] if model.chat_template else []),
+                *opts.worker_args(model_options(model))]
 
-    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+    def estimate(self, model: ServedModel) -> MemoryEstimate:
         return estimate(model)
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> LlamaCppClient:
         return LlamaCppClient(transport, model_id)
 
+    def capabilities(self, model: ServedModel) -> Capabilities:
+        return Capabilities(generates=True, embeds=self.embedding_limit(model) > 0,
+                            infills=True, transcribes=False,
+                            saves_kv=self.snapshot_layout(model) is not None)
+
+    def pinnable(self, route: str, body: dict[str, Any]) -> bool:
+        return pinnable(route, body)
+
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         check_extensions(body)
         grammar_cost.check_request(body)
 
-    probe_module: str | None = "bunkhouse.worker.probe"
+    probe_module: str | None = "bunkhouse.worker.engines.llamacpp_probe"
 
     def constraint_checks(self, path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
         return constraint_checks(path, body)
@@ -458,13 +603,18 @@ class LlamaCpp:
     def forwarded_fields(self) -> frozenset[str]:
         return EXTENSION_FIELDS
 
-    def embedding_limit(self, model: CatalogModel) -> int:
+    def embedding_limit(self, model: ServedModel) -> int:
         if not model.embeddings:
             return 0
         return min(model.options.context // model.options.parallel, EMBEDDING_BATCH)
 
-    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+    def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         return kv_cache_bytes(model.info, tokens, 1)
+
+    def slot_tokens(self, tokens: int) -> int:
+        # llama.cpp sizes each slot in whole blocks (rounding up, one block at least): a slot
+        # that is not one would hold more than the front checks against
+        return max(SLOT_BLOCK, tokens - tokens % SLOT_BLOCK)
 
 
 # -- the memory estimate (docs/memory-estimate.md has the table and how it was measured) ---
@@ -529,7 +679,7 @@ def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int, swa_full: bool =
     return per_layer * (full * context + swa * swa_cells)
 
 
-def output_bytes(model: CatalogModel) -> int:
+def output_bytes(model: ServedModel) -> int:
     """The output buffers an embeddings batch grows to: llama.cpp computes logits for every
     token of it (one row of ``n_vocab`` f32 per token, in the compute buffer) and copies them
     with the embeddings to its output buffer, for up to one micro-batch of tokens."""
@@ -541,14 +691,14 @@ def output_bytes(model: CatalogModel) -> int:
     return rows * LOGIT_BYTES * (2 * vocab + width)
 
 
-def compute_bytes(model: CatalogModel) -> int:
+def compute_bytes(model: ServedModel) -> int:
     """Compute buffers and per-slot state a worker touches at its largest: a full
     micro-batch through the FFN, attention over a full slot, every slot sampling."""
     o = model.options
     ffn = model.info.feed_forward_length or _DEFAULT_FFN
     vocab = model.info.vocab_size or 0
     swa = swa_long = 0  # sliding-window cells the other slots attend over (unpadded)
-    if _swa_layers(model.info, o.swa_full):
+    if _swa_layers(model.info, model_options(model).swa_full):
         slot = o.context // o.parallel
         swa = _swa_stream(model.info, slot) * (o.parallel - 1)
         swa_long = max(0, min(slot, _SWA_LONG) - N_UBATCH)
@@ -560,13 +710,13 @@ def compute_bytes(model: CatalogModel) -> int:
                + SWA_STREAM_BYTES * swa)
 
 
-def estimate(model: CatalogModel) -> MemoryEstimate:
+def estimate(model: ServedModel) -> MemoryEstimate:
     """The worker's worst case under ``model``'s options, bytes by part."""
-    o = model.options
+    o, own = model.options, model_options(model)
     return MemoryEstimate(
         weights=model.size_bytes,
-        kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, o.swa_full),
-        prompt_cache=o.cache_ram_mib * MIB,
+        kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, own.swa_full),
+        prompt_cache=own.cache_ram_mib * MIB,
         runtime=RUNTIME_BYTES,
         compute=compute_bytes(model),
         outputs=output_bytes(model),

@@ -17,25 +17,28 @@ window, counted in full.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
+from bunkhouse.engines import options as opts
 from bunkhouse.engines.contract import (
+    Capabilities,
     ConstraintCheck,
     EngineRefused,
     MemoryEstimate,
     Messages,
+    ServedModel,
     SlotSnapshot,
     SlotState,
+    Timings,
+    TokenPiece,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, RequestTooLarge, envelope
-
-if TYPE_CHECKING:
-    from bunkhouse.catalog import CatalogModel
 
 NAME = "whisper"
 WORKER_ENGINE = "bunkhouse.worker.engines.whisper:WhisperEngine"
@@ -52,6 +55,21 @@ on a 10-minute file (see above), rounded up."""
 SAMPLE_BYTES_PER_S = 16_000 * 2  # the decoded audio: 16 kHz mono, 16-bit
 
 ROUTE = "/v1/audio/transcriptions"
+
+
+@dataclass(frozen=True, slots=True)
+class WhisperOptions:
+    """Whisper's own options of a model (config keys of the same names)."""
+
+    threads: int = field(default_factory=opts.cpu_threads)  # CTranslate2's CPU threads
+
+
+_OPTION_CHECKS: dict[str, opts.Check] = {"threads": opts.integer(1)}
+
+
+def parse_options(raw: Mapping[str, Any], where: str) -> WhisperOptions:
+    """Whisper's options as written; ConfigError naming an unknown key or a wrong value."""
+    return WhisperOptions(**opts.checked(raw, _OPTION_CHECKS, where))
 
 
 def wrong_kind(model_id: str) -> InvalidRequest:
@@ -72,8 +90,29 @@ class WhisperClient(WorkerHTTP):
     async def tokenize(self, prompt: str | Messages | dict[str, Any]) -> list[int]:
         raise wrong_kind(self._model_id)
 
-    async def generate(self, route: str, body: bytes) -> httpx.Response:
+    async def token_pieces(self, text: str, *, add_special: bool,
+                           parse_special: bool) -> list[TokenPiece]:
         raise wrong_kind(self._model_id)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        raise wrong_kind(self._model_id)
+
+    async def apply_template(self, chat: dict[str, Any]) -> str:
+        raise wrong_kind(self._model_id)
+
+    async def generate(self, route: str, body: dict[str, Any] | bytes,
+                       slot: int | None = None) -> httpx.Response:
+        raise wrong_kind(self._model_id)
+
+    async def infill(self, body: dict[str, Any] | bytes,
+                     slot: int | None = None) -> httpx.Response:
+        raise wrong_kind(self._model_id)
+
+    def timings(self, event: dict[str, Any]) -> Timings | None:
+        return None
+
+    def timings_line(self, line: str) -> Timings | None:
+        return None
 
     def error(self, status: int, body: bytes, route: str) -> tuple[int, dict[str, Any]]:
         return error_object(status, body)
@@ -130,7 +169,7 @@ def error_object(status: int, body: bytes) -> tuple[int, dict[str, Any]]:
     return status, envelope(message, "server_error", "engine_error")
 
 
-def estimate(model: CatalogModel) -> MemoryEstimate:
+def estimate(model: ServedModel) -> MemoryEstimate:
     """The worker's worst case: its runtime, the weights (the directory's files as stored;
     int8 on CPU never takes more), a window's working set and, for larger models, encoder
     and decoder buffers of half the weights; the window's samples (the upload itself is
@@ -148,14 +187,27 @@ class Whisper:
     worker_engine = WORKER_ENGINE
     build = "faster-whisper"
 
-    def worker_args(self, model: CatalogModel) -> list[str]:
-        return ["--parallel", "1", "--threads", str(model.options.threads)]
+    known_options = frozenset(_OPTION_CHECKS)
 
-    def estimate(self, model: CatalogModel) -> MemoryEstimate:
+    def options(self, raw: Mapping[str, Any], where: str) -> WhisperOptions:
+        return parse_options(raw, where)
+
+    def worker_args(self, model: ServedModel) -> list[str]:
+        own = parse_options(dict(model.options.engine_keys), "the model's whisper options")
+        return ["--parallel", "1", *opts.worker_args(own)]
+
+    def estimate(self, model: ServedModel) -> MemoryEstimate:
         return estimate(model)
 
     def client(self, transport: httpx.AsyncBaseTransport, model_id: str) -> WhisperClient:
         return WhisperClient(transport, model_id)
+
+    def capabilities(self, model: ServedModel) -> Capabilities:
+        return Capabilities(generates=False, embeds=False, infills=False, transcribes=True,
+                            saves_kv=False)
+
+    def pinnable(self, route: str, body: dict[str, Any]) -> bool:
+        return False
 
     def check_request(self, route: str, body: dict[str, Any]) -> None:
         return None
@@ -168,17 +220,20 @@ class Whisper:
     def forwarded_fields(self) -> frozenset[str]:
         return frozenset()
 
-    def embedding_limit(self, model: CatalogModel) -> int:
+    def embedding_limit(self, model: ServedModel) -> int:
         return 0
 
-    def kv_cache_bytes(self, model: CatalogModel, tokens: int) -> int:
+    def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
         return 0
 
-    def snapshot_layout(self, model: CatalogModel) -> dict[str, Any] | None:
+    def slot_tokens(self, tokens: int) -> int:
+        return tokens  # its one slot holds audio, not tokens
+
+    def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         return None
 
-    def sliding_window(self, model: CatalogModel) -> bool:
-        return False
+    def restore_hint(self, model: ServedModel) -> str:
+        return ""
 
     def saved_tokens(self, path: Path) -> list[int]:
         raise ValueError("a transcription model saves no slots")

@@ -34,7 +34,6 @@ from starlette.responses import JSONResponse, Response
 from bunkhouse.api.schemas import parse_json_object, read_body, validate
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.catalog.catalog import effective_options, files_size, model_files
-from bunkhouse.catalog.gguf_meta import read_gguf_info
 from bunkhouse.config import EngineOptions, check_model_id
 from bunkhouse.defaults import DRAIN_GRACE_S
 from bunkhouse.errors import (
@@ -47,6 +46,7 @@ from bunkhouse.errors import (
     WorkerLoadFailed,
 )
 from bunkhouse.front.reload import Reloader
+from bunkhouse.gguf.meta import read_gguf_info
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import ResidencyManager
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -30,13 +31,15 @@ from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.vocab import PairTable, pair_table
 from bunkhouse.defaults import LARGE_INPUT_BYTES
 from bunkhouse.engines import engine_for
-from bunkhouse.engines.contract import Messages
+from bunkhouse.engines.contract import EngineClient, Messages
 from bunkhouse.errors import ContextLengthExceeded, GGUFError, InvalidRequest
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from bunkhouse.kvcache.keeper import SnapshotKeeper
     from bunkhouse.residency.manager import Lease
+    from bunkhouse.residency.slots import Slot
 
 
 class _Turn:
@@ -61,6 +64,37 @@ class Held:
     def close(self) -> None:
         while self._releases:
             self._releases.pop()()
+
+
+@dataclasses.dataclass
+class Admitted:
+    """A request let in (front/pipeline.py): what it holds and what its sending needs."""
+
+    held: Held
+    engine: EngineClient
+    data: dict[str, Any]  # the body to send, its max_tokens lowered to the room left
+    tokens: list[int] | None = None  # its prompt's tokens, when KV snapshots needed them
+    slot: Slot | None = None
+    keeper: SnapshotKeeper | None = None  # KV snapshots, when on for its model
+    pinned: bool = False  # it runs in ``slot``, chosen by the front
+    constrained: bool = False  # it carries a constraint (front/constraints.py)
+
+    @property
+    def lease(self) -> Lease:
+        return self.held.lease
+
+    def close(self) -> None:
+        """Give back everything it holds (again is harmless)."""
+        self.held.close()
+
+
+async def drop_admission(task: asyncio.Future[Any]) -> None:
+    """Cancel an admission nobody will use (its client left), giving back what it holds
+    (an :class:`Admitted` or a :class:`Held`) if it was admitted before the cancel landed."""
+    task.cancel()
+    results = await asyncio.gather(task, return_exceptions=True)
+    if isinstance(results[0], Admitted | Held):
+        results[0].close()
 
 
 class ComputeGate:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 _TOP_FIELDS = ("id", "created", "model", "system_fingerprint")
+_FOLDED = frozenset({*_TOP_FIELDS, "object", "choices"})
 
 
 class StreamError(Exception):
@@ -104,18 +105,12 @@ class Assembly:
         for key in _TOP_FIELDS:
             if key in event and key not in self._top:
                 self._top[key] = event[key]
-        for key in ("usage", "timings"):
-            if key in event:
-                self._top[key] = event[key]
+        for key, value in event.items():  # usage, and an engine's own (its figures): the last
+            if key not in _FOLDED:
+                self._top[key] = value
         for ch in event.get("choices") or []:
             if isinstance(ch, dict):
                 self._choice(ch)
-
-    @property
-    def timings(self) -> dict[str, Any] | None:
-        """The engine's timings of the answer (llama.cpp: prompt_n, cache_n, ...), if sent."""
-        timings = self._top.get("timings")
-        return timings if isinstance(timings, dict) else None
 
     def _choice(self, ch: dict[str, Any]) -> None:
         raise NotImplementedError

@@ -32,7 +32,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from sse_starlette import EventSourceResponse
@@ -41,10 +41,11 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from bunkhouse.api.schemas import FORM_OVERHEAD_BYTES, MAX_FIELD_BYTES, MAX_FIELDS, MAX_FILES
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.whisper import OPENAI_NAME
-from bunkhouse.defaults import MAX_AUDIO_BYTES
-from bunkhouse.engines.whisper import WhisperClient
+from bunkhouse.defaults import MAX_AUDIO_BYTES, UPLOADS_IN_FLIGHT_BYTES
+from bunkhouse.engines import engine_for
 from bunkhouse.errors import (
     BunkhouseError,
     ClientGone,
@@ -54,32 +55,13 @@ from bunkhouse.errors import (
     ShuttingDown,
     error_body,
 )
-from bunkhouse.front.admission import Held
-from bunkhouse.front.proxy import client_gone
+from bunkhouse.front.admission import Admitted, Held
+from bunkhouse.front.pipeline import Pipeline
 from bunkhouse.shares import Shares
-
-if TYPE_CHECKING:
-    from bunkhouse.front.app import Front
 
 log = logging.getLogger(__name__)
 
-UPLOADS_IN_FLIGHT_BYTES = 1 << 30
-"""Upload bytes held (on disk, while read and transcribed) by all requests together; one
-client holds at most a share of them (bunkhouse/shares.py: a quarter, 256 MiB, ten uploads
-of OpenAI's 25 MB)."""
-
-FORM_OVERHEAD_BYTES = 64 * 1024
-"""A form's bytes besides the file: boundaries, part headers, the option fields."""
-
-MAX_FIELD_BYTES = 16 * 1024
-"""The largest option field (a prompt: OpenAI takes 224 tokens of it)."""
-
-MAX_FIELDS = 16
-"""Text fields in a form (OpenAI defines 9)."""
-
-MAX_FILES = 4
-"""File parts a form may carry: one is served; the others are refused by name (all of them
-count against ``--max-audio``)."""
+ROUTE = "/v1/audio/transcriptions"
 
 SETTLE_S = 120.0
 """How long an abandoned transcription's lease is held at most while its worker finishes the
@@ -237,32 +219,39 @@ async def read_upload(request: Request, limit: int, budget: Shares, client: str)
         raise
     upload = Upload(form, lambda: budget.give(client, taken))
     try:
-        for name, value in form.multi_items():
-            if name != "file" and isinstance(value, UploadFile):
-                raise InvalidRequest(f"{name[:64]} must be a text field, not a file; the "
-                                     "audio goes in the field 'file'", param=name[:64])
-        files = [v for v in form.getlist("file") if isinstance(v, UploadFile)]
-        if len(form.getlist("file")) > 1:
-            raise InvalidRequest("send one audio file, in the field 'file'", param="file")
-        if len(files) != 1:
-            raise InvalidRequest("the form needs an audio file in the field 'file', sent as "
-                                 "a file part (curl -F file=@talk.mp3), and the whole body "
-                                 "(a cut-short body loses its last part)", param="file")
-        upload.file = files[0]
-        upload.size = files[0].size or 0
-        if upload.size > limit:
-            raise RequestTooLarge(f"the file is {upload.size} bytes; the limit is {limit} "
-                                  "(--max-audio)", param="file")
-        if upload.size == 0:
-            raise InvalidRequest("the file is empty", param="file")
-        head = await files[0].read(64)
-        await files[0].seek(0)
-        if not looks_like_audio(head):
-            raise InvalidRequest(f"the file is not audio ({_FORMAT_NAMES})", param="file")
+        await _check_file(upload, limit)
     except BaseException:
         await close_upload(upload)
         raise
     return upload
+
+
+async def _check_file(upload: Upload, limit: int) -> None:
+    """The form holds one file, in ``file``, of audio within ``limit`` bytes (InvalidRequest
+    or RequestTooLarge naming the field); it is noted in ``upload``."""
+    form = upload.form
+    for name, value in form.multi_items():
+        if name != "file" and isinstance(value, UploadFile):
+            raise InvalidRequest(f"{name[:64]} must be a text field, not a file; the "
+                                 "audio goes in the field 'file'", param=name[:64])
+    files = [v for v in form.getlist("file") if isinstance(v, UploadFile)]
+    if len(form.getlist("file")) > 1:
+        raise InvalidRequest("send one audio file, in the field 'file'", param="file")
+    if len(files) != 1:
+        raise InvalidRequest("the form needs an audio file in the field 'file', sent as "
+                             "a file part (curl -F file=@talk.mp3), and the whole body "
+                             "(a cut-short body loses its last part)", param="file")
+    upload.file = files[0]
+    upload.size = files[0].size or 0
+    if upload.size > limit:
+        raise RequestTooLarge(f"the file is {upload.size} bytes; the limit is {limit} "
+                              "(--max-audio)", param="file")
+    if upload.size == 0:
+        raise InvalidRequest("the file is empty", param="file")
+    head = await files[0].read(64)
+    await files[0].seek(0)
+    if not looks_like_audio(head):
+        raise InvalidRequest(f"the file is not audio ({_FORMAT_NAMES})", param="file")
 
 
 def _form_error(message: str) -> InvalidRequest:
@@ -285,10 +274,11 @@ async def close_upload(upload: Upload) -> None:
 
 
 class Transcriptions:
-    """The route, over the front's catalog, residency and compute gate."""
+    """The route: a transcription takes the pipeline's lease, slot, compute turn and
+    release (front/pipeline.py)."""
 
-    def __init__(self, front: Front, max_audio_bytes: int = MAX_AUDIO_BYTES) -> None:
-        self.front = front
+    def __init__(self, pipeline: Pipeline, max_audio_bytes: int = MAX_AUDIO_BYTES) -> None:
+        self.pipeline = pipeline
         self.max_audio_bytes = max_audio_bytes
         self._uploads = Shares(UPLOADS_IN_FLIGHT_BYTES, "audio upload bytes")
         self._settling: set[asyncio.Task[None]] = set()  # abandoned ones, until idle
@@ -296,8 +286,8 @@ class Transcriptions:
     def model(self, name: str | None) -> CatalogModel:
         """The transcription model ``name`` means (``whisper-1`` when not given); 400 for a
         model that does not transcribe, 404 for an unknown name."""
-        model = self.front.catalog.get(name or OPENAI_NAME)
-        if not model.transcribes:
+        model = self.pipeline.catalog.get(name or OPENAI_NAME)
+        if not engine_for(model).capabilities(model).transcribes:
             raise InvalidRequest(f"model {model.id!r} does not transcribe audio; use a "
                                  f"transcription model ({OPENAI_NAME!r} names the first)",
                                  param="model")
@@ -305,19 +295,19 @@ class Transcriptions:
 
     async def create(self, request: Request) -> Response:
         upload = await read_upload(request, self.max_audio_bytes, self._uploads,
-                                   self.front.keys.client_of(request))
+                                   self.pipeline.keys.client_of(request))
         try:
             options = parse_fields(upload.form)
             model = self.model(options.model)
             request.state.model = model.id
             request.state.stream = options.stream
             queued = time.monotonic()
-            held = await _unless_gone(request, self._admit(model))
+            admitted = await self.pipeline.unless_gone(request, self._admit(request, model))
             request.state.queue_s = time.monotonic() - queued
         except BaseException:
             await close_upload(upload)
             raise
-        lines = _Lines(held, upload, model.id, self.front, self._settling)
+        lines = _Lines(admitted.held, upload, model.id, self.pipeline, self._settling)
         try:
             answer = await lines.open(options)
         except BaseException:
@@ -327,42 +317,32 @@ class Transcriptions:
             return EventSourceResponse(_events(lines, answer), ping=15,
                                        headers={"cache-control": "no-cache"})
         try:
-            transcript = await _unless_gone(request, _collect(answer))
+            transcript = await self.pipeline.unless_gone(request, _collect(answer))
         finally:
             await lines.close()
         return _render(transcript, options)
 
-    async def _admit(self, model: CatalogModel) -> Held:
-        """A lease, the model's slot and a compute turn, or what was taken given back."""
-        lease = await self.front.residency.acquire(model)
-        held = Held(lease)
+    async def _admit(self, request: Request, model: CatalogModel) -> Admitted:
+        """The pipeline's lease, slot and compute turn, or what was taken given back."""
+        admitted = await self.pipeline.admit(request, model, ROUTE)
         try:
-            slots = lease.slots
-            slot = await slots.enter()
-            held.push(lambda: slots.leave(slot))
-            await self.front.compute.enter(model.id)
-            held.push(lambda: self.front.compute.leave(model.id))
-            if self.front.residency.closing:
-                raise ShuttingDown(model.id)
-            if not lease.worker.alive:
-                raise EngineUnavailable(f"model {model.id!r}: its worker exited while this "
-                                        "request waited; retry")
+            self.pipeline.check_still_served(admitted.lease)
         except BaseException:
-            held.close()
+            admitted.close()
             raise
-        return held
+        return admitted
 
 
 class _Lines:
     """The worker's answer, line by line; closing it gives back the lease, slot and turn
     and the upload (once)."""
 
-    def __init__(self, held: Held, upload: Upload, model_id: str, front: Front,
+    def __init__(self, held: Held, upload: Upload, model_id: str, pipeline: Pipeline,
                  settling: set[asyncio.Task[None]]) -> None:
         self.held = held
         self.upload = upload
         self.model_id = model_id
-        self.front = front
+        self.residency = pipeline.residency
         self.response: Any = None
         self.finished = False  # the worker's answer ended (done, or an error line)
         self._settling = settling
@@ -370,9 +350,6 @@ class _Lines:
 
     async def open(self, options: Options) -> AsyncIterator[dict[str, Any]]:
         engine = self.held.lease.worker.engine
-        if not isinstance(engine, WhisperClient):
-            raise InvalidRequest(f"model {self.model_id!r} does not transcribe audio",
-                                 param="model")
         try:
             self.response = await engine.transcribe(self._file(), self.upload.size,
                                                     options.worker_options())
@@ -418,7 +395,7 @@ class _Lines:
                                 "retry")
 
     def _failed(self) -> None:
-        if self.front.residency.closing:
+        if self.residency.closing:
             raise ShuttingDown(self.model_id)
         self.held.lease.report(False)
 
@@ -449,7 +426,7 @@ class _Lines:
         deadline = time.monotonic() + SETTLE_S
         try:
             while time.monotonic() < deadline and self.held.lease.worker.alive \
-                    and not self.front.residency.closing:
+                    and not self.residency.closing:
                 try:
                     if not any(s.busy for s in await engine.slots()):
                         return
@@ -570,24 +547,3 @@ def vtt(segments: list[dict[str, Any]]) -> str:
     return "WEBVTT\n\n" + "".join(
         f"{timestamp(s['start'], '.')} --> {timestamp(s['end'], '.')}\n"
         f"{_cue_text(s['text'])}\n\n" for s in segments)
-
-
-async def _unless_gone(request: Request, work: Any) -> Any:
-    """``work``'s result, or ClientGone (a 499 nobody reads) once the client left: the work
-    is cancelled, so a load nobody waits for evicts nothing and the worker stops."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(client_gone(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        await asyncio.gather(gone, return_exceptions=True)
-        if not task.done():
-            task.cancel()
-            results = await asyncio.gather(task, return_exceptions=True)
-            if isinstance(results[0], Held):  # admitted as the cancel came
-                results[0].close()
-    if task.cancelled():
-        raise ClientGone("the client disconnected while its transcription waited or ran")
-    return task.result()
-

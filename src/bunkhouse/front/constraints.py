@@ -6,8 +6,8 @@ seconds (a JSON schema ``{"enum": [3,000 strings]}`` on the chat route: 31 s of 
 2 cores), long enough for the worker to miss its liveness probes and be replaced, cutting
 every other client's stream; a static reading (engines/grammar_cost.py) cannot foresee
 every such shape. So each constraint is first run on its own in a disposable process
-(worker/probe.py: the same model with one slot, a 256-token context, one thread), and the
-front watches that process's CPU time and memory:
+(worker/engines/llamacpp_probe.py: the same model with one slot, a 256-token context, one
+thread), and the front watches that process's CPU time and memory:
 
 - past :data:`MAX_CONSTRAINT_CPU_S` of CPU or :data:`MAX_CONSTRAINT_MEMORY` of memory more
   than the same prompt without the constraint, the process is killed and the request gets a
@@ -89,6 +89,10 @@ _POLL_S = 0.02
 _PROMPT_FIELDS = frozenset({"messages", "max_tokens", "prompt", "n_predict", "stream",
                             "cache_prompt"})
 _SERIAL = itertools.count()
+
+
+_EXITED_S = 5.0
+"""Seconds to wait for a probe process that exited to close its stdout."""
 
 
 @dataclass
@@ -231,9 +235,13 @@ class ConstraintGate:
         try:
             while True:
                 done, _ = await asyncio.wait({reply}, timeout=_POLL_S)
-                cpu, memory = probe.usage()
+                try:
+                    cpu, memory = probe.usage()
+                except psutil.Error:  # it exited: its stdout ends at once
+                    await asyncio.wait({reply}, timeout=_EXITED_S)
+                    done, (cpu, memory) = {reply}, (cpu0, 0)
                 if done:
-                    if not reply.result():  # the engine died on it (or at its warm-up)
+                    if not reply.done() or not reply.result():  # the engine died on it
                         if baseline is not None:
                             raise TooCostly("crashed the engine")
                         raise ServerBusy("the constraint probe exited; retry")

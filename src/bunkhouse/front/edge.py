@@ -22,10 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bunkhouse.api.schemas import known_fields
+from bunkhouse.api.schemas import MAX_TOOLS_BYTES, known_fields
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import ENGINES, engine_for
-from bunkhouse.engines.whisper import wrong_kind
 from bunkhouse.errors import InvalidRequest
 
 _TEXT_PARTS = frozenset({"text"})
@@ -55,8 +54,9 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
 def check_generates(model: CatalogModel) -> None:
     """InvalidRequest (400, ``model``) for a model that does not generate text (a
     transcription model)."""
-    if model.transcribes:
-        raise wrong_kind(model.id)
+    if not engine_for(model).capabilities(model).generates:
+        raise InvalidRequest(f"model {model.id!r} is a transcription model: send audio to "
+                             "POST /v1/audio/transcriptions", param="model")
 
 
 @functools.cache
@@ -77,9 +77,6 @@ def known_only(schema: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
 @functools.cache
 def _any_engine_fields(schema: type[BaseModel]) -> frozenset[str]:
     return frozenset().union(*(_forwarded_fields(schema, name) for name in ENGINES))
-
-
-MAX_TOOLS_BYTES = 256 * 1024  # the tools' JSON: the template renders them into every prompt
 
 
 def _check_tools_size(tools: Any) -> None:

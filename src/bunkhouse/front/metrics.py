@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Scope
 
+from bunkhouse.engines.contract import Timings
 from bunkhouse.front.admission import ComputeGate
 from bunkhouse.front.cors import admin_route
 from bunkhouse.kvcache.keeper import SnapshotKeeper
@@ -79,6 +80,12 @@ class StateCollector(Collector):
         self.keeper = keeper
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._models()
+        yield from self._host()
+        yield from self._compute_gate()
+
+    def _models(self) -> Iterator[Metric]:
+        """Each model's state and figures."""
         r = self.residency
         state = GaugeMetricFamily("bunkhouse_model_state",
                                   "1 for the state each model is in, 0 for the others",
@@ -112,6 +119,10 @@ class StateCollector(Collector):
                 gauges["kv_snapshot_bytes"].add_metric([s.id], size)
         yield state
         yield from gauges.values()
+
+    def _host(self) -> Iterator[Metric]:
+        """The memory budget, residency's events and evictions, an operator's pause."""
+        r = self.residency
         for name, doc, value in (
                 ("budget_bytes", "memory all workers together may use", r.options.budget_bytes),
                 ("used_bytes", "memory the resident models hold", r.used_bytes()),
@@ -131,6 +142,14 @@ class StateCollector(Collector):
         for (model, cause), count in sorted(r.events.drains.items()):
             evictions.add_metric([model, cause], count)
         yield evictions
+        left = r.pause_left_s()
+        yield GaugeMetricFamily("bunkhouse_paused", "1 while an operator's pause holds every "
+                                "model (POST /admin/pause), else 0",
+                                value=0 if left is None else 1)
+        yield GaugeMetricFamily("bunkhouse_pause_remaining_seconds", "seconds until the "
+                                "pause ends by itself (0 when none is held)", value=left or 0)
+
+    def _compute_gate(self) -> Iterator[Metric]:
         yield CounterMetricFamily("bunkhouse_compute_gate_waits",
                                   "requests that waited for another model's compute turn",
                                   value=self.compute.waits)
@@ -144,12 +163,6 @@ class StateCollector(Collector):
         yield GaugeMetricFamily("bunkhouse_compute_gate_suspended",
                                 "models whose worker is suspended now, waiting for its turn",
                                 value=len(self.compute.suspended))
-        left = r.pause_left_s()
-        yield GaugeMetricFamily("bunkhouse_paused", "1 while an operator's pause holds every "
-                                "model (POST /admin/pause), else 0",
-                                value=0 if left is None else 1)
-        yield GaugeMetricFamily("bunkhouse_pause_remaining_seconds", "seconds until the "
-                                "pause ends by itself (0 when none is held)", value=left or 0)
 
 
 class Metrics:
@@ -223,14 +236,22 @@ class Metrics:
         if tokens:
             self.tokens_in.labels(model).inc(tokens[0])
             self.tokens_out.labels(model).inc(tokens[1])
-        timings = state.get("timings") or {}
-        for name, key, scale in (("prompt_tokens", "prompt_n", 1.0),
-                                 ("prompt_seconds", "prompt_ms", 1e-3),
-                                 ("decode_tokens", "predicted_n", 1.0),
-                                 ("decode_seconds", "predicted_ms", 1e-3)):
-            value = timings.get(key)
-            if isinstance(value, (int, float)) and value >= 0:
-                self.engine[name].labels(model).inc(value * scale)
+        timings = state.get("timings")
+        if isinstance(timings, Timings):
+            self._engine_figures(model, timings)
+
+    def _engine_figures(self, model: str, timings: Timings) -> None:
+        """The engine's own figures of one answer (engines/contract.py ``Timings``)."""
+        for name, value in (("prompt_tokens", timings.prompt_tokens),
+                            ("decode_tokens", timings.generated_tokens),
+                            ("prompt_seconds", _seconds(timings.prompt_ms)),
+                            ("decode_seconds", _seconds(timings.generated_ms))):
+            if value is not None and value >= 0:
+                self.engine[name].labels(model).inc(value)
 
     async def scrape(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000

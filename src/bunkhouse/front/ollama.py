@@ -1,5 +1,5 @@
 """Ollama's API on the same port (Ollama's docs/api.md): ``/api/chat`` and ``/api/generate``
-translated by api/ollama.py and served by the one generation path (``Front.generate``);
+translated by api/ollama.py and served by the one generation path (``Pipeline.generate``);
 ``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show`` from the catalog and residency;
 ``pull``, ``push``, ``create``, ``copy`` and ``delete`` answer 501 saying what bunkhouse does
 instead. Errors come as Ollama's ``{"error": "..."}`` (front/protocols.py)."""
@@ -10,8 +10,9 @@ import datetime as dt
 import hashlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -28,11 +29,9 @@ from bunkhouse.api.schemas import (
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.errors import BunkhouseError, InvalidRequest
 from bunkhouse.front.edge import check_generates
+from bunkhouse.front.pipeline import Pipeline
 from bunkhouse.front.protocols import InfillShape, OllamaEmbedShape, OllamaShape
 from bunkhouse.front.proxy import Shape
-
-if TYPE_CHECKING:
-    from bunkhouse.front.app import Front, Schema
 
 
 class NotServed(BunkhouseError):
@@ -59,7 +58,7 @@ def _details(model: CatalogModel) -> dict[str, Any]:
 
 
 class OllamaRoutes:
-    def __init__(self, front: Front) -> None:
+    def __init__(self, front: Pipeline) -> None:
         self.front = front
 
     def _model(self, name: Any) -> CatalogModel:
@@ -90,8 +89,8 @@ class OllamaRoutes:
     async def _begin(self, request: Request) -> tuple[bytes, dict[str, Any], CatalogModel,
                                                       str, float | None]:
         """The body, parsed, the model it names, the name as given, and its keep_alive."""
-        body = await self.front.read(request)
-        given = await self.front.cpu(len(body), parse_json_object, body)
+        body = await self.front.bodies.read(request)
+        given = await self.front.bodies.cpu(len(body), parse_json_object, body)
         keep = ollama.keep_alive(given)
         return body, given, self._model(given.get("model")), str(given.get("model")), keep
 
@@ -100,9 +99,9 @@ class OllamaRoutes:
         body, given, model, name, keep = await self._begin(request)
         if not given.get("messages"):
             return await self._load_only(model, name, True, keep)
-        data = await front.cpu(len(body), ollama.chat_request, given)
+        data = await front.bodies.cpu(len(body), ollama.chat_request, given)
         data["model"] = model.id
-        parsed = await front.cpu(len(body), validate, ChatCompletionRequest, data)
+        parsed = await front.bodies.cpu(len(body), validate, ChatCompletionRequest, data)
         front.residency.keep_alive(model.id, keep)
         return await front.generate(request, "/v1/chat/completions", ChatCompletionRequest,
                                     parsed, data, len(body),
@@ -114,12 +113,12 @@ class OllamaRoutes:
         body, given, model, name, keep = await self._begin(request)
         if not given.get("prompt") and not given.get("suffix"):
             return await self._load_only(model, name, False, keep)
-        path, data = await front.cpu(len(body), ollama.generate_request, given,
-                                     model.has_chat_template)
+        path, data = await front.bodies.cpu(len(body), ollama.generate_request, given,
+                                            model.has_chat_template)
         data["model"] = model.id
-        schema: Schema = (ChatCompletionRequest if path == "/v1/chat/completions"
+        schema: type[BaseModel] = (ChatCompletionRequest if path == "/v1/chat/completions"
                           else InfillRequest if path == "/infill" else CompletionRequest)
-        parsed = await front.cpu(len(body), validate, schema, data)
+        parsed = await front.bodies.cpu(len(body), validate, schema, data)
         front.residency.keep_alive(model.id, keep)
         shape: Callable[[str], Shape] = (
             (lambda _: InfillShape(name, OllamaShape(name, False, _timing(request))))
@@ -132,9 +131,9 @@ class OllamaRoutes:
         front = self.front
         legacy = request.url.path == "/api/embeddings"
         body, given, model, name, keep = await self._begin(request)
-        data = await front.cpu(len(body), ollama.embed_request, given, legacy)
+        data = await front.bodies.cpu(len(body), ollama.embed_request, given, legacy)
         data["model"] = model.id
-        parsed = await front.cpu(len(body), validate, EmbeddingRequest, data)
+        parsed = await front.bodies.cpu(len(body), validate, EmbeddingRequest, data)
         front.residency.keep_alive(model.id, keep)
         return await front.generate(request, "/v1/embeddings", EmbeddingRequest, parsed, data,
                                     len(body), lambda _: OllamaEmbedShape(name, legacy))
@@ -166,8 +165,8 @@ class OllamaRoutes:
 
     async def show(self, request: Request) -> Response:
         front = self.front
-        body = await front.read(request)
-        given = await front.cpu(len(body), parse_json_object, body)
+        body = await front.bodies.read(request)
+        given = await front.bodies.cpu(len(body), parse_json_object, body)
         model = self._model(given.get("model") or given.get("name"))
         arch = model.info.architecture
         capabilities = ["completion"] + (["tools"] if model.has_chat_template else []) + (

@@ -10,8 +10,10 @@ from pydantic import BaseModel
 from bunkhouse.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     InfillRequest,
+    TokenizeRequest,
 )
 from bunkhouse.front.admin import RegisterRequest
 
@@ -186,12 +188,17 @@ def openapi(version: str) -> dict[str, Any]:
     schemas: dict[str, Any] = {"Error": {
         "type": "object", "required": ["error"],
         "properties": {"error": {"type": "object", "required": ["message", "type", "code"]}}}}
-    from bunkhouse.front.extras import DetokenizeRequest, TokenizeRequest
+    paths = {**_openai_paths(schemas), **_other_protocol_paths(), **_llamacpp_paths(schemas),
+             **_ollama_paths(), **_admin_paths(), **_server_paths()}
+    return {"openapi": "3.1.0", "info": {"title": "bunkhouse", "version": version},
+            "paths": paths, "components": {"schemas": schemas}}
 
-    chat, comp, emb, reg, fim, tok, detok = (_body(m, schemas) for m in (
-        ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RegisterRequest,
-        InfillRequest, TokenizeRequest, DetokenizeRequest))
-    paths = {
+
+def _openai_paths(schemas: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's routes whose bodies are the edge's pydantic models, and model control."""
+    chat, comp, emb, reg = (_body(m, schemas) for m in (
+        ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RegisterRequest))
+    return {
         "/v1/chat/completions": {"post": _op("chat completion (SSE with stream)", "200", chat)},
         "/v1/completions": {"post": _op("text completion (SSE with stream)", "200", comp)},
         "/v1/embeddings": {"post": _op("embeddings", "200", emb)},
@@ -206,6 +213,13 @@ def openapi(version: str) -> dict[str, Any]:
             "catalog model (admin)", "200", params=[*_MODEL_ID, {
                 "name": "action", "in": "path", "required": True,
                 "schema": {"enum": ["load", "unload", "pin", "unpin"]}}])},
+    }
+
+
+def _other_protocol_paths() -> dict[str, Any]:
+    """Anthropic's Messages, OpenAI's Responses and transcription, Ollama's chat and
+    generate: request bodies described here, as each API's reference does."""
+    return {
         "/v1/messages": {"post": _op("Anthropic Messages (SSE with stream); errors in "
                                      "Anthropic's envelope", "200", _messages_body(True))},
         "/v1/messages/count_tokens": {"post": _op("Anthropic: the prompt's tokens", "200",
@@ -226,12 +240,28 @@ def openapi(version: str) -> dict[str, Any]:
                                   _ollama_body(True))},
         "/api/generate": {"post": _op("Ollama generate: through the chat template, or raw",
                                       "200", _ollama_body(False))},
+    }
+
+
+def _llamacpp_paths(schemas: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's own routes: fill-in-the-middle, tokens and templates."""
+
+    chat, fim, tok, detok = (_body(m, schemas) for m in (
+        ChatCompletionRequest, InfillRequest, TokenizeRequest, DetokenizeRequest))
+    return {
         "/infill": {"post": _op("llama.cpp fill-in-the-middle: input_prefix, input_suffix, "
                                 "input_extra, prompt (SSE with stream)", "200", fim)},
         "/tokenize": {"post": _op("llama.cpp: a text's tokens under the model", "200", tok)},
         "/detokenize": {"post": _op("llama.cpp: the text of token ids", "200", detok)},
         "/apply-template": {"post": _op("llama.cpp: the prompt chat messages become", "200",
                                         chat)},
+    }
+
+
+def _ollama_paths() -> dict[str, Any]:
+    """Ollama's routes besides chat and generate, the ones it serves and the ones it
+    refuses."""
+    return {
         "/api/embed": {"post": _op("Ollama embeddings of input (a text or texts)", "200",
                                    _ollama_embed_body(False))},
         "/api/embeddings": {"post": _op("Ollama's older embeddings of one prompt", "200",
@@ -246,6 +276,12 @@ def openapi(version: str) -> dict[str, Any]:
         "/api/tags": {"get": _op("Ollama: every model", "200")},
         "/api/ps": {"get": _op("Ollama: the loaded models", "200")},
         "/api/version": {"get": _op("Ollama: the server's version", "200")},
+    }
+
+
+def _admin_paths() -> dict[str, Any]:
+    """The operator's routes under /admin (an admin key)."""
+    return {
         "/admin/cache/flush": {"post": _op("save every ready model's idle KV slots (admin)",
                                            "200")},
         "/admin/reload": {"post": _op("re-read the config file and model folders (admin); "
@@ -260,6 +296,12 @@ def openapi(version: str) -> dict[str, Any]:
         "/admin/cache": {"delete": _op("remove every KV snapshot (admin)", "200")},
         "/admin/cache/{model_id}": {"delete": _op("remove a model's KV snapshots (admin)",
                                                   "200", params=_MODEL_ID)},
+    }
+
+
+def _server_paths() -> dict[str, Any]:
+    """The server's own: health, figures, events, this description and the web console."""
+    return {
         "/health": {"get": _op("liveness and every model's state", "200")},
         "/stats": {"get": _op("memory budget, models and recent events", "200")},
         "/metrics": {"get": _op("residency in Prometheus' text format", "200",
@@ -276,5 +318,3 @@ def openapi(version: str) -> dict[str, Any]:
                                                        "schema": {"type": "string"}}],
                                        media=("text/javascript", "text/css"))},
     }
-    return {"openapi": "3.1.0", "info": {"title": "bunkhouse", "version": version},
-            "paths": paths, "components": {"schemas": schemas}}

@@ -13,11 +13,10 @@ The front never holds a whole upstream answer: a plain answer the engine makes i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
@@ -25,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from bunkhouse.engines.contract import EngineClient
+from bunkhouse.engines.contract import EngineClient, Timings
 from bunkhouse.errors import BunkhouseError, EngineUnavailable, error_body
 from bunkhouse.front.assemble import (
     DONE,
@@ -39,8 +38,8 @@ from bunkhouse.front.assemble import (
 
 log = logging.getLogger(__name__)
 
-Timings = Callable[[dict[str, Any]], None]
-"""Called with the engine's ``timings`` of an answer (prompt_n, cache_n, ...)."""
+OnTimings = Callable[[Timings], None]
+"""Called with the engine's figures of an answer (engines/contract.py ``Timings``)."""
 
 
 class StreamShaper(Protocol):
@@ -118,6 +117,11 @@ def stream_broke(model_id: str, error: Exception) -> BunkhouseError:
                              detail=repr(error))
 
 
+def _unreadable(model_id: str, error: Exception) -> BunkhouseError:
+    return EngineUnavailable(f"model {model_id!r}: its worker's answer was unreadable; retry",
+                             detail=repr(error))
+
+
 _ASSEMBLERS: dict[str, Callable[[], Assembly]] = {
     "/v1/chat/completions": ChatAssembly,
     "/v1/completions": CompletionAssembly,
@@ -125,16 +129,19 @@ _ASSEMBLERS: dict[str, Callable[[], Assembly]] = {
 
 
 async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any], *,
-                  stream: bool, request: Request, model_id: str,
+                  stream: bool, request: Request, model_id: str, slot: int | None = None,
                   on_done: Callable[[], None] = _nothing,
                   on_broken: Callable[[Exception], BunkhouseError] | None = None,
-                  on_timings: Timings | None = None, shape: Shape | None = None,
+                  on_timings: OnTimings | None = None, shape: Shape | None = None,
                   started: StreamShaper | None = None) -> Response:
     """Send ``body`` to the worker behind ``engine`` and relay its answer.
 
-    ``body`` is raw bytes, sent as they are, or a parsed request, serialized here once: a
-    plain generation request given parsed is sent upstream as a stream and its answer
-    assembled here (see front/assemble.py: so that a disconnect frees the slot).
+    ``path``: a route of :data:`bunkhouse.engines.contract.GENERATION_ROUTES`, or ``/infill``
+    (the engine's fill-in-the-middle). ``body`` is raw bytes, sent as they are, or a parsed
+    request, serialized by the engine's client: a plain generation request given parsed is
+    sent upstream as a stream and its answer assembled here (see front/assemble.py: so that
+    a disconnect frees the slot). ``slot``: the slot the front chose for it (a parsed body
+    only).
     ``on_done`` runs once the upstream exchange is over: for a stream, when the relay ends
     (completed, broken or the client gone), else before the answer is returned. If this
     raises, ``on_done`` may not have run. ``on_broken(error)`` is called once if a stream the
@@ -151,22 +158,32 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
         data = body
         assembler = _ASSEMBLERS.get(path) if not stream and _single(data) else None
         if assembler is not None:
-            data = {**data, "stream": True, "stream_options": {"include_usage": True}}
-        body = json.dumps(data).encode()
+            body = {**data, "stream": True, "stream_options": {"include_usage": True}}
+    send: Upstream = functools.partial(_send, engine, path, body, slot)
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)
-        return await _forward_stream(engine, path, body, model_id, on_done, broken, on_timings,
+        return await _forward_stream(engine, send, path, model_id, on_done, broken, on_timings,
                                      shape, started)
-    return await _forward_once(engine, path, body, request, model_id, assembler, on_done,
+    return await _forward_once(engine, send, path, request, model_id, assembler, on_done,
                                on_timings, shape)
 
 
-async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id: str,
+Upstream = Callable[[], Awaitable[httpx.Response]]
+
+
+async def _send(engine: EngineClient, path: str, body: bytes | dict[str, Any],
+                slot: int | None) -> httpx.Response:
+    if path == "/infill":
+        return await engine.infill(body, slot)
+    return await engine.generate(path, body, slot)
+
+
+async def _forward_stream(engine: EngineClient, send: Upstream, path: str, model_id: str,
                           on_done: Callable[[], None],
                           on_broken: Callable[[Exception], BunkhouseError],
-                          on_timings: Timings | None, shape: Shape | None,
+                          on_timings: OnTimings | None, shape: Shape | None,
                           started: StreamShaper | None = None) -> Response:
-    resp = await engine.generate(path, body)
+    resp = await send()
     if resp.status_code >= 400:
         try:
             if started is not None:
@@ -178,7 +195,7 @@ async def _forward_stream(engine: EngineClient, path: str, body: bytes, model_id
             await resp.aclose()
             on_done()
     shaper = started or (shape.stream() if shape else None)
-    return _Relay(resp, model_id, on_done, on_broken, on_timings,
+    return _Relay(resp, engine, model_id, on_done, on_broken, on_timings,
                   shaper, shape.media_type if shape else None)
 
 
@@ -216,9 +233,10 @@ class _Relay(StreamingResponse):
     """Streams the worker's answer; closes it and calls ``on_done`` however the send ends,
     even when the client is gone before the first byte (the body iterator never starts)."""
 
-    def __init__(self, upstream: httpx.Response, model_id: str, on_done: Callable[[], None],
+    def __init__(self, upstream: httpx.Response, engine: EngineClient, model_id: str,
+                 on_done: Callable[[], None],
                  on_broken: Callable[[Exception], BunkhouseError] | None,
-                 on_timings: Timings | None = None,
+                 on_timings: OnTimings | None = None,
                  shaper: StreamShaper | None = None, media_type: str | None = None) -> None:
         """``on_broken`` None: a plain answer, relayed with its length, so that a client
         sees a break as a short body rather than as an event. ``shaper``: the events are
@@ -227,8 +245,8 @@ class _Relay(StreamingResponse):
         length = upstream.headers.get("content-length")
         if on_broken is None and length is not None:
             headers["content-length"] = length
-        body = (_relay(upstream, model_id, on_broken, on_timings) if shaper is None
-                else _shaped(upstream, model_id, on_broken, on_timings, shaper))
+        body = (_relay(upstream, engine, model_id, on_broken, on_timings) if shaper is None
+                else _shaped(upstream, engine, model_id, on_broken, on_timings, shaper))
         super().__init__(
             body,
             status_code=upstream.status_code,
@@ -250,15 +268,18 @@ class _Relay(StreamingResponse):
             self._on_done()
 
 
-async def _relay(resp: httpx.Response, model_id: str,
+async def _relay(resp: httpx.Response, engine: EngineClient, model_id: str,
                  on_broken: Callable[[Exception], BunkhouseError] | None,
-                 on_timings: Timings | None = None) -> AsyncIterator[bytes]:
+                 on_timings: OnTimings | None = None) -> AsyncIterator[bytes]:
     lines = LineSplitter() if on_timings is not None else None
     try:
         async for chunk in _raw(resp):
             yield chunk
             if lines is not None and on_timings is not None:
-                _watch_timings(lines.feed(chunk), on_timings)
+                for line in lines.feed(chunk):
+                    timings = engine.timings_line(line)
+                    if timings is not None:
+                        on_timings(timings)
     except httpx.TransportError as e:
         log.warning("model %s: answer from worker broke: %r", model_id, e)
         if on_broken is not None:
@@ -268,17 +289,18 @@ async def _relay(resp: httpx.Response, model_id: str,
         await resp.aclose()
 
 
-async def _shaped(resp: httpx.Response, model_id: str,
+async def _shaped(resp: httpx.Response, engine: EngineClient, model_id: str,
                   on_broken: Callable[[Exception], BunkhouseError] | None,
-                  on_timings: Timings | None, shaper: StreamShaper) -> AsyncIterator[bytes]:
+                  on_timings: OnTimings | None, shaper: StreamShaper) -> AsyncIterator[bytes]:
     """The stream's events, line by line, through ``shaper``."""
     lines = LineSplitter()
     try:
         async for chunk in _raw(resp):
-            out = b"".join(_shape_line(line, shaper, on_timings) for line in lines.feed(chunk))
+            out = b"".join(_shape_line(line, shaper, engine, on_timings)
+                           for line in lines.feed(chunk))
             if out:
                 yield out
-        out = b"".join(_shape_line(line, shaper, on_timings) for line in lines.close())
+        out = b"".join(_shape_line(line, shaper, engine, on_timings) for line in lines.close())
         yield out + shaper.end()
     except httpx.TransportError as e:
         log.warning("model %s: answer from worker broke: %r", model_id, e)
@@ -288,7 +310,8 @@ async def _shaped(resp: httpx.Response, model_id: str,
         await resp.aclose()
 
 
-def _shape_line(line: str, shaper: StreamShaper, on_timings: Timings | None) -> bytes:
+def _shape_line(line: str, shaper: StreamShaper, engine: EngineClient,
+                on_timings: OnTimings | None) -> bytes:
     try:
         event = data_event(line)
     except StreamError as e:
@@ -299,23 +322,11 @@ def _shape_line(line: str, shaper: StreamShaper, on_timings: Timings | None) -> 
         return shaper.end()
     if not isinstance(event, dict):
         return b""
-    _timings_of(event, on_timings)
+    if on_timings is not None:
+        timings = engine.timings(event)
+        if timings is not None:
+            on_timings(timings)
     return shaper.feed(event)
-
-
-def _timings_of(event: Any, on_timings: Timings | None) -> None:
-    """Hand an event's ``timings`` object, if it has one, to ``on_timings``."""
-    if on_timings is not None and isinstance(event, dict) \
-            and isinstance(event.get("timings"), dict):
-        on_timings(event["timings"])
-
-
-def _watch_timings(lines: list[str], on_timings: Timings) -> None:
-    for line in lines:
-        if '"timings"' not in line:
-            continue
-        with contextlib.suppress(ValueError, StreamError):
-            _timings_of(data_event(line), on_timings)
 
 
 def _single(data: dict[str, Any]) -> bool:
@@ -328,11 +339,11 @@ def _single(data: dict[str, Any]) -> bool:
 Assembler = Callable[[], Assembly]
 
 
-async def _forward_once(engine: EngineClient, path: str, body: bytes, request: Request,
+async def _forward_once(engine: EngineClient, send: Upstream, path: str, request: Request,
                         model_id: str, assembler: Assembler | None,
-                        on_done: Callable[[], None], on_timings: Timings | None,
+                        on_done: Callable[[], None], on_timings: OnTimings | None,
                         shape: Shape | None = None) -> Response:
-    call = asyncio.create_task(_call(engine, path, body, model_id, assembler, on_done,
+    call = asyncio.create_task(_call(engine, send, path, model_id, assembler, on_done,
                                      on_timings, shape))
     gone = asyncio.create_task(client_gone(request))
     try:
@@ -347,14 +358,14 @@ async def _forward_once(engine: EngineClient, path: str, body: bytes, request: R
     return Response(status_code=499)
 
 
-async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
+async def _call(engine: EngineClient, send: Upstream, path: str, model_id: str,
                 assembler: Assembler | None, on_done: Callable[[], None],
-                on_timings: Timings | None = None, shape: Shape | None = None) -> Response:
+                on_timings: OnTimings | None = None, shape: Shape | None = None) -> Response:
     """The answer to a plain request. ``on_done`` runs here once the exchange is over, or,
     for an answer relayed as it arrives, when the relay ends."""
     relayed = False
     try:
-        resp = await engine.generate(path, body)
+        resp = await send()
         try:
             if resp.status_code >= 400:
                 return _engine_error(engine, resp.status_code, await _read_error(resp), path,
@@ -363,20 +374,13 @@ async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
                 try:
                     return JSONResponse(shape.answer(json.loads(await resp.aread())))
                 except httpx.TransportError as e:
-                    raise EngineUnavailable(f"model {model_id!r}: worker answer broke: "
-                                            f"{e!r}") from e
+                    raise stream_broke(model_id, e) from e
                 except ValueError as e:
-                    raise EngineUnavailable(f"model {model_id!r}: unreadable answer from "
-                                            f"worker: {e}") from e
+                    raise _unreadable(model_id, e) from e
             if assembler is None:
                 relayed = True
-                return _Relay(resp, model_id, on_done, None)
-            assembly = assembler()
-            answer = await _assemble(engine, path, resp, model_id, assembly, shape)
-            timings = assembly.timings
-            if on_timings is not None and timings is not None:
-                on_timings(timings)
-            return answer
+                return _Relay(resp, engine, model_id, on_done, None)
+            return await _assemble(engine, path, resp, model_id, assembler(), shape, on_timings)
         finally:
             if not relayed:
                 await resp.aclose()
@@ -386,8 +390,11 @@ async def _call(engine: EngineClient, path: str, body: bytes, model_id: str,
 
 
 async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model_id: str,
-                    assembly: Assembly, shape: Shape | None = None) -> Response:
-    """Fold the engine's stream into one answer as it arrives."""
+                    assembly: Assembly, shape: Shape | None = None,
+                    on_timings: OnTimings | None = None) -> Response:
+    """Fold the engine's stream into one answer as it arrives; its figures, once it is
+    whole, to ``on_timings``."""
+    timings = None
     try:
         async for line in _lines(resp):
             event = data_event(line)
@@ -395,12 +402,15 @@ async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model
                 break
             if isinstance(event, dict):
                 assembly.add(event)
+                timings = engine.timings(event) or timings
     except httpx.TransportError as e:
-        raise EngineUnavailable(f"model {model_id!r}: worker answer broke: {e!r}") from e
+        raise stream_broke(model_id, e) from e
     except StreamError as e:
         return _engine_error(engine, 500, json.dumps(e.body).encode(), path, shape)
     except ValueError as e:
-        raise EngineUnavailable(f"model {model_id!r}: unreadable stream from worker: {e}") from e
+        raise _unreadable(model_id, e) from e
+    if on_timings is not None and timings is not None:
+        on_timings(timings)
     result = assembly.result()
     return JSONResponse(shape.answer(result) if shape else result)
 

@@ -1,5 +1,5 @@
 """OpenAI's Responses API routes: ``POST /v1/responses`` (translated to a chat completion
-request by api/responses.py and served by the one generation path, ``Front.generate``), and
+request by api/responses.py and served by the one generation path, ``Pipeline.generate``), and
 the stored responses (front/response_store.py): ``GET`` and ``DELETE /v1/responses/{id}``,
 ``GET /v1/responses/{id}/input_items``."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -16,11 +16,9 @@ from bunkhouse.api import responses
 from bunkhouse.api.fields import renamed, shown
 from bunkhouse.api.schemas import ChatCompletionRequest, parse_json_object, validate
 from bunkhouse.errors import BunkhouseError, InvalidRequest, NotFound
+from bunkhouse.front.pipeline import Pipeline
 from bunkhouse.front.protocols import ResponsesShape
 from bunkhouse.front.response_store import ResponseStore
-
-if TYPE_CHECKING:
-    from bunkhouse.front.app import Front
 
 MAX_PAGE = 100  # input items in one listing page (OpenAI's limit)
 
@@ -37,15 +35,15 @@ class ResponsesRoutes:
     """The Responses API over ``front``; ``store`` None: nothing is stored (a
     ``previous_response_id`` is then never found)."""
 
-    def __init__(self, front: Front, store: ResponseStore | None) -> None:
+    def __init__(self, front: Pipeline, store: ResponseStore | None) -> None:
         self.front = front
         self.store = store
 
     async def create(self, request: Request) -> Response:
         front = self.front
-        body = await front.read(request)
-        given = await front.cpu(len(body), parse_json_object, body)
-        items = await front.cpu(len(body), responses.check_request, given)
+        body = await front.bodies.read(request)
+        given = await front.bodies.cpu(len(body), parse_json_object, body)
+        items = await front.bodies.cpu(len(body), responses.check_request, given)
         owner = front.keys.owner(request)
         history: list[dict[str, Any]] = []
         history_bytes = 0
@@ -58,9 +56,9 @@ class ResponsesRoutes:
                     f"previous response {shown(previous)} not found (never stored, deleted, or "
                     "past the server's retention)", param="previous_response_id")
             history = found
-            history_bytes = len(await front.cpu(len(body), _encoded, history))
-        data = await front.cpu(len(body), responses.to_chat, given, items, history)
-        parsed = await front.cpu(len(body), validate, ChatCompletionRequest, data)
+            history_bytes = len(await front.bodies.cpu(len(body), _encoded, history))
+        data = await front.bodies.cpu(len(body), responses.to_chat, given, items, history)
+        parsed = await front.bodies.cpu(len(body), validate, ChatCompletionRequest, data)
         store = self.store if given.get("store", True) is not False else None
         if store is not None:
             # an answer asked to be stored, that cannot be, is a 503; one that can never fit

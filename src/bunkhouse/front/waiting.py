@@ -21,18 +21,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from bunkhouse.errors import BunkhouseError, error_body
 from bunkhouse.front import proxy
+from bunkhouse.front.admission import Admitted, drop_admission
 from bunkhouse.front.protocols import ChatShape
 from bunkhouse.front.proxy import ReaderStalled, Shape, StreamShaper, bounded_send
-
-if TYPE_CHECKING:
-    from bunkhouse.front.app import _Admitted
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +46,14 @@ class WaitingOptions:
     """Tell an OpenAI chat stream what it waits for, in ``reasoning_content``."""
 
 
-Serve = Callable[["_Admitted | None", "StreamShaper | None"], Awaitable[Response]]
+Serve = Callable[[Admitted, "StreamShaper | None"], Awaitable[Response]]
 
 
 class WaitingStream(Response):
     """The answer of a streamed request whose admission (``admission``, a task) is under way:
     headers now, pings while it runs, then what ``serve(admitted, shaper)`` answers."""
 
-    def __init__(self, admission: asyncio.Future[_Admitted | None], serve: Serve,
+    def __init__(self, admission: asyncio.Future[Admitted], serve: Serve,
                  shape: Shape | None, options: WaitingOptions,
                  waiting_for: Callable[[], str | None] | None = None,
                  model_id: str = "") -> None:
@@ -158,8 +156,6 @@ class WaitingStream(Response):
 
     async def _give_up(self) -> None:
         """The client is gone: leave the line, or give back what was already taken."""
-        from bunkhouse.front.app import drop_admission
-
         await drop_admission(self.admission)
 
     @staticmethod

@@ -7,13 +7,14 @@ the files, the slot gate (residency/slots.py) what each slot holds.
   tokenized by its model's worker (template and tokenizer); the slot gate gives it the slot
   that already holds most of it. If a snapshot shares a longer prefix with it, by at least
   ``min_tokens``, the snapshot is restored into that slot first, and the request is sent to
-  that slot (``id_slot``). Whatever the slot held that the request would overwrite, unsaved
-  and ``min_tokens`` or more, is saved first: a conversation pushed out of its slot comes back
-  from disk.
-- **Check.** The engine's own count of the prompt tokens it reused (``timings.cache_n``) tells
-  whether a restore saved the prefill. One that did not (a sliding-window model that prefills
-  everything again, for one) is a *miss*: counted, logged with its reason, and the model's
-  snapshots are not restored again under that key (a changed configuration makes a new key).
+  that slot (the engine contract's ``slot``). Whatever the slot held that the request would
+  overwrite, unsaved and ``min_tokens`` or more, is saved first: a conversation pushed out of
+  its slot comes back from disk.
+- **Check.** The engine's own count of the prompt tokens it reused
+  (``Timings.cached_tokens``) tells whether a restore saved the prefill. One that did not (a
+  sliding-window model that prefills everything again, for one) is a *miss*: counted, logged
+  with its reason, and the model's snapshots are not restored again under that key (a
+  changed configuration makes a new key).
 - **Save.** A slot that stays idle for :attr:`KeeperOptions.idle_flush_s` after a request is
   saved in the background (so a worker killed later loses at most its last turn); every
   unsaved slot is saved when its model is drained (eviction, ttl, unload, shutdown), one
@@ -38,7 +39,7 @@ from bunkhouse import defaults
 from bunkhouse.api.schemas import text_bytes
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import engine_for
-from bunkhouse.engines.contract import EngineClient
+from bunkhouse.engines.contract import EngineClient, Timings
 from bunkhouse.errors import BunkhouseError
 from bunkhouse.kvcache.store import (
     Snapshot,
@@ -239,11 +240,9 @@ class SnapshotKeeper:
                          f"{(time.monotonic() - started) * 1000:.0f} ms)")
         return Restore(snapshot, shared, len(tokens))
 
-    def check(self, model: CatalogModel, restore: Restore, timings: dict[str, Any]) -> None:
+    def check(self, model: CatalogModel, restore: Restore, timings: Timings) -> None:
         """Whether the restore saved the prefill, by the engine's own counts."""
-        reused, prefilled = timings.get("cache_n"), timings.get("prompt_n")
-        if not isinstance(reused, int) or not isinstance(prefilled, int):
-            return
+        reused, prefilled = timings.cached_tokens, timings.prompt_tokens
         counts = self.counts(model.id)
         if reused * 2 >= restore.shared:
             counts.restored += 1
@@ -255,9 +254,8 @@ class SnapshotKeeper:
         key = self.key(model)
         if key is not None:
             self._disabled[key] = reason
-        hint = ""
-        if engine_for(model).sliding_window(model) and not model.options.swa_full:
-            hint = " (it has sliding-window attention: set swa_full = true for it)"
+        hint = engine_for(model).restore_hint(model)
+        hint = f" ({hint})" if hint else ""
         log.warning("model %s: a restored snapshot did not save the prefill (%s); its "
                     "snapshots are not restored again until its configuration changes%s",
                     model.id, reason, hint)

@@ -5,7 +5,7 @@ The gate also hands out the worker's slots by id and remembers, per slot, what i
 holds as far as the front knows (:class:`Slot`): a request that continues a conversation goes
 to the slot holding it, a new one to the slot whose loss costs least. The KV snapshot keeper
 (kvcache/keeper.py) reads and writes that knowledge; the engine is told the slot
-(``id_slot``) only when snapshots are on.
+(the engine contract's ``slot``) only when snapshots are on.
 
 The gate is part of the model's residency entry: created and removed with it, so that a model
 re-registered under the same id never inherits an old gate.

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from bunkhouse.catalog import CatalogModel
+from bunkhouse.engines import engine_for
 from bunkhouse.supervisor.process import (
     LaunchOptions,
     Spawner,
@@ -94,9 +95,8 @@ class LocalLauncher:
         """A ready worker for ``model``; raises WorkerLoadFailed quoting its output.
         ``use_spare``: residency counted the spare for this load: it becomes the worker if
         it still can (else a process is spawned)."""
-        o = model.options
-        log.info("model %s: starting worker (context %d, %d slots, %d threads)",
-                 model.id, o.context, o.parallel, o.threads)
+        log.info("model %s: starting worker (%s)", model.id,
+                 " ".join(engine_for(model).worker_args(model)))
         snapshots = self._snapshot_dir(model.id) if self._snapshot_dir else None
         launch = WorkerLaunch(self._next_socket(), self.options, snapshots)
         worker = WorkerProcess(model, launch, functools.partial(self._spawn_or_adopt,

@@ -22,15 +22,15 @@ class WorkerConfig:
     socket: Path
     context: int
     parallel: int
-    cache_ram_mib: int
-    threads: int
     chat_template: str | None = None  # a template name the engine knows, or a file's path
     embeddings: bool = False  # serve /v1/embeddings (llama.cpp: larger output buffers)
     snapshot_dir: Path | None = None  # where slot KV state is saved and restored from
-    swa_full: bool = False  # sliding-window layers keep the whole context
     # how embeddings pool: "model", as the GGUF says (an embedding model: CLS, last or
     # mean, as it was trained), or "mean" over the tokens (a generation model: none stated)
     pooling: str = "mean"
+    # the engine's own options: a JSON object its front-side adapter wrote, which the engine
+    # decodes with that adapter's parser (bunkhouse.engines.options)
+    engine_options: str = "{}"
 
 
 class Engine(Protocol):

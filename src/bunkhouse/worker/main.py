@@ -43,27 +43,25 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
     p.add_argument("--socket", required=True, type=Path)
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--cache-ram-mib", type=int, default=0)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--chat-template", default=None,
                    help="a chat template name the engine knows, or a .jinja file")
     p.add_argument("--embeddings", action="store_true",
                    help="serve embeddings too (llama.cpp: larger output buffers)")
     p.add_argument("--snapshot-dir", type=Path, default=None,
                    help="where slots' KV state is saved to and restored from")
-    p.add_argument("--swa-full", action="store_true",
-                   help="sliding-window layers keep the whole context (llama.cpp swa_full)")
     p.add_argument("--pooling", choices=["model", "mean"], default="mean",
                    help="embeddings pool as the model file says, or by the mean")
     p.add_argument("--engine", required=True,
                    help="module:Class of the engine (its front-side adapter names it)")
+    p.add_argument("--engine-options", default="{}", metavar="JSON",
+                   help="the engine's own options, a JSON object its adapter wrote")
     p.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process stops being our parent"
     )
     a = p.parse_args(argv)
     config = WorkerConfig(
-        a.model_id, a.model_path, a.socket, a.context, a.parallel, a.cache_ram_mib, a.threads,
-        a.chat_template, a.embeddings, a.snapshot_dir, a.swa_full, a.pooling,
+        a.model_id, a.model_path, a.socket, a.context, a.parallel, a.chat_template,
+        a.embeddings, a.snapshot_dir, a.pooling, a.engine_options,
     )
     return config, a.engine, a.parent_pid
 

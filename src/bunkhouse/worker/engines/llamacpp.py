@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import xllamacpp
 
-from bunkhouse.engines.llamacpp import EMBEDDING_BATCH
+from bunkhouse.engines.llamacpp import EMBEDDING_BATCH, parse_options
+from bunkhouse.engines.options import decode
 from bunkhouse.worker.engine import EngineLoadError, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:
     xllamacpp's defaults (the model's full trained context, one slot, an 8 GiB RAM prompt
     cache) would wreck a memory budget.
     """
+    own = decode(config.engine_options, parse_options)
     params = xllamacpp.CommonParams()
     params.model.path = str(config.model_path)
     params.model_alias = {config.model_id}
@@ -33,10 +35,10 @@ def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:
     params.n_batch = EMBEDDING_BATCH
     params.n_ubatch = EMBEDDING_BATCH  # residency.estimate assumes it (SWA cache size)
     params.kv_unified = False  # each slot owns context / parallel tokens: predictable KV need
-    params.swa_full = config.swa_full  # the estimate counts it (engines/llamacpp.py)
-    params.cache_ram_mib = config.cache_ram_mib
-    params.cpuparams.n_threads = config.threads
-    params.cpuparams_batch.n_threads = config.threads
+    params.swa_full = own.swa_full  # the estimate counts it (engines/llamacpp.py)
+    params.cache_ram_mib = own.cache_ram_mib
+    params.cpuparams.n_threads = own.threads
+    params.cpuparams_batch.n_threads = own.threads
     if config.embeddings:  # /v1/embeddings next to generation
         params.embedding = True
         pooling = xllamacpp.llama_pooling_type

@@ -42,6 +42,8 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, BinaryIO
 from urllib.parse import parse_qs, urlsplit
 
+from bunkhouse.engines import options as opts
+from bunkhouse.engines.whisper import parse_options
 from bunkhouse.worker.engine import EngineLoadError, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -325,6 +327,7 @@ class WhisperEngine:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        self.options = opts.decode(config.engine_options, parse_options)
         self.model: Any = None
         self.busy = threading.Lock()
         self._server: _Server | None = None
@@ -341,7 +344,7 @@ class WhisperEngine:
             raise EngineLoadError(f"no CTranslate2 Whisper model at {path} (no model.bin)")
         try:
             self.model = WhisperModel(str(path), device="cpu", compute_type=COMPUTE_TYPE,
-                                      cpu_threads=self.config.threads, num_workers=1)
+                                      cpu_threads=self.options.threads, num_workers=1)
         except Exception as e:
             raise EngineLoadError(f"faster-whisper failed to load {path}: {e}") from e
         self._server = _Server(str(self.config.socket), self)

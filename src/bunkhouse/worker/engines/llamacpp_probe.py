@@ -1,13 +1,16 @@
-"""``python -m bunkhouse.worker.probe``: the disposable process that measures what a request's
-constraint costs llama.cpp, so that a worker other clients share never pays it first.
+"""``python -m bunkhouse.worker.engines.llamacpp_probe``: the disposable process that
+measures what a request's constraint costs llama.cpp, so that a worker other clients share
+never pays it first.
 
 It loads the model as a worker does, but with one slot, a 256-token context and one thread,
 then reads one JSON object a line on stdin: ``{"route": "chat" | "completion", "body":
 {...}}``, runs the body through the engine in-process (xllamacpp's ``handle_chat_completions``
 or ``handle_completions``: the same grammar building, parsing and sampling a worker's
 scheduling loop does) and writes ``{"done": true}`` on stdout when the engine has answered,
-whatever it answered. It measures nothing itself: the front reads this process's CPU time and
-memory while it runs a check and kills it past the bounds (front/constraints.py).
+whatever it answered (a refusal too: a schema it cannot convert is the worker's to refuse,
+naming the field, as cheaply as here). It measures nothing itself: the front reads this
+process's CPU time and memory while it runs a check and kills it past the bounds
+(front/constraints.py).
 
 Exit codes: 0 at the end of its stdin or at its parent's death, 3 when the model cannot load.
 """
@@ -51,7 +54,7 @@ def _server(model_path: str, chat_template: str | None, socket_dir: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bunkhouse.worker.probe",
+    p = argparse.ArgumentParser(prog="python -m bunkhouse.worker.engines.llamacpp_probe",
                                 description="Measure requests' constraints on one model.")
     p.add_argument("--model-path", required=True)
     p.add_argument("--chat-template", default=None)
@@ -70,10 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         out.write(json.dumps({"ready": True}) + "\n")
         for line in sys.stdin:
             request = json.loads(line)
-            if request.get("route") == "chat":
-                server.handle_chat_completions(request["body"])
-            else:
-                server.handle_completions(request["body"])
+            try:
+                if request.get("route") == "chat":
+                    server.handle_chat_completions(request["body"])
+                else:
+                    server.handle_completions(request["body"])
+            except ValueError as e:  # a refusal (a schema it cannot convert): answered
+                print(f"the engine refused it: {e}", file=sys.stderr)
             out.write(json.dumps({"done": True}) + "\n")
     return 0
 

@@ -1,0 +1,76 @@
+"""``bunkhouse``, the command line (``main``; also ``python -m bunkhouse``).
+
+- ``parser.py``: the flags of every subcommand, and ``argtypes.py``, what each flag's text
+  must be;
+- ``settings.py``: Settings from the flags, the config file and the key variables;
+- ``compose.py``: the composition root of ``serve``, which builds the object graph and
+  starts the server; ``prestart.py``, what it checks first; ``server.py``, uvicorn's server
+  with bunkhouse's stop; ``logs.py``, the server's log;
+- ``remote.py``: the commands that talk to a running server (``ps``, ``events``, ``load``,
+  ``pause``, ``transcribe``...); ``cache.py``, the KV snapshot directory; ``output.py``, the
+  tables and lines they print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+from bunkhouse.cli import remote
+from bunkhouse.cli.cache import cache
+from bunkhouse.cli.compose import catalog_of, reread, serve
+from bunkhouse.cli.logs import setup_logging
+from bunkhouse.cli.output import print_catalog
+from bunkhouse.cli.parser import parser
+from bunkhouse.cli.settings import settings_from
+from bunkhouse.errors import BunkhouseError
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    code = _client_command(args)
+    if code is not None:
+        return code
+    setup_logging(args.log_level, args.log_format)
+    try:
+        return _serve_or_list(args)
+    except BunkhouseError as e:
+        print(f"bunkhouse: error: {e.message}", file=sys.stderr)
+        return 2
+
+
+def _client_command(args: argparse.Namespace) -> int | None:
+    """Run a command that serves nothing (a running server's client, ``cache``); None for
+    ``serve`` and ``models``."""
+    if args.command == "ps":
+        return remote.ps(args.url, args.api_key, args.watch)
+    if args.command == "events":
+        return remote.follow_events(args.url, args.api_key, args.since, args.json)
+    if args.command in ("reload", "default", "pause", "resume"):
+        return remote.server_call(args.command, getattr(args, "model", None), args.url,
+                                  args.admin_key, getattr(args, "max", None))
+    if args.command == "transcribe":
+        return remote.transcribe(args.file, args.url, args.api_key, args.model,
+                                 args.language, args.format)
+    if args.command in ("load", "unload", "pin", "unpin"):
+        return remote.control(args.command, args.model, args.url, args.admin_key,
+                              getattr(args, "path", None))
+    if args.command == "cache":
+        if args.model is not None and not args.model.strip():
+            print("bunkhouse: error: give a model id, or none for every model", file=sys.stderr)
+            return 2
+        return cache(args.action, args.model, args.kv_cache_dir)
+    return None
+
+
+def _serve_or_list(args: argparse.Namespace) -> int:
+    """``bunkhouse models`` prints the catalog; ``bunkhouse serve`` serves it."""
+    settings = settings_from(args)
+    catalog = catalog_of(settings)
+    if args.command == "models":
+        print_catalog(catalog)
+        return 0
+    return serve(settings, catalog, functools.partial(reread, args))

