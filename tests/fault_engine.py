@@ -32,6 +32,8 @@ from typing import Any
 
 from bunkhouse.worker.engine import EngineLoadError, WorkerConfig
 
+ENGINE = "tests.fault_engine:FaultEngine"  # its import path, as --worker-engine takes it
+
 _TOKEN_INTERVAL_S = 0.01
 
 

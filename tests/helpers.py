@@ -20,6 +20,8 @@ import psutil
 
 T = TypeVar("T")
 
+REPO = Path(__file__).resolve().parents[1]  # the repository's root
+
 
 def wait_for(check: Callable[[], T | None], timeout_s: float, what: str,
              interval_s: float = 0.05) -> T:

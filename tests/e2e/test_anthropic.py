@@ -12,16 +12,15 @@ import anthropic
 import openai
 import pytest
 
-from tests.e2e.server import Server, serve
+from tests.e2e.server import Server
 from tests.models import QWEN
 
 GREEDY = {"temperature": 0}  # the SDK has no sampling arguments: sent as extra fields
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serve(tmp_path_factory.mktemp("anthropic"), "--preload", QWEN) as running:
-        yield running
+def server(qwen_server: Server) -> Server:
+    return qwen_server  # tests/e2e/conftest.py: one server for the modules that share it
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
 
 
 @pytest.mark.slow
@@ -21,11 +22,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> None:
     env = {**os.environ, "BUNKHOUSE_BENCH_LOGS": str(tmp_path / "logs")}
     env.pop("BUNKHOUSE_LLAMA_SERVER", None)  # the router needs a binary CI does not build
-    out = subprocess.run(
+    harness = subprocess.Popen(
         [sys.executable, "-m", "benchmarks", "run", "--profile", "tiny",
          "--out", str(tmp_path / "docs"), "--llama-server", ""],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
-    assert out.returncode == 0, out.stderr[-4000:]
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)  # its own group: the servers it started go with it
+    try:
+        _, stderr = harness.communicate(timeout=840)
+    except subprocess.TimeoutExpired:
+        os.killpg(harness.pid, signal.SIGKILL)  # not only the harness: no server outlives it
+        harness.communicate()
+        raise
+    assert harness.returncode == 0, stderr[-4000:]
 
     results = json.loads((tmp_path / "docs" / "benchmarks" / "results.json").read_text())
     assert results["errors"] == {}

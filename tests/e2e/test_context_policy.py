@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server import serve
+from tests.e2e.server import Server, serve
 from tests.models import GEMMA, QWEN
 
 
@@ -49,15 +49,15 @@ def test_max_tokens_past_the_slot(tmp_path: Path, strict: bool) -> None:
         assert too_long.json()["error"]["param"] == "prompt"
 
 
-def test_the_openai_sdks_max_tokens_4096_on_defaults(tmp_path: Path) -> None:
+def test_the_openai_sdks_max_tokens_4096_on_defaults(qwen_server: Server) -> None:
     words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa " * 100).strip()
-    with serve(tmp_path, "--preload", QWEN) as server:
-        model = server.model(QWEN)
-        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none") as client:
-            answer = client.chat.completions.create(
-                model=QWEN, max_tokens=4096, temperature=0, messages=[
-                    {"role": "user", "content": f"{words}\n\nHow many different Greek letter "
-                                                "names are in the text above? One number."}])
-        assert answer.usage is not None and answer.usage.prompt_tokens >= 1000
-        assert answer.choices[0].message.content
-        assert model["slot_context"] >= answer.usage.prompt_tokens + 4096
+    server = qwen_server  # tests/e2e/conftest.py: Qwen on every default
+    model = server.model(QWEN)
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none") as client:
+        answer = client.chat.completions.create(
+            model=QWEN, max_tokens=4096, temperature=0, messages=[
+                {"role": "user", "content": f"{words}\n\nHow many different Greek letter "
+                                            "names are in the text above? One number."}])
+    assert answer.usage is not None and answer.usage.prompt_tokens >= 1000
+    assert answer.choices[0].message.content
+    assert model["slot_context"] >= answer.usage.prompt_tokens + 4096

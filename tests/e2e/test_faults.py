@@ -12,18 +12,16 @@ import psutil
 
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
-from tests.helpers import wait_for, write_tiny_gguf
+from tests.fault_engine import ENGINE
+from tests.helpers import REPO, wait_for, write_tiny_gguf
 from tests.models import QWEN
-
-ENGINE = "tests.fault_engine:FaultEngine"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _serve_faulty(tmp_path: Path, faults: dict[str, dict[str, object]], *args: str):  # type: ignore[no-untyped-def]
     models = tmp_path / "models"
     for model_id in faults:
         write_tiny_gguf(models / f"{model_id}.gguf")
-    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(ROOT)}
+    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(REPO)}
     return serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine", ENGINE,
                  *args, env=env)
 
@@ -111,7 +109,7 @@ def test_a_stall_on_a_requests_grammar_is_that_requests_not_the_models(
     models.mkdir()
     os.link(packaged_catalog.get(QWEN).path, models / "stally.gguf")
     env = {"BUNKHOUSE_FAULTS": json.dumps({"stally": {"stall_on_grammar": True}}),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(REPO)}
     with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine",
                ENGINE, "--probe-interval", "1", "--api-key", "one", "--api-key", "two",
                env=env) as server:

@@ -5,14 +5,13 @@ Ollama's `suffix`, /tokenize, /detokenize, /apply-template; and their bad input.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.server import Server, serve
+from tests.e2e.server import Server
 from tests.models import GEMMA, QWEN
 
 PREFIX = "def add(a, b):\n    "
@@ -20,9 +19,8 @@ SUFFIX = "\n\nprint(add(1, 2))\n"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serve(tmp_path_factory.mktemp("llamacpp-routes"), "--preload", QWEN) as running:
-        yield running
+def server(qwen_server: Server) -> Server:
+    return qwen_server  # tests/e2e/conftest.py: one server for the modules that share it
 
 
 def _post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:

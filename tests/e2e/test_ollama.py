@@ -10,7 +10,7 @@ import httpx
 import ollama
 import pytest
 
-from tests.e2e.server import Server, serve
+from tests.e2e.server import Server
 from tests.models import GEMMA, QWEN
 
 GREEDY = {"temperature": 0, "num_predict": 8}
@@ -18,9 +18,8 @@ ASK = [{"role": "user", "content": "What is the capital of France? One word."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serve(tmp_path_factory.mktemp("ollama"), "--preload", QWEN) as running:
-        yield running
+def server(qwen_server: Server) -> Server:
+    return qwen_server  # tests/e2e/conftest.py: one server for the modules that share it
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
@@ -15,61 +14,10 @@ import pytest
 
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, running, serve
-from tests.e2e.test_faults import ENGINE, ROOT
-from tests.helpers import wait_for, write_tiny_gguf
+from tests.e2e.shared import post_stream, stale_plan_config, stream_usage
+from tests.fault_engine import ENGINE
+from tests.helpers import REPO, wait_for, write_tiny_gguf
 from tests.models import GEMMA, QWEN
-
-
-def _stream(url: str, path: str, body: dict[str, Any], first: threading.Event | None = None,
-            headers: dict[str, str] | None = None, done: threading.Event | None = None
-            ) -> tuple[int, list[str]]:
-    """POST a streamed request; every SSE line, in order. Raises if the body is truncated.
-    ``first`` is set at its first line, ``done`` at its ``[DONE]``."""
-    lines: list[str] = []
-    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True},
-                      headers=headers, timeout=300) as resp:
-        for line in resp.iter_lines():
-            if line:
-                lines.append(line)
-                if first is not None:
-                    first.set()
-                if done is not None and line == "data: [DONE]":
-                    done.set()
-    return resp.status_code, lines
-
-
-def _usage(lines: list[str]) -> dict[str, Any]:
-    for line in reversed(lines):
-        if line.startswith("data: {") and '"usage"' in line:
-            usage: dict[str, Any] | None = json.loads(line[6:]).get("usage")
-            if usage:
-                return usage
-    raise AssertionError(f"no usage in the stream: {lines[-3:]}")
-
-
-def _stale_plan_config(tmp_path: Path, catalog: Catalog) -> Path:
-    gemma, qwen = catalog.get(GEMMA).path, catalog.get(QWEN).path
-    config = tmp_path / "bunkhouse.toml"
-    config.write_text(f"""
-include_packaged = false
-
-[defaults]
-context = 2048
-parallel = 1
-
-[[models]]
-id = "g1"
-path = "{gemma}"
-
-[[models]]
-id = "g2"
-path = "{gemma}"
-
-[[models]]
-id = "q"
-path = "{qwen}"
-""")
-    return config
 
 
 @pytest.mark.slow
@@ -78,7 +26,7 @@ def test_stale_plan_steps_end_to_end(tmp_path: Path, packaged_catalog: Catalog) 
     """g1 and g2 fit together, q fits with neither. A stream to q makes room; while g1 is
     stopped, a 1,500-token stream starts on g2: it arrives whole; q is answered before or
     after it, or gets a clean 503; the models never swap in a loop."""
-    config = _stale_plan_config(tmp_path, packaged_catalog)
+    config = stale_plan_config(tmp_path, packaged_catalog)
     with serve(tmp_path, "--config", str(config), "--budget", "950000000") as server:
         for model in ("g1", "g2"):
             warm = httpx.post(f"{server.url}/v1/completions", timeout=120,
@@ -90,14 +38,14 @@ def test_stale_plan_steps_end_to_end(tmp_path: Path, packaged_catalog: Catalog) 
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         with ThreadPoolExecutor(2) as pool:
             q: Future[tuple[int, list[str]]] = pool.submit(
-                _stream, server.url, "/v1/chat/completions", chat)
+                post_stream, server.url, "/v1/chat/completions", chat)
             wait_for(lambda: server.model("g1")["state"] != "ready", 60, "g1 to be stopped")
-            g2 = pool.submit(_stream, server.url, "/v1/completions", long)
+            g2 = pool.submit(post_stream, server.url, "/v1/completions", long)
             g2_status, g2_lines = g2.result(timeout=1400)
             q_status, q_lines = q.result(timeout=1400)
         assert g2_status == 200 and g2_lines[-1] == "data: [DONE]", g2_lines[-3:]
         assert "event: error" not in g2_lines
-        assert _usage(g2_lines)["completion_tokens"] == 1500
+        assert stream_usage(g2_lines)["completion_tokens"] == 1500
         if q_status == 200:
             assert q_lines[-1] == "data: [DONE]" and "event: error" not in q_lines
         else:
@@ -115,7 +63,7 @@ def test_shutdown_ends_running_requests_with_shutting_down(tmp_path: Path) -> No
         body = {"model": QWEN, "max_tokens": 2000, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "Tell me about ships."}]}
         with ThreadPoolExecutor(2) as pool:
-            stream = pool.submit(_stream, server.url, "/v1/chat/completions", body, first)
+            stream = pool.submit(post_stream, server.url, "/v1/chat/completions", body, first)
             assert first.wait(120)
             plain = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body,
                                 timeout=120)
@@ -145,15 +93,15 @@ def test_requests_queued_at_shutdown_get_shutting_down(tmp_path: Path) -> None:
     config.write_text(f'include_packaged = false\nmodels_dirs = ["{models}"]\n'
                       "[defaults]\nparallel = 1\nqueue = 2\n")
     env = {"BUNKHOUSE_FAULTS": json.dumps({"one": {"token_interval_s": 0.05}}),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(REPO)}
     body = {"model": "one", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}
     with running(tmp_path, "--config", str(config), "--worker-engine", ENGINE, "--stop-grace", "1",
                  env=env) as server:
         first = threading.Event()
         with ThreadPoolExecutor(3) as pool:
-            stream = pool.submit(_stream, server.url, "/v1/chat/completions", body, first)
+            stream = pool.submit(post_stream, server.url, "/v1/chat/completions", body, first)
             assert first.wait(60)
-            queued = [pool.submit(_stream, server.url, "/v1/chat/completions", body),
+            queued = [pool.submit(post_stream, server.url, "/v1/chat/completions", body),
                       pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body,
                                   timeout=60)]
             wait_for(lambda: server.model("one")["queued"] == 2, 30, "two queued requests")
@@ -173,13 +121,13 @@ def test_a_second_interrupt_still_stops_cleanly(tmp_path: Path) -> None:
     models = tmp_path / "models"
     write_tiny_gguf(models / "one.gguf")
     env = {"BUNKHOUSE_FAULTS": json.dumps({"one": {"token_interval_s": 0.05}}),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(REPO)}
     body = {"model": "one", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}
     with running(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine", ENGINE,
                  "--stop-grace", "2", env=env) as server:
         first = threading.Event()
         with ThreadPoolExecutor(1) as pool:
-            stream = pool.submit(_stream, server.url, "/v1/chat/completions", body, first)
+            stream = pool.submit(post_stream, server.url, "/v1/chat/completions", body, first)
             assert first.wait(60)
             workers = server.workers()
             server.proc.send_signal(signal.SIGINT)
@@ -197,7 +145,7 @@ def test_sigterm_while_one_model_drains_and_another_loads(tmp_path: Path) -> Non
     for model_id in ("busy", "slow"):
         write_tiny_gguf(models / f"{model_id}.gguf")
     faults = {"busy": {"token_interval_s": 0.05}, "slow": {"load_delay_s": 60}}
-    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(ROOT)}
+    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(REPO)}
     admin = {"authorization": "Bearer adm"}
     with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine", ENGINE,
                "--admin-key", "adm", "--stop-grace", "2", env=env) as server:
@@ -205,7 +153,7 @@ def test_sigterm_while_one_model_drains_and_another_loads(tmp_path: Path) -> Non
         body = {"model": "busy", "max_tokens": 400,
                 "messages": [{"role": "user", "content": "hi"}]}
         with ThreadPoolExecutor(3) as pool:
-            stream = pool.submit(_stream, server.url, "/v1/chat/completions", body, first,
+            stream = pool.submit(post_stream, server.url, "/v1/chat/completions", body, first,
                                  admin)
             assert first.wait(60)
             unload = pool.submit(httpx.post, f"{server.url}/v1/models/busy/unload",
@@ -235,7 +183,7 @@ def _state(server: Server, model_id: str) -> str:
 @pytest.mark.slow
 def test_a_prompt_that_can_never_fit_is_refused_before_its_model_loads(tmp_path: Path) -> None:
     """Loading the model would evict the resident one: the 400 comes first, nothing moves."""
-    prose = (ROOT / "README.md").read_text() * 6  # tens of thousands of tokens
+    prose = (REPO / "README.md").read_text() * 6  # tens of thousands of tokens
     with serve(tmp_path, "--budget", "800MiB", "--context", "8192") as server:
         warm = httpx.post(f"{server.url}/v1/completions", timeout=120,
                           json={"model": GEMMA, "prompt": "Hi", "max_tokens": 1})

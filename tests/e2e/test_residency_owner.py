@@ -21,7 +21,7 @@ import pytest
 
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
-from tests.e2e.test_races import _stale_plan_config, _stream, _usage
+from tests.e2e.shared import post_stream, stale_plan_config, stream_usage
 from tests.helpers import wait_for
 from tests.models import GEMMA, QWEN
 
@@ -71,14 +71,14 @@ def test_a_spare_still_starting_never_freezes_the_front(
         tmp_path: Path, packaged_catalog: Catalog, run: int) -> None:
     """g1's load takes the spare and a new spare starts; g2, asked as soon as g1 answered,
     must count that spare while it starts without the front ever stopping to answer."""
-    config = _stale_plan_config(tmp_path, packaged_catalog)
+    config = stale_plan_config(tmp_path, packaged_catalog)
     with serve(tmp_path, "--config", str(config), "--budget", "950000000") as server:
         wait_for(lambda: server.stats()["spare_worker"] is not None, 60, "the first spare")
         with HealthWatch(server) as watch, ThreadPoolExecutor(1) as pool:
             answered = threading.Event()
             second = pool.submit(lambda: answered.wait(300) and _complete(server, "g2"))
             # g2 is asked the moment g1's answer ends: while the next spare starts
-            status, lines = _stream(server.url, "/v1/completions", {
+            status, lines = post_stream(server.url, "/v1/completions", {
                 "model": "g1", "prompt": "Once upon a time", "max_tokens": 4}, done=answered)
             answer = second.result(timeout=300)
         assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
@@ -91,7 +91,7 @@ def test_a_spare_still_starting_never_freezes_the_front(
 
 def _g1_stream(server: Server, tokens: int, first: threading.Event
                ) -> tuple[int, list[str], float]:
-    status, lines = _stream(server.url, "/v1/completions", {
+    status, lines = post_stream(server.url, "/v1/completions", {
         "model": "g1", "prompt": "Once upon a time", "max_tokens": tokens,
         "ignore_eos": True, "stream_options": {"include_usage": True}}, first)
     return status, lines, time.monotonic()
@@ -109,7 +109,7 @@ def test_a_model_that_fits_is_loaded_while_another_waits_for_memory(
     """g1 streams; q needs g1's memory and waits for its stream to end; g2, which fits beside
     g1, is answered meanwhile (not after q's wait); q is answered once g1's stream ends. Then
     the same while g2 keeps getting requests: q is still served after the stream."""
-    config = _stale_plan_config(tmp_path, packaged_catalog)
+    config = stale_plan_config(tmp_path, packaged_catalog)
     with serve(tmp_path, "--config", str(config), "--budget", "950000000",
                "--admission-wait", "600") as server, ThreadPoolExecutor(4) as pool:
         for g2_busy in (False, True):
@@ -128,7 +128,7 @@ def test_a_model_that_fits_is_loaded_while_another_waits_for_memory(
             busy = pool.submit(_keep_asking, server, "g2", stop) if g2_busy else None
             status, lines, g1_end = g1.result(timeout=600)
             assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
-            assert _usage(lines)["completion_tokens"] == 400
+            assert stream_usage(lines)["completion_tokens"] == 400
             answer, q_end = q.result(timeout=600)
             stop.set()
             assert answer.status_code == 200, answer.text

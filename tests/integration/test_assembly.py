@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from bunkhouse.catalog import Catalog
 from bunkhouse.front.assemble import assemble_chat, assemble_completion, sse_events, sse_lines
-from tests.helpers import worker_socket
-from tests.models import QWEN
 
 ASK = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 WEATHER = {"type": "function", "function": {
@@ -37,12 +35,11 @@ _VOLATILE = {"id", "created", "timings", "system_fingerprint"}
 
 
 @pytest.fixture(scope="module")
-def worker(packaged_catalog: Catalog) -> Iterator[httpx.Client]:
+def worker(qwen_worker: Path) -> Iterator[httpx.Client]:
     # A fresh connection per request, as the front makes them (supervisor/process.py).
-    transport = lambda sock: httpx.HTTPTransport(  # noqa: E731
-        uds=str(sock), limits=httpx.Limits(max_keepalive_connections=0))
-    with worker_socket(packaged_catalog.get(QWEN)) as sock, httpx.Client(
-            transport=transport(sock), base_url="http://w", timeout=120) as client:
+    transport = httpx.HTTPTransport(uds=str(qwen_worker),
+                                    limits=httpx.Limits(max_keepalive_connections=0))
+    with httpx.Client(transport=transport, base_url="http://w", timeout=120) as client:
         yield client
 
 

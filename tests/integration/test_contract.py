@@ -19,6 +19,7 @@ import pytest
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.engines.contract import EngineClient, EngineRefused
 from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess, WorkerState
+from tests.fault_engine import ENGINE
 from tests.helpers import write_tiny_gguf
 from tests.models import GEMMA
 
@@ -67,7 +68,7 @@ def _model(engine: str, catalog: Catalog, tmp_path: Path) -> tuple[CatalogModel,
         options = dataclasses.replace(base.options, parallel=2)
         return dataclasses.replace(base, id="fault", path=path, options=options,
                                    size_bytes=path.stat().st_size), \
-            "tests.fault_engine:FaultEngine"
+            ENGINE
     options = dataclasses.replace(base.options, context=1024, parallel=2,
                                   engine_keys=(("threads", 1),))
     return dataclasses.replace(base, options=options), None

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
-from pathlib import Path
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from bunkhouse.catalog import Catalog
 from bunkhouse.catalog.vocab import PairTable, pair_table
-from tests.helpers import worker_socket
+from tests.helpers import REPO, worker_socket
 from tests.models import GEMMA, QWEN
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _texts() -> list[str]:
@@ -22,8 +21,8 @@ def _texts() -> list[str]:
     alphabet = "abc XYZ 012 ,.;!? \n\t é ü ß 中文 日本語 🙂 ∑ ▁ <|im_start|> <start_of_turn>"
     noise = ["".join(rng.choice(alphabet) for _ in range(400)) for _ in range(5)]
     return [
-        (ROOT / "README.md").read_text(),
-        (ROOT / "src/bunkhouse/residency/manager.py").read_text(),
+        (REPO / "README.md").read_text(),
+        (REPO / "src/bunkhouse/residency/manager.py").read_text(),
         "The capital of France is Paris. " * 40,
         "a" * 3000, " " * 500, "\n\n\n" * 100, "-=" * 300, "1234567890" * 50,
         "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
@@ -33,21 +32,25 @@ def _texts() -> list[str]:
     ]
 
 
-def _worker(catalog: Catalog, model_id: str) -> Iterator[httpx.Client]:
-    with worker_socket(catalog.get(model_id)) as sock, httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://w",
-            timeout=60) as client:
-        yield client
+@contextmanager
+def _worker(request: pytest.FixtureRequest, catalog: Catalog,
+            model_id: str) -> Iterator[httpx.Client]:
+    """A client of ``model_id``'s worker: the shared Qwen worker (conftest.py), or its own."""
+    with contextlib.ExitStack() as stack:
+        sock = request.getfixturevalue("qwen_worker") if model_id == QWEN else \
+            stack.enter_context(worker_socket(catalog.get(model_id)))
+        yield stack.enter_context(httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)),
+                                               base_url="http://w", timeout=60))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_id", [QWEN, GEMMA])
-def test_the_bound_never_exceeds_the_real_count(packaged_catalog: Catalog,
-                                                model_id: str) -> None:
+def test_the_bound_never_exceeds_the_real_count(packaged_catalog: Catalog, model_id: str,
+                                                request: pytest.FixtureRequest) -> None:
     path = packaged_catalog.get(model_id).path
     table = pair_table(path, path.stat().st_mtime_ns)
     assert isinstance(table, PairTable)
-    for client in _worker(packaged_catalog, model_id):
+    with _worker(request, packaged_catalog, model_id) as client:
         for add_special in (False, True):
             for text in _texts():
                 real = len(client.post("/tokenize", json={
@@ -55,7 +58,7 @@ def test_the_bound_never_exceeds_the_real_count(packaged_catalog: Catalog,
                     "parse_special": True}).json()["tokens"])
                 bound = table.min_tokens(text)
                 assert bound <= real, f"{model_id}: bound {bound} > {real} for {text[:60]!r}"
-        prose = (ROOT / "README.md").read_text()
+        prose = (REPO / "README.md").read_text()
         real = len(client.post("/tokenize", json={"content": prose}).json()["tokens"])
         ratio = table.min_tokens(prose) / real
         print(f"{model_id}: the bound is {ratio:.2f} of the real count on the README")

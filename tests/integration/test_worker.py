@@ -29,7 +29,8 @@ from bunkhouse.supervisor.process import (
     WorkerState,
     worker_argv,
 )
-from tests.helpers import healthy_socket, wait_for, worker_socket, write_tiny_gguf
+from tests.fault_engine import ENGINE
+from tests.helpers import REPO, healthy_socket, wait_for, worker_socket, write_tiny_gguf
 from tests.models import GEMMA, QWEN
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -165,12 +166,12 @@ def test_a_burst_of_stop_signals_never_wedges_a_worker(tmp_path: Path) -> None:
     """A signal handler that took a lock the interrupted main loop held left a worker hung for
     good (found as an orphan after its front was SIGKILLed): 300 SIGTERMs at once, 10 times."""
     model = write_tiny_gguf(tmp_path / "m.gguf")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     for n in range(10):
         sock = tmp_path / f"w{n}.sock"
         proc = subprocess.Popen(
             [sys.executable, "-m", "bunkhouse.worker", "--model-id", "m", "--model-path",
-             str(model), "--socket", str(sock), "--engine", "tests.fault_engine:FaultEngine"],
+             str(model), "--socket", str(sock), "--engine", ENGINE],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_for(lambda sock=sock: sock.exists(), 60, "the worker's socket")

@@ -22,6 +22,7 @@ tests/unit/test_unit_layer.py proves that each one trips.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -31,13 +32,13 @@ import re
 import sys
 import types
 from collections.abc import Generator, Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
 from bunkhouse.catalog import packaged
 from bunkhouse.config import default_cache_dir
+from bunkhouse.errors import PackagedModelError
 
 NATIVE = ("xllamacpp", "faster_whisper", "ctranslate2", "bunkhouse.worker.engines.llamacpp")
 SPAWNS = frozenset({"subprocess.Popen", "os.system", "os.posix_spawn", "os.spawn", "os.exec",
@@ -63,12 +64,13 @@ def _model_file_places() -> tuple[str, ...]:
     directory, the cache's assembled models (looked up once, before any test runs)."""
     places = {str(default_cache_dir() / "models")}
     for model in packaged.KNOWN:
-        for path in packaged.part_paths(model) or ():
-            places.add(str(path.parent))
+        with contextlib.suppress(PackagedModelError):  # half installed: its own error, later
+            places.update(str(path.parent) for path in packaged.part_paths(model) or ())
     for directory in packaged.DIRECTORIES:
-        found = packaged.directory_path(directory)
-        if found is not None:
-            places.add(str(found))
+        with contextlib.suppress(PackagedModelError):
+            found = packaged.directory_path(directory)
+            if found is not None:
+                places.add(str(found))
     return tuple(sorted(places))
 
 
@@ -108,7 +110,7 @@ class Guard:
         pid: int = self._spawnv_passfds(path, args, passfds)
         return pid
 
-    @contextmanager
+    @contextlib.contextmanager
     def on(self) -> Iterator[None]:
         """Active for one phase; fails it with what was refused, even if it was caught."""
         was_active, outer = self.active, self.violations
@@ -160,7 +162,7 @@ importlib.metadata.distribution = GUARD.distribution  # type: ignore[assignment]
 multiprocessing.util.spawnv_passfds = GUARD.spawnv_passfds  # type: ignore[assignment]
 
 
-@contextmanager
+@contextlib.contextmanager
 def refused(what: str) -> Iterator[None]:
     """For the guard's own tests: ``what`` (a regex) is refused inside, and forgiven."""
     with pytest.raises(UnitLayerViolation, match=what):
