@@ -35,18 +35,18 @@ def test_slots_saved_and_restored_by_the_keeper(packaged_catalog: Catalog,
     launch = WorkerLaunch(tmp_path / "w.sock", LaunchOptions(120, 10), store.model_dir(QWEN))
 
     async def complete(worker: WorkerProcess, prompt: str) -> tuple[dict[str, Any], int]:
-        """A request as the front runs it: tokens, a slot, prepare, id_slot, check."""
+        """A request as the front runs it: tokens, a slot, prepare, the slot, check."""
         data = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
         tokens = await keeper.prompt_tokens(model, worker.engine, "/v1/completions", data)
         slot = await gate.enter(tokens)
         try:
             restore = await keeper.prepare(model, worker.engine, slot, tokens)
-            body = {**data, "id_slot": slot.id}
-            resp = await worker.engine.generate("/v1/completions", json.dumps(body).encode())
+            resp = await worker.engine.generate("/v1/completions", data, slot=slot.id)
             answer: dict[str, Any] = json.loads(await resp.aread())
             await resp.aclose()
-            if restore is not None:
-                keeper.check(model, restore, answer["timings"])
+            timings = worker.engine.timings(answer)
+            if restore is not None and timings is not None:
+                keeper.check(model, restore, timings)
             return answer, slot.id
         finally:
             gate.leave(slot)
