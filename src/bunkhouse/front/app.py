@@ -208,7 +208,7 @@ def _service_routes(pipeline: Pipeline, views: ModelViews, metrics: Metrics,
                     options: FrontOptions) -> list[RouteSpec]:
     keys = pipeline.keys
     watch = EventStream(pipeline.residency.events, keys.client_of, options.events_heartbeat_s,
-                        lambda request: keys.level_of(request) is Level.ADMIN)
+                        views.is_admin)
     console = Console()
     return [
         ("GET", "/health", views.health),
