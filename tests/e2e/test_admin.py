@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -107,19 +108,27 @@ def test_a_refused_registration_and_a_delete_leave_nothing_behind(host: Server) 
     assert "broken" not in ids and "gone" not in ids
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, url: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``bunkhouse ARGS``; with ``url``, the server named by ``$BUNKHOUSE_URL`` alone."""
     exe = shutil.which("bunkhouse")
     argv = [exe] if exe else [sys.executable, "-m", "bunkhouse"]
-    return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "BUNKHOUSE_URL": url} if url else None
+    return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120,
+                          env=env)
 
 
 def test_cli_controls_a_catalog_model(host: Server) -> None:
     key = ("--url", host.url, "--admin-key", "admin-e2e")
-    assert _cli("load", GEMMA, *key).stdout.strip() == f"{GEMMA}: ready"
-    assert _cli("pin", GEMMA, *key).returncode == 0
+    loaded = _cli("load", GEMMA, *key).stdout.strip()
+    assert loaded.startswith(f"{GEMMA}: ready (pid ") and "MiB measured" in loaded, loaded
+    pinned = _cli("pin", GEMMA, *key)  # what changed, and the model as it is now
+    assert pinned.returncode == 0 and pinned.stdout.startswith(
+        f"{GEMMA}: pinned: never evicted; ready (pid "), pinned.stdout
     assert httpx.get(f"{host.url}/v1/models/{GEMMA}").json()["pinned"] is True
-    assert _cli("unpin", GEMMA, *key).returncode == 0
-    assert _cli("unload", GEMMA, *key).stdout.strip() == f"{GEMMA}: unloaded"
+    unpinned = _cli("unpin", GEMMA, "--admin-key", "admin-e2e", url=host.url)
+    assert unpinned.stdout.startswith(f"{GEMMA}: unpinned: "), unpinned  # $BUNKHOUSE_URL
+    assert _cli("unload", GEMMA, *key).stdout.strip() == \
+        f"{GEMMA}: unloaded: its worker stopped and its memory is free"
     assert httpx.get(f"{host.url}/v1/models/{GEMMA}").json()["state"] == "absent"
     refused = _cli("pin", GEMMA, "--url", host.url)
     assert refused.returncode == 1 and "401" in refused.stderr

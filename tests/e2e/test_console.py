@@ -1,7 +1,9 @@
 """The web console at ``GET /`` in a real headless browser: Debian's chromium driven by
 Playwright (its own browser download is never used). The page loads with no console
-errors, shows both packaged models, streams a chat answer, says the admin buttons need the
-admin key, and with the key a load button changes the model's state live. A screenshot is
+errors, shows both packaged models, offers both to its chat box (the chat model with
+embeddings on too), streams a chat answer, says the admin buttons need the admin key, and
+with the key a load button changes the model's state live; opened again, it shows the
+events the server holds. A screenshot is
 saved in the test's folder and, if ``BUNKHOUSE_ARTIFACTS`` names a folder, there too."""
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ def _browser_or_skip() -> None:
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
     _browser_or_skip()
-    with serve(tmp_path, "--context", "8192", "--admin-key", "admin-secret") as s:
+    config = tmp_path / "bunkhouse.toml"  # a chat model that embeds too
+    config.write_text(f'[[models]]\nid = "{QWEN}"\nembeddings = true\n')
+    with serve(tmp_path, "--context", "8192", "--admin-key", "admin-secret",
+               "--config", str(config)) as s:
         yield s
 
 
@@ -59,6 +64,15 @@ def test_console_in_headless_chromium(server: Server, tmp_path: Path) -> None:
             page.wait_for_selector("#live.on")  # the event stream is open
             assert page.locator(f'#models tr[data-model="{GEMMA}"] [data-state]'
                                 ).get_attribute("data-state") == "absent"
+            # the box offers what generates text, a chat model with embeddings on included
+            offered = page.eval_on_selector_all("#chat-model option",
+                                                "options => options.map(o => o.value)")
+            assert sorted(offered) == sorted([QWEN, GEMMA]), offered
+            # a browser's own EventSource is open at once, before any event or heartbeat
+            assert page.evaluate("""() => new Promise((resolve) => {
+                const source = new EventSource("/admin/events");
+                source.onopen = () => { source.close(); resolve(source.url); };
+            })""").endswith("/admin/events")
 
             # without the key, the buttons say what they need
             page.click(f'#models tr[data-model="{GEMMA}"] button[data-action="load"]')
@@ -90,6 +104,16 @@ def test_console_in_headless_chromium(server: Server, tmp_path: Path) -> None:
             assert unload.status_code == 204
             page.wait_for_selector(f'#models tr[data-model="{QWEN}"] [data-state="absent"]')
             page.wait_for_selector('#events li[data-kind="absent"]')
+
+            # a page opened now shows the events the server holds (newest first), and
+            # then any that came since
+            held = [e["kind"] for e in server.stats()["events"]
+                    if e["kind"] != "load_progress"]
+            page.reload()
+            page.wait_for_selector("#live.on")
+            shown = page.eval_on_selector_all("#events li",
+                                              "items => items.map(i => i.dataset.kind)")
+            assert held and shown[len(shown) - len(held):] == held[::-1], (shown, held)
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000

@@ -1,7 +1,8 @@
 """The operator's view with real workers: ``GET /admin/events`` followed through a load, an
 eviction and a crash, resumed by ``Last-Event-ID``; ``GET /metrics`` moving as requests,
 loads and evictions happen; polling that never loads a model or counts as use; the server
-stopping cleanly with a stream open; ``bunkhouse events``."""
+stopping cleanly with a stream open; a stream open at once; ``bunkhouse events``, also
+piped into ``head``."""
 
 from __future__ import annotations
 
@@ -217,6 +218,16 @@ def test_events_follow_a_load_an_eviction_and_a_crash_and_resume(server: Server)
     assert set(statuses) == {200, 503} and statuses.count(200) <= 64, statuses
 
 
+def test_an_event_stream_opens_at_once(qwen_server: Server) -> None:
+    """Headers and a first line go out as the stream is accepted, not with its first event
+    or its first heartbeat 15 s on: a quiet server's stream is open at once for a browser's
+    EventSource or a proxy timing the first byte."""
+    with httpx.stream("GET", f"{qwen_server.url}/admin/events", timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        assert next(resp.iter_lines()) == ": connected"
+
+
 def test_streams_end_when_the_server_stops_and_bunkhouse_events_prints(tmp_path: Path
                                                                        ) -> None:
     with serve(tmp_path, "--context", "8192") as server:
@@ -224,9 +235,19 @@ def test_streams_end_when_the_server_stops_and_bunkhouse_events_prints(tmp_path:
         cli = subprocess.Popen([sys.executable, "-m", "bunkhouse", "events", "--url",
                                 server.url, "--since", "0"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
+        # `BUNKHOUSE_URL=... bunkhouse events | head -3`: the server from the environment,
+        # and an end without a traceback when head has had its lines
+        piped = subprocess.Popen([sys.executable, "-m", "bunkhouse", "events", "--since", "0"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env={**os.environ, "BUNKHOUSE_URL": server.url})
+        head = subprocess.Popen(["head", "-3"], stdin=piped.stdout, stdout=subprocess.PIPE)
+        assert piped.stdout is not None
+        piped.stdout.close()  # head alone reads it
         try:
             _chat(server, GEMMA)
             wait_for(lambda: follower.has(GEMMA, "ready"), 120, "gemma ready on the stream")
+            server.proc.send_signal(signal.SIGHUP)  # a 3rd event at least: head has its lines
+            wait_for(lambda: follower.has("*", "config reloaded"), 120, "the reload's event")
         finally:
             cli.send_signal(signal.SIGINT)
             out, err = cli.communicate(timeout=60)
@@ -239,3 +260,7 @@ def test_streams_end_when_the_server_stops_and_bunkhouse_events_prints(tmp_path:
     assert follower.ended.wait(30)
     follower.close()
     assert follower.events()[-1]["kind"] == "stopping"
+    # the stop's event came after head's three lines: the piped command met its closed pipe
+    assert len(head.communicate(timeout=60)[0].splitlines()) == 3
+    _, piped_err = piped.communicate(timeout=60)
+    assert piped.returncode == 1 and piped_err == b"", piped_err

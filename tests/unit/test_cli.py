@@ -272,3 +272,73 @@ def test_a_key_source_that_yields_no_key_fails_closed_at_start(
         monkeypatch.setenv(env, value)
         assert main(serve) == 2
         assert f"${env} is set but holds no key" in capsys.readouterr().err
+
+
+class _ClosedPipe:
+    """A stdout whose reader has left (``bunkhouse ... | head -3``): every write and flush
+    raises BrokenPipeError; its fd is a pipe's write end, which the CLI may redirect."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+@pytest.mark.parametrize("argv", [["cache", "list"], ["models", "--no-packaged"]])
+def test_a_reader_that_leaves_ends_the_output_quietly(
+        argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import sys
+
+    write_tiny_gguf(tmp_path / "m.gguf")
+    extra = ["--kv-cache-dir", str(tmp_path / "kv")] if argv[0] == "cache" else \
+        ["--models-dir", str(tmp_path)]
+    read_end, write_end = os.pipe()
+    try:
+        monkeypatch.setattr(sys, "stdout", _ClosedPipe(write_end))
+        assert main([*argv, *extra]) == 1  # no traceback: Python's "Note on SIGPIPE"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_server_address_comes_from_url_then_bunkhouse_url(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from bunkhouse.cli.parser import parser
+
+    monkeypatch.delenv("BUNKHOUSE_URL", raising=False)
+    assert parser().parse_args(["ps"]).url == "http://127.0.0.1:8080"
+    monkeypatch.setenv("BUNKHOUSE_URL", "10.0.0.5:9000")  # OLLAMA_HOST's form: http
+    for command in (["ps"], ["events"], ["pin", "m"], ["reload"], ["transcribe", "a.wav"]):
+        assert parser().parse_args(command).url == "http://10.0.0.5:9000", command
+    assert parser().parse_args(["ps", "--url", "https://h:1/v1/"]).url == "https://h:1"
+    monkeypatch.setenv("BUNKHOUSE_URL", "ftp://h")
+    with pytest.raises(SystemExit) as info:
+        parser().parse_args(["ps"])
+    assert info.value.code == 2 and "$BUNKHOUSE_URL" in capsys.readouterr().err
+    assert parser().parse_args(["ps", "--url", "h:2"]).url == "http://h:2"  # --url wins
+
+
+def test_model_controls_say_what_changed_and_the_model_now() -> None:
+    from bunkhouse.cli.output import control_line
+
+    ready = {"state": "ready", "pid": 42, "measured_bytes": 400 * 2**20,
+             "estimated_bytes": 450 * 2**20, "pinned": True}
+    pinned = control_line("pin", "q", 200, ready)
+    assert pinned == "q: pinned: never evicted; ready (pid 42, 400 MiB measured, " \
+                     "450 MiB estimated)"
+    assert "not loaded" in control_line("pin", "q", 200, {"state": "absent"})
+    assert control_line("unpin", "q", 200, ready).startswith("q: unpinned: evicted when")
+    assert control_line("load", "q", 200, ready).startswith("q: ready (pid 42, 400 MiB")
+    assert "memory is free" in control_line("unload", "q", 204, None)
+    assert "draining" in control_line("unload", "q", 202, None)
+    assert control_line("pin", "\x1b[2J", 200, ready).startswith("\\x1b[2J: pinned")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 
 from bunkhouse.cli import remote
@@ -30,6 +31,26 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. Whatever a command prints may go to a reader that
+    stops early (``bunkhouse events | head -3``): its output ends there, quietly."""
+    try:
+        code = _command(argv)
+        sys.stdout.flush()  # a closed pipe is found here, not at the interpreter's exit
+    except BrokenPipeError:
+        return _reader_gone()
+    return code
+
+
+def _reader_gone() -> int:
+    """The reader of stdout left: the way Python's documentation gives ("Note on SIGPIPE"):
+    stdout goes to /dev/null, so that the interpreter's last flush raises nothing, and the
+    status is 1."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
+
+
+def _command(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     code = _client_command(args)
     if code is not None:

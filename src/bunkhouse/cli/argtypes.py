@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from bunkhouse.config import parse_size
 from bunkhouse.errors import ConfigError
@@ -82,6 +83,21 @@ def slots(text: str) -> int:
     if not text.strip().isdigit() or not 1 <= int(text) <= 256:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of slots from 1 to 256")
     return int(text)
+
+
+def server_url(text: str) -> str:
+    """A running server's address as the client commands call it: ``http://HOST:PORT``
+    (``--url`` or ``$BUNKHOUSE_URL``). ``HOST:PORT`` alone means http, as ``OLLAMA_HOST``
+    does; an OpenAI client's base URL (``.../v1``) names the same server."""
+    base = text.strip().rstrip("/").removesuffix("/v1").rstrip("/")
+    if base and "://" not in base:
+        base = f"http://{base}"
+    parts = urlsplit(base)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a server address; use http://HOST:PORT or HOST:PORT "
+            "(--url, else $BUNKHOUSE_URL)")
+    return base
 
 
 def _number(text: str) -> float:

@@ -1,5 +1,5 @@
-"""What the commands print: the catalog table (``models``), the ``ps`` table and ``events``
-lines, each with control characters escaped."""
+"""What the commands print: the catalog table (``models``), the ``ps`` table, ``events``
+lines and the answers of ``load``/``pin``..., each with control characters escaped."""
 
 from __future__ import annotations
 
@@ -107,6 +107,33 @@ def _memory_lines(stats: dict[str, Any]) -> list[str]:
         lines.append(f"PAUSED by an operator until {until} at the latest (bunkhouse resume); "
                      f"{pause.get('in_flight', 0)} request(s) in flight")
     return lines
+
+
+def control_line(verb: str, model_id: str, status: int, body: Any) -> str:
+    """What ``bunkhouse load|unload|pin|unpin ID`` prints of the server's answer: what
+    changed, and the model as it is now (state, memory) when the answer holds it."""
+    name = printable(model_id)
+    if status == 202:
+        return (f"{name}: draining: it takes no new request and is freed when its running "
+                "requests end")
+    if status == 204:
+        return f"{name}: unloaded: its worker stopped and its memory is free"
+    model = body if isinstance(body, dict) else {}
+    what = {"load": "", "pin": "pinned: never evicted; ",
+            "unpin": "unpinned: evicted when room is needed or once idle past its ttl; "}
+    return f"{name}: {what.get(verb, '')}{_model_now(model)}"
+
+
+def _model_now(model: dict[str, Any]) -> str:
+    """A model object's state and memory, as one clause."""
+    state = printable(str(model.get("state", "?")))
+    if state == "ready":
+        pid = f"pid {model['pid']}, " if model.get("pid") else ""
+        return (f"ready ({pid}{mib(model.get('measured_bytes'))} measured, "
+                f"{mib(model.get('estimated_bytes'))} estimated)")
+    if state == "absent":
+        return "not loaded (it loads on its next request, or with bunkhouse load)"
+    return state
 
 
 def event_line(data: str, as_json: bool) -> str:

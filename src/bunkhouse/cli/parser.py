@@ -245,9 +245,14 @@ def _catalog(p: argparse.ArgumentParser) -> None:
                    help="text lines (default), or one JSON object a line for log collectors")
 
 
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
 def _url(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8080",
-                   help="the server's address (%(default)s)")
+    p.add_argument("--url", type=argtypes.server_url,
+                   default=os.environ.get("BUNKHOUSE_URL", "").strip() or DEFAULT_URL,
+                   help=f"the server's address, http://HOST:PORT or HOST:PORT (default: "
+                        f"$BUNKHOUSE_URL, else {DEFAULT_URL})")
 
 
 def _client_key(p: argparse.ArgumentParser, who: str) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bunkhouse.cli.output import event_line, format_ps, printable
+from bunkhouse.cli.output import control_line, event_line, format_ps, printable
 
 _UNREACHABLE = 3  # bunkhouse ps: no server answered (--watch tries again)
 
@@ -48,7 +48,7 @@ def _ps_once(url: str, key: str | None) -> int:
         stats = resp.json()
     except (httpx.HTTPError, ValueError) as e:
         print(f"bunkhouse: error: cannot read {url}/stats: {e}; is `bunkhouse serve` running "
-              "there? (--url sets the address)", file=sys.stderr)
+              "there? (--url or $BUNKHOUSE_URL sets the address)", file=sys.stderr)
         return _UNREACHABLE
     print(format_ps(stats))
     return 0
@@ -115,7 +115,7 @@ def _admin_post(base: str, path: str, key: str | None, body: dict[str, Any] | No
         resp = httpx.post(f"{base}{path}", json=body, headers=headers, timeout=600)
     except httpx.HTTPError as e:
         print(f"bunkhouse: error: cannot reach {base}: {e}; is `bunkhouse serve` running "
-              "there? (--url sets the address)", file=sys.stderr)
+              "there? (--url or $BUNKHOUSE_URL sets the address)", file=sys.stderr)
         return None
     if resp.status_code >= 400:
         print(f"bunkhouse: error: {resp.status_code}: {_message(resp)}", file=sys.stderr)
@@ -132,9 +132,8 @@ def control(verb: str, model: str, url: str, key: str | None, path: str | None) 
         resp = _admin_post(base, f"/v1/models/{model}/{verb}", key, None)
     if resp is None:
         return 1
-    outcome = {202: "draining: it is freed when its running requests end",
-               204: "unloaded"}.get(resp.status_code)
-    print(f"{model}: {outcome or resp.json()['state']}")
+    body = resp.json() if resp.status_code not in (202, 204) else None
+    print(control_line(verb, model, resp.status_code, body))
     return 0
 
 
@@ -159,7 +158,8 @@ def server_call(verb: str, model: str | None, url: str, key: str | None,
         print(f"paused: no request in flight; resumes by itself at {until} "
               "(bunkhouse resume ends it)")
     elif verb == "resume":
-        print("resumed" if data["resumed"] else "no pause was held")
+        print("resumed: waiting requests go on" if data["resumed"] else
+              "no pause was held: nothing changed")
     else:
         for change in ("added", "removed", "changed"):
             print(f"{change}: {', '.join(data[change]) or 'none'}")
@@ -181,9 +181,7 @@ def transcribe(path: Path, url: str, key: str | None, model: str, language: str 
               **({"language": language} if language else {}),
               **({"stream": "true"} if fmt == "text" else {})}
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    base = url.strip().rstrip("/").removesuffix("/v1")  # an OpenAI client's base URL too
-    if "://" not in base:
-        base = f"http://{base}"
+    base = url.rstrip("/")  # --url / $BUNKHOUSE_URL, as cli/argtypes.py server_url made it
     try:
         with audio, httpx.stream("POST", f"{base}/v1/audio/transcriptions", data=fields,
                                  files={"file": (path.name, audio)}, headers=headers,
@@ -204,7 +202,7 @@ def transcribe(path: Path, url: str, key: str | None, model: str, language: str 
                 return 1
     except httpx.HTTPError as e:
         print(f"bunkhouse: error: cannot reach {base}: {e}; is `bunkhouse serve` running "
-              "there? (--url sets the address)", file=sys.stderr)
+              "there? (--url or $BUNKHOUSE_URL sets the address)", file=sys.stderr)
         return 1
 
 

@@ -8,6 +8,7 @@ const $ = (sel) => document.querySelector(sel);
 const COLORS = ["#3b82f6", "#10b981", "#f59e0b", "#8b5cf6", "#ef4444", "#14b8a6", "#ec4899",
                 "#6366f1"];
 const MIB = 1024 * 1024;
+const GENERATES = ["chat", "completion"];  // model kinds the chat box can try
 const state = { models: [], stats: null, lastSeq: null, colors: new Map() };
 
 function keyFor(level) {
@@ -89,7 +90,18 @@ async function refresh() {
   readNote("");
   state.stats = await resp.json();
   state.models = state.stats.models;
+  showRecent(state.stats.events || []);
   render();
+}
+
+// The events the server still holds, shown once when the page opens (or first reads the
+// server, once given its key); the stream then resumes after the last of them.
+function showRecent(events) {
+  if (state.lastSeq != null || $("#events").children.length) return;
+  for (const event of events) {
+    if (event.kind !== "load_progress") showEvent(event);
+    if (event.seq != null) state.lastSeq = event.seq;
+  }
 }
 
 function render() {
@@ -149,8 +161,10 @@ function render() {
 
   const select = $("#chat-model");
   const chosen = select.value;
-  const usable = state.models.filter((m) => !m.embeddings && m.kind !== "transcription");
-  if (select.options.length !== usable.length) {
+  // what generates text: chat and base models, whether or not they also embed
+  const usable = state.models.filter((m) => GENERATES.includes(m.kind));
+  const listed = Array.from(select.options, (o) => o.value).join("\n");
+  if (listed !== usable.map((m) => m.id).join("\n")) {
     select.replaceChildren(...usable.map((m) => el("option", { value: m.id }, m.id)));
     const fallback = usable.find((m) => m.default) || usable[0];
     select.value = chosen || (fallback ? fallback.id : "");
@@ -270,7 +284,7 @@ async function chat(event) {
   try {
     // a model without a chat template (a base model) continues the text instead
     const info = state.models.find((m) => m.id === model) || {};
-    const chatty = info.chat_template !== false;
+    const chatty = info.kind !== "completion";
     const body = { model, stream: true, max_tokens: 256 };
     if (chatty) body.messages = [{ role: "user", content: text }];
     else body.prompt = text;
@@ -313,7 +327,7 @@ async function showVersion() {
   }
 }
 
-function main() {
+async function main() {
   $("#client-key").value = sessionStorage.getItem("bunkhouse.client") || "";
   $("#admin-key").value = sessionStorage.getItem("bunkhouse.admin") || "";
   $("#keys").addEventListener("submit", (event) => {
@@ -325,7 +339,7 @@ function main() {
   });
   $("#chat").addEventListener("submit", chat);
   showVersion();
-  refresh();
+  await refresh();  // the recent events first; the stream follows on after them
   follow();
   setInterval(render, 5000);  // idle times; the state itself comes with the events
 }

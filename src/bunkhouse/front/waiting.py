@@ -7,7 +7,7 @@ that proxies and clients that give up on a silent connection keep it. With
 ``reasoning_content`` deltas ("loading model ..."), as llama-swap's ``sendLoadingState``
 shows it. Once admitted, the worker's answer follows on the same stream.
 
-A request refused at once (a full queue: 429; a model too large for the budget: 507)
+A request refused at once (a full queue: 429; a model too large for the budget: 503)
 keeps its status: only one still waiting after ``headers_after_s`` is committed to a 200.
 An error after that (no memory freed in time, a failed load, a stop) is its stream's error
 event in its protocol. A client that leaves while waiting gives its place up at once.

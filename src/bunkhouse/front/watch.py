@@ -6,7 +6,8 @@ has one: a server path, a worker's output). A client that reconnects with ``Last
 (or ``?after=N``) gets what followed from the in-memory ring (residency/events.py), then
 live events. If the ring no longer holds them all, or the server restarted (its numbers
 begin again at 1), the stream begins with a ``gap`` message (no id) saying which were lost,
-so a client knows to re-read the state (``GET /v1/models``). A comment line every
+so a client knows to re-read the state (``GET /v1/models``). Every stream opens with a
+comment line (:data:`OPENED`), sent with its headers at once. A comment line every
 ``heartbeat_s`` keeps proxies from closing a quiet stream. A reader that falls behind is
 dropped (residency never waits for it), and every stream ends when the server stops. At most
 :data:`MAX_READERS` streams are open at once, at most a quarter of them by one client (its
@@ -40,6 +41,11 @@ MAX_READERS = 64
 """Event streams open at once (a console tab holds one); more get 503 ``server_busy``, as do
 more than a client's share of them (a quarter: 16). Each costs a queue and, on resuming, a
 write of up to the ring's 1,000 events."""
+
+OPENED = b": connected\n\n"
+"""The comment line each stream begins with, sent with its headers: a client (a browser's
+``EventSource``, a proxy timing the first byte) sees the stream open at once, not at the
+first event or the first heartbeat ``heartbeat_s`` later."""
 
 SEND_TIMEOUT_S = 30.0
 """Seconds one message may take to send before the reader is dropped as stuck."""
@@ -104,6 +110,7 @@ class EventStream:
 
         async def messages() -> AsyncIterator[ServerSentEvent | bytes]:
             try:
+                yield OPENED  # the first byte now, not at the first event or heartbeat
                 if gap is not None:
                     yield ServerSentEvent(data=json.dumps(gap), event="gap")
                 if subscription.backlog:  # one write, each message encoded at its emit
