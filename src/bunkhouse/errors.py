@@ -17,12 +17,15 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     │   └── ModelNotFound               404 invalid_request_error / model_not_found
     ├── Conflict                        409 invalid_request_error / conflict
     ├── MethodNotAllowed                405 invalid_request_error / method_not_allowed
-    ├── ClientGone                      499 (the client left before its body was read)
+    ├── ClientGone                      499 invalid_request_error / client_closed_request
+    │                                   (the client left before its body was read)
     ├── QueueFull                       429 resource_admission / queue_full (+ Retry-After)
+    ├── StalledTooOften                 429 rate_limit_error / stalled_too_often (+ Retry-After)
     ├── WorkerLoadFailed                503 server_error / model_load_failed
     ├── InsufficientMemory              503 server_error / insufficient_memory (+ Retry-After)
+    │   ├── Paused                      503 server_error / paused (+ Retry-After)
+    │   └── ModelFailed                 503 server_error / model_failed (+ Retry-After)
     ├── ModelTooLarge                   503 server_error / model_too_large
-    ├── ModelFailed                     503 server_error / model_failed (+ Retry-After)
     ├── ShuttingDown                    503 server_error / shutting_down
     ├── ServerBusy                      503 server_error / server_busy (+ Retry-After)
     └── EngineUnavailable               502 server_error / engine_unavailable

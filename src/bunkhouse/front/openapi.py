@@ -206,14 +206,21 @@ def _openai_paths(schemas: dict[str, Any]) -> dict[str, Any]:
                        "post": _op("register and load a model by path (admin)", "200", reg)},
         "/v1/models/{model_id}": {
             "get": _op("one model", "200", params=_MODEL_ID),
-            "delete": _op("drain and unload; runtime models leave the catalog (admin)", "204",
-                          params=_MODEL_ID)},
-        "/v1/models/{model_id}/{action}": {"post": _op(
+            "delete": _draining(_op("drain and unload; runtime models leave the catalog "
+                                    "(admin)", "204", params=_MODEL_ID))},
+        "/v1/models/{model_id}/{action}": {"post": _draining(_op(
             "load, unload (204 once freed, 202 while requests drain), pin or unpin a "
             "catalog model (admin)", "200", params=[*_MODEL_ID, {
                 "name": "action", "in": "path", "required": True,
-                "schema": {"enum": ["load", "unload", "pin", "unpin"]}}])},
+                "schema": {"enum": ["load", "unload", "pin", "unpin"]}}]))},
     }
+
+
+def _draining(op: dict[str, Any]) -> dict[str, Any]:
+    """``op`` with an unload's answers: 204 once freed, 202 while requests still drain."""
+    op["responses"]["204"] = {"description": "unloaded: the model is absent"}
+    op["responses"]["202"] = {"description": "draining: freed when its requests end"}
+    return op
 
 
 def _other_protocol_paths() -> dict[str, Any]:
