@@ -131,7 +131,7 @@ def test_a_function_call_round_trip_and_structured_output(server: Server) -> Non
     ({"model": QWEN, "input": [{"type": "input_image"}]}, "input.0.type"),
     ({"model": QWEN, "input": "hi", "temperature": "hot"}, "temperature"),
     ({"model": QWEN, "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"model": QWEN, "input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"model": QWEN, "input": "hi", "tools": [7]}, "tools.0"),  # web_search: skipped
     ({"model": QWEN, "input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"model": QWEN, "input": "hi", "store": "yes"}, "store"),
     ({"model": QWEN, "input": "hi", "background": True}, "background"),

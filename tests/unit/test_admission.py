@@ -351,3 +351,17 @@ def test_compute_gate_without_hooks_never_slices() -> None:
         await asyncio.wait_for(b, 5)
 
     run(go())
+
+
+@pytest.mark.parametrize("ceiling", [2147483648, 4294967296, 4294967301])
+def test_a_ceiling_past_the_slot_is_the_slot_however_short_the_prompt(ceiling: int) -> None:
+    """A short raw prompt is never counted: its ceiling is still lowered to the slot (1024
+    tokens), never sent as a number the engine would wrap (4294967301 read as 5)."""
+    async def fit() -> None:
+        worker = Worker()
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": ceiling}),
+                           ("/infill", {"input_prefix": "a", "max_tokens": ceiling})):
+            assert await check_fits(_model(), path, body, worker, cap=True) == 1024
+        assert worker.calls == []
+
+    run(fit())

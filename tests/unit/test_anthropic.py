@@ -77,8 +77,6 @@ def test_a_request_becomes_a_chat_request() -> None:
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"name": "f"}]}, "tools.0.input_schema"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
-      "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]}, "tools.0.name"),
     ({"max_tokens": 5, "messages": [
         {"role": "user", "content": "x"},

@@ -70,3 +70,22 @@ def test_llamacpp_slots_are_whole_blocks_of_256_tokens_within_the_ask() -> None:
 
 def test_whisper_slots_are_as_asked() -> None:
     assert Whisper().slot_tokens(300) == 300
+
+
+def test_integers_past_the_engines_width_are_refused_by_name_and_seeds_fold() -> None:
+    """llama.cpp holds its fields in C ints and its seed in 32 bits: a larger JSON integer
+    would wrap (``n_predict: 4294967301`` read as 5); so each is refused naming the field,
+    and a 64-bit seed is taken modulo 2**32 (-1: llama.cpp's random seed)."""
+    from bunkhouse.engines.llamacpp import check_extensions, fold_seed
+    from bunkhouse.errors import InvalidRequest
+
+    for name, value in (("n_predict", 1 << 31), ("n_predict", -2), ("top_k", 1 << 32),
+                        ("n_keep", -(1 << 40)), ("id_slot", 1 << 31), ("mirostat", 3),
+                        ("repeat_last_n", 1 << 31), ("t_max_predict_ms", -1), ("n_cmpl", 0)):
+        with pytest.raises(InvalidRequest) as info:
+            check_extensions({name: value})
+        assert info.value.param == name
+    check_extensions({"n_predict": -1, "top_k": (1 << 31) - 1, "n_keep": -1, "id_slot": -1})
+    assert fold_seed({"seed": (1 << 40) + 7}) == {"seed": 7}
+    assert fold_seed({"seed": -1}) == {"seed": (1 << 32) - 1}
+    assert fold_seed({"seed": 42}) == {"seed": 42} and fold_seed({}) == {}

@@ -111,7 +111,8 @@ def test_models_listing_without_workers(client: TestClient) -> None:
         ("/v1/embeddings", {"input": "x", "encoding_format": "hex"}, "encoding_format"),
         ("/v1/chat/completions", {"messages": MSGS, "tools": [{"type": "function"}]},
          "tools.0.function"),
-        ("/v1/chat/completions", {"messages": MSGS, "tools": [{"type": "x"}]}, "tools.0.type"),
+        ("/v1/chat/completions", {"messages": MSGS, "tools": [{"function": {"name": "f"}}]},
+         "tools.0.type"),
         ("/v1/chat/completions", {"messages": MSGS, "tools": [
             {"type": "function", "function": {"name": 5}}]}, "tools.0.function.name"),
         ("/v1/chat/completions", {"messages": [*MSGS, {"role": "assistant", "tool_calls": [

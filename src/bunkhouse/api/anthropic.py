@@ -20,13 +20,17 @@ import re
 import uuid
 from typing import Any
 
-from bunkhouse.api.fields import need, shown, stream_and_sampling, tools
+from bunkhouse.api.fields import Paths, need, omit_nulls, shown, stream_and_sampling, tools
 from bunkhouse.errors import BunkhouseError, InvalidRequest
 
 MAX_MESSAGES = 10_000  # turns in one request
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # Anthropic's "Tool use" page
 MAX_BLOCKS = 10_000  # content blocks in one message
 MAX_STOP_SEQUENCES = 16
+
+FREE_FORM: Paths = (("tools", "*", "input_schema"), ("messages", "*", "content", "*", "input"),
+                    ("metadata",))
+"""Where a request's null is a value, not an omitted field (api/fields.omit_nulls)."""
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "function_call": "tool_use", "content_filter": "refusal"}
@@ -138,15 +142,21 @@ def _check_answered(i: int, message: Any, ids: set[str]) -> None:
          "tool_result block in the turn after it", f"messages.{i}.content")
 
 
-def _tool(i: int, tool: Any) -> dict[str, Any]:
+def served(tool: Any) -> bool:
+    """Whether a tool is one the model can call: a client tool (no type, or ``custom``),
+    not one of Anthropic's server or built-in tools (``web_search_20250305``,
+    ``bash_20250124``, ...), which are skipped (api/fields.py)."""
+    return not isinstance(tool, dict) or tool.get("type") in (None, "custom")
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any] | None:
     at = f"tools.{i}"
+    if not served(tool):
+        return None
     need(isinstance(tool, dict) and isinstance(tool.get("name"), str),
          f"{at} must be an object with a string name", at)
     need(bool(_TOOL_NAME.fullmatch(tool["name"])),
          f"{at}.name must be 1-64 letters, digits, _ or - (Anthropic's rule)", f"{at}.name")
-    need(tool.get("type") in (None, "custom"),
-         f"{at}.type {shown(tool.get('type'))}: Anthropic's server tools are not served "
-         "here; declare your own tool with a name and an input_schema", f"{at}.type")
     schema = tool.get("input_schema")
     need(isinstance(schema, dict), f"{at}.input_schema is required: a JSON schema object",
          f"{at}.input_schema")
@@ -170,7 +180,9 @@ def _tool_choice(choice: Any) -> Any:
 
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """An Anthropic Messages request as an OpenAI chat completion request (the same model,
-    stream flag, limits and sampling). Raises InvalidRequest naming the field."""
+    stream flag, limits and sampling). A field set to null is omitted. Raises
+    InvalidRequest naming the field."""
+    body = omit_nulls(body, FREE_FORM)
     max_tokens = body.get("max_tokens")
     need(isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1,
          "max_tokens is required: a positive integer", "max_tokens")

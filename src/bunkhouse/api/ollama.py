@@ -26,13 +26,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bunkhouse.api.fields import need, shown
+from bunkhouse.api.fields import Paths, function_tool, need, shown
 
 _OPTIONS = {"temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int, 0, 1 << 20),
             "seed": (int, -(1 << 63), (1 << 63) - 1), "repeat_penalty": (float, 0, 10),
             "presence_penalty": (float, -2, 2), "frequency_penalty": (float, -2, 2),
             "min_p": (float, 0, 1)}
 """Ollama options passed on under the same name: (type, lowest, highest)."""
+
+FREE_FORM: Paths = (("tools", "*", "function", "parameters"), ("format",),
+                    ("messages", "*", "tool_calls", "*", "function", "arguments"))
+"""Where a request's null is a value, not an omitted field (api/fields.omit_nulls; Ollama
+reads a null as the field's zero value, as Go does)."""
 
 
 def now() -> str:
@@ -147,8 +152,9 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     tools = body.get("tools")
     if tools is not None:
         need(isinstance(tools, list), "tools must be an array", "tools")
-        if tools:
-            out["tools"] = tools
+        served = [t for t in tools if function_tool(t)]  # the rest: skipped (api/fields.py)
+        if served:
+            out["tools"] = served
     return out
 
 

@@ -25,7 +25,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from bunkhouse.api.fields import Renames, need, shown, stream_and_sampling, tools
+from bunkhouse.api.fields import (
+    Paths,
+    Renames,
+    function_tool,
+    need,
+    shown,
+    stream_and_sampling,
+    tools,
+)
 from bunkhouse.errors import InvalidRequest
 
 MAX_INPUT_ITEMS = 10_000  # items in one request's input
@@ -33,6 +41,9 @@ MAX_CONTENT_PARTS = 10_000  # parts in one message item
 MAX_METADATA_KEYS = 16  # OpenAI's limit: 16 pairs, keys 64 and values 512 characters
 
 _ROLES = ("user", "assistant", "system", "developer")
+
+FREE_FORM: Paths = (("tools", "*", "parameters"), ("text", "format", "schema"), ("metadata",))
+"""Where a request's null is a value, not an omitted field (api/fields.omit_nulls)."""
 
 
 CHAT_FIELDS: Renames = (
@@ -165,11 +176,13 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _tool(i: int, tool: Any) -> dict[str, Any]:
+def _tool(i: int, tool: Any) -> dict[str, Any] | None:
+    """A function tool as a chat one; None for a hosted or built-in tool (``web_search``,
+    ``custom``, ...): skipped (api/fields.py)."""
     at = f"tools.{i}"
-    need(isinstance(tool, dict) and tool.get("type") == "function",
-         f"{at} must be a function tool ({{\"type\": \"function\", \"name\": ...}}); "
-         "built-in tools are not served here", f"{at}.type")
+    need(isinstance(tool, dict), f"{at} must be a tool object", at)
+    if not function_tool(tool):
+        return None
     need(isinstance(tool.get("name"), str) and bool(tool["name"]),
          f"{at}.name must be a non-empty string", f"{at}.name")
     params = tool.get("parameters")

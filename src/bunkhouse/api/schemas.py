@@ -48,6 +48,12 @@ def Number(lo: float, hi: float) -> Any:
     return Annotated[float, BeforeValidator(_number), Field(ge=lo, le=hi)]
 
 
+INT32_MAX = (1 << 31) - 1
+"""The largest token id an engine takes (a C ``int``): a larger one would wrap to another."""
+
+INT64 = (-(1 << 63), (1 << 63) - 1)
+"""OpenAI's integers (a ``seed``)."""
+
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request (OpenAI's documented limit)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (each is work per sampled token)
 
@@ -70,7 +76,7 @@ class _Request(BaseModel):
     stop: Stop = None
     presence_penalty: Number(-2, 2) | None = None  # type: ignore[valid-type]
     frequency_penalty: Number(-2, 2) | None = None  # type: ignore[valid-type]
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=INT64[0], le=INT64[1])  # engines fold it
     # OpenAI's map of token id to bias, or llama.cpp's list of [token or text, bias] pairs.
     logit_bias: (Annotated[dict[Annotated[str, Field(pattern=r"^\d{1,10}$")],
                                 Number(-100, 100)],  # type: ignore[valid-type]
@@ -156,7 +162,7 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: StrictBool | None = None
 
 
-TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 
 
 class CompletionRequest(_Request):

@@ -224,8 +224,10 @@ class EngineAdapter(Protocol):
         """Whether a request runs in exactly one slot the front may choose (and so restore
         KV state into): one prompt, one answer, no slot asked for by the client."""
 
-    def check_request(self, route: str, body: dict[str, Any]) -> None:
-        """Refuse (InvalidRequest naming the field) an engine option given wrongly."""
+    def check_request(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Refuse (InvalidRequest naming the field) an engine option given wrongly or past
+        what the engine holds (an integer past its width); return ``body`` as the engine
+        takes it (a value the engine holds in fewer bits folded into them, as documented)."""
 
     def constraint_checks(self, path: str, body: dict[str, Any]) -> list[ConstraintCheck]:
         """The parts of the worker-bound ``body`` for ``path`` whose cost is measured before

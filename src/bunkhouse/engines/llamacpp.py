@@ -123,7 +123,8 @@ _EXTENSION_TYPES: dict[str, tuple[type, ...]] = {
 
 def check_extensions(body: dict[str, Any]) -> None:
     """Raise InvalidRequest naming an extension field given with the wrong JSON type, or
-    beyond its bound (:data:`EXTENSION_BOUNDS`)."""
+    beyond its bound (:data:`EXTENSION_BOUNDS`; an integer field without one: the engine's
+    32-bit integers, :data:`INT32`)."""
     for name, types in _EXTENSION_TYPES.items():
         value = body.get(name)
         if value is None:
@@ -132,8 +133,8 @@ def check_extensions(body: dict[str, Any]) -> None:
         if wrong or not isinstance(value, types):
             kinds = " or ".join(_JSON_NAMES[t] for t in types)
             raise InvalidRequest(f"{name} must be {kinds}", param=name)
-        bounds = EXTENSION_BOUNDS.get(name)
-        if bounds is not None and isinstance(value, int) and not bounds[0] <= value <= bounds[1]:
+        bounds = EXTENSION_BOUNDS.get(name, INT32)
+        if isinstance(value, int) and not bounds[0] <= value <= bounds[1]:
             raise InvalidRequest(f"{name} must be from {bounds[0]} to {bounds[1]}", param=name)
         choices = EXTENSION_CHOICES.get(name)
         if choices is not None and value not in choices:
@@ -147,9 +148,30 @@ EXTENSION_CHOICES: dict[str, frozenset[str]] = {
 }
 
 
+INT32 = (-(1 << 31), (1 << 31) - 1)
+"""The range of the engine's integer fields (C ``int``): a larger JSON integer would wrap
+(``n_predict: 4294967301`` read as 5), so an extension field past it is refused."""
+
 # Extension fields that multiply work or output, bounded: n_probs as OpenAI bounds
-# top_logprobs (each token's answer carries that many alternatives).
-EXTENSION_BOUNDS: dict[str, tuple[int, int]] = {"n_probs": (0, 20)}
+# top_logprobs (each token's answer carries that many alternatives), n_cmpl as the schema
+# bounds n; and the fields with a range of their own (llama.cpp's server README).
+EXTENSION_BOUNDS: dict[str, tuple[int, int]] = {
+    "n_probs": (0, 20), "n_cmpl": (1, 128), "mirostat": (0, 2), "n_predict": (-1, INT32[1]),
+    "n_keep": (-1, INT32[1]), "id_slot": (-1, INT32[1]), "n_indent": (0, INT32[1]),
+    "min_keep": (0, INT32[1]), "t_max_predict_ms": (0, INT32[1])}
+
+SEED_BITS = 32
+"""llama.cpp's sampler seed is 32 bits; ``0xFFFFFFFF`` picks a random one."""
+
+
+def fold_seed(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with its ``seed`` (any 64-bit integer, as OpenAI takes it) taken modulo
+    2**32, the engine's seed: seeds equal modulo 2**32 sample alike, and -1 (so
+    4294967295) asks for a random seed, as in llama.cpp and Ollama (docs/configuration.md)."""
+    seed = body.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or 0 <= seed < 1 << SEED_BITS:
+        return body
+    return {**body, "seed": seed % (1 << SEED_BITS)}
 
 
 _JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
@@ -591,9 +613,10 @@ class LlamaCpp:
     def pinnable(self, route: str, body: dict[str, Any]) -> bool:
         return pinnable(route, body)
 
-    def check_request(self, route: str, body: dict[str, Any]) -> None:
+    def check_request(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         check_extensions(body)
         grammar_cost.check_request(body)
+        return fold_seed(body)
 
     probe_module: str | None = "bunkhouse.worker.engines.llamacpp_probe"
 

@@ -209,8 +209,8 @@ class Whisper:
     def pinnable(self, route: str, body: dict[str, Any]) -> bool:
         return False
 
-    def check_request(self, route: str, body: dict[str, Any]) -> None:
-        return None
+    def check_request(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        return body
 
     probe_module: str | None = None
 

@@ -298,7 +298,9 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any],
             raise _too_long(model, path, tokens, max_tokens, need, limit)
         if cap and asked and tokens + asked > limit:
             return limit - tokens
-    return None
+    # a short prompt was not counted: a ceiling past the slot is the slot (the rest of it
+    # is generated until it is full), never a number past what the engine holds
+    return limit if cap and asked > limit else None
 
 
 Count = Callable[[str], Awaitable[int]]

@@ -11,10 +11,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api import anthropic
+from bunkhouse.api.fields import skipped_tools
 from bunkhouse.api.schemas import ChatCompletionRequest, parse_json_object, validate
 from bunkhouse.api.tool_calls import check_tool_choice
 from bunkhouse.front.admission import model_pair_table, refuse_before_load, trained_limit
-from bunkhouse.front.edge import prepare
+from bunkhouse.front.edge import note_skipped_tools, prepare
 from bunkhouse.front.pipeline import Pipeline
 from bunkhouse.front.protocols import AnthropicShape
 
@@ -30,12 +31,15 @@ class AnthropicRoutes:
         meaning), lowered to what the slot holds after the prompt."""
         bodies = self.pipeline.bodies
 
-        def parse(body: bytes) -> tuple[Any, dict[str, Any]]:
-            data = anthropic.to_chat(parse_json_object(body))
-            return validate(ChatCompletionRequest, data), data
+        def parse(body: bytes) -> tuple[Any, dict[str, Any], list[str]]:
+            given = parse_json_object(body)
+            data = anthropic.to_chat(given)
+            return (validate(ChatCompletionRequest, data), data,
+                    skipped_tools(given, anthropic.served))
 
         body = await bodies.read(request)
-        parsed, data = await bodies.cpu(len(body), parse, body)
+        parsed, data, skipped = await bodies.cpu(len(body), parse, body)
+        note_skipped_tools(request, skipped)
         stops = list(data.get("stop") or [])
         return await self.pipeline.generate(request, CHAT, ChatCompletionRequest, parsed, data,
                                             len(body),

@@ -39,6 +39,7 @@ from bunkhouse.front.bodies import BodyReader
 from bunkhouse.front.console import Console
 from bunkhouse.front.constraints import ConstraintGate
 from bunkhouse.front.cors import Cors
+from bunkhouse.front.edge import SKIPPED_TOOLS_HEADER
 from bunkhouse.front.extras import Extras
 from bunkhouse.front.metrics import Metrics
 from bunkhouse.front.models import ModelViews
@@ -136,7 +137,11 @@ def _guarded(keys: Keys, method: str, path: str, handler: Handler) -> Handler:
     async def noted(request: Request) -> Response:
         request.state.route = path  # a bounded label for /metrics
         request.state.received_ns = time.monotonic_ns()
-        return await guarded(request)
+        response = await guarded(request)
+        skipped = getattr(request.state, "skipped_tools", None)
+        if skipped:  # tools the model cannot run, left out (api/fields.py)
+            response.headers[SKIPPED_TOOLS_HEADER] = skipped
+        return response
 
     return noted
 

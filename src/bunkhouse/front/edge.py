@@ -18,16 +18,40 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from typing import Any
 
 from pydantic import BaseModel
+from starlette.requests import Request
 
-from bunkhouse.api.schemas import MAX_TOOLS_BYTES, known_fields
+from bunkhouse.api.fields import shown
+from bunkhouse.api.schemas import INT32_MAX, MAX_TOOLS_BYTES, known_fields
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import ENGINES, engine_for
 from bunkhouse.errors import InvalidRequest
 
+log = logging.getLogger(__name__)
+
 _TEXT_PARTS = frozenset({"text"})
+
+SKIPPED_TOOLS_HEADER = "x-bunkhouse-skipped-tools"
+"""The answer's header naming the request's tools the model cannot run, which were left out
+(api/fields.py): ``web_search, custom:apply_patch``."""
+
+MAX_SKIPPED_NAMED = 16
+"""Skipped tools the header names; past them it says how many more."""
+
+
+def note_skipped_tools(request: Request, skipped: list[str]) -> None:
+    """Note ``skipped`` (tool labels, api/fields.tool_label) for the answer's
+    :data:`SKIPPED_TOOLS_HEADER` (front/app.py sets it) and the log."""
+    if not skipped:
+        return
+    named = ", ".join(skipped[:MAX_SKIPPED_NAMED])
+    more = len(skipped) - MAX_SKIPPED_NAMED
+    request.state.skipped_tools = named + (f", and {more} more" if more > 0 else "")
+    log.info("%s: skipped %d tool(s) the model cannot run: %s", request.url.path[:200],
+             len(skipped), request.state.skipped_tools)
 
 
 def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
@@ -45,8 +69,9 @@ def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
         _check_tools_size(body.get("tools"))
     if path == "/v1/embeddings":
         _check_embeddings(model, body)
+    _check_token_ids(model, body)
     engine = engine_for(model)
-    engine.check_request(path, body)
+    body = engine.check_request(path, body)
     allowed = _forwarded_fields(schema, engine.name)
     return {k: v for k, v in body.items() if k in allowed}
 
@@ -77,6 +102,20 @@ def known_only(schema: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
 @functools.cache
 def _any_engine_fields(schema: type[BaseModel]) -> frozenset[str]:
     return frozenset().union(*(_forwarded_fields(schema, name) for name in ENGINES))
+
+
+def _check_token_ids(model: CatalogModel, body: dict[str, Any]) -> None:
+    """``logit_bias``'s token ids (OpenAI's map or llama.cpp's pairs) must be tokens of the
+    model: a larger id would reach the engine wrapped to 32 bits, another token."""
+    bias = body.get("logit_bias")
+    ids = (list(bias) if isinstance(bias, dict) else
+           [p[0] for p in bias if isinstance(p, list) and p and isinstance(p[0], int)]
+           if isinstance(bias, list) else [])
+    vocab = model.info.vocab_size or INT32_MAX + 1
+    for token in ids:
+        if isinstance(token, bool) or not 0 <= int(token) < vocab:
+            raise InvalidRequest(f"logit_bias: {shown(token)} is not a token id of model "
+                                 f"{model.id!r} (0 to {vocab - 1})", param="logit_bias")
 
 
 def _check_tools_size(tools: Any) -> None:

@@ -18,11 +18,11 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from bunkhouse.api.fields import CHAT_FREE_FORM, read_object
 from bunkhouse.api.schemas import (
     ChatCompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    parse_json_object,
     validate,
 )
 from bunkhouse.catalog import CatalogModel
@@ -43,7 +43,7 @@ class Extras:
         """The body as given, as ``schema`` checks it, and the model it names."""
         bodies = self.pipeline.bodies
         body = await bodies.read(request)
-        data = await bodies.cpu(len(body), parse_json_object, body)
+        data = await bodies.cpu(len(body), read_object, body, CHAT_FREE_FORM)
         parsed = await bodies.cpu(len(body), validate, schema, data)
         model = self.pipeline.catalog.get(getattr(parsed, "model", None))
         check_generates(model)

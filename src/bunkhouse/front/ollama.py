@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from bunkhouse import __version__
 from bunkhouse.api import ollama
+from bunkhouse.api.fields import function_tool, read_object, skipped_tools
 from bunkhouse.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,7 +29,7 @@ from bunkhouse.api.schemas import (
 )
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.errors import BunkhouseError, InvalidRequest
-from bunkhouse.front.edge import check_generates
+from bunkhouse.front.edge import check_generates, note_skipped_tools
 from bunkhouse.front.pipeline import Pipeline
 from bunkhouse.front.protocols import InfillShape, OllamaEmbedShape, OllamaShape
 from bunkhouse.front.proxy import Shape
@@ -90,7 +91,7 @@ class OllamaRoutes:
                                                       str, float | None]:
         """The body, parsed, the model it names, the name as given, and its keep_alive."""
         body = await self.front.bodies.read(request)
-        given = await self.front.bodies.cpu(len(body), parse_json_object, body)
+        given = await self.front.bodies.cpu(len(body), read_object, body, ollama.FREE_FORM)
         keep = ollama.keep_alive(given)
         return body, given, self._model(given.get("model")), str(given.get("model")), keep
 
@@ -100,6 +101,7 @@ class OllamaRoutes:
         if not given.get("messages"):
             return await self._load_only(model, name, True, keep)
         data = await front.bodies.cpu(len(body), ollama.chat_request, given)
+        note_skipped_tools(request, skipped_tools(given, function_tool))
         data["model"] = model.id
         parsed = await front.bodies.cpu(len(body), validate, ChatCompletionRequest, data)
         front.residency.keep_alive(model.id, keep)

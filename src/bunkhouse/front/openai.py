@@ -12,8 +12,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from bunkhouse.api import infill
-from bunkhouse.api.schemas import InfillRequest, parse_json_object, validate
-from bunkhouse.front.edge import known_only
+from bunkhouse.api.fields import (
+    CHAT_FREE_FORM,
+    function_tool,
+    read_object,
+    skipped_tools,
+    without_tools,
+)
+from bunkhouse.api.schemas import InfillRequest, validate
+from bunkhouse.front.edge import known_only, note_skipped_tools
 from bunkhouse.front.pipeline import Pipeline
 from bunkhouse.front.protocols import InfillShape
 
@@ -27,13 +34,16 @@ class OpenAIRoutes:
         """The handler of ``route``, whose body ``schema`` validates."""
         pipeline, bodies = self.pipeline, self.pipeline.bodies
 
-        def parse(body: bytes) -> tuple[Any, dict[str, Any]]:
-            data = known_only(schema, parse_json_object(body))
-            return validate(schema, data), data
+        def parse(body: bytes) -> tuple[Any, dict[str, Any], list[str]]:
+            data = known_only(schema, read_object(body, CHAT_FREE_FORM))
+            skipped = skipped_tools(data, function_tool)
+            data = without_tools(data, function_tool)
+            return validate(schema, data), data, skipped
 
         async def handler(request: Request) -> Response:
             body = await bodies.read(request)
-            parsed, data = await bodies.cpu(len(body), parse, body)
+            parsed, data, skipped = await bodies.cpu(len(body), parse, body)
+            note_skipped_tools(request, skipped)
             if route == "/v1/completions" and data.get("suffix"):  # fill-in-the-middle
                 return await pipeline.generate(request, "/infill", InfillRequest, parsed,
                                                infill.from_completion(data), len(body),

@@ -13,9 +13,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api import responses
-from bunkhouse.api.fields import renamed, shown
-from bunkhouse.api.schemas import ChatCompletionRequest, parse_json_object, validate
+from bunkhouse.api.fields import function_tool, read_object, renamed, shown, skipped_tools
+from bunkhouse.api.schemas import ChatCompletionRequest, validate
 from bunkhouse.errors import BunkhouseError, InvalidRequest, NotFound
+from bunkhouse.front.edge import note_skipped_tools
 from bunkhouse.front.pipeline import Pipeline
 from bunkhouse.front.protocols import ResponsesShape
 from bunkhouse.front.response_store import ResponseStore
@@ -42,8 +43,9 @@ class ResponsesRoutes:
     async def create(self, request: Request) -> Response:
         front = self.front
         body = await front.bodies.read(request)
-        given = await front.bodies.cpu(len(body), parse_json_object, body)
+        given = await front.bodies.cpu(len(body), read_object, body, responses.FREE_FORM)
         items = await front.bodies.cpu(len(body), responses.check_request, given)
+        note_skipped_tools(request, skipped_tools(given, function_tool))
         owner = front.keys.owner(request)
         history: list[dict[str, Any]] = []
         history_bytes = 0

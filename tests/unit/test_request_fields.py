@@ -1,0 +1,123 @@
+"""The rules every protocol's request follows before its engine sees it (api/fields.py):
+a null field is an omitted one, tools the model cannot run are skipped and named."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bunkhouse.api import anthropic, ollama, responses
+from bunkhouse.api.fields import (
+    CHAT_FREE_FORM,
+    function_tool,
+    omit_nulls,
+    skipped_tools,
+    without_tools,
+)
+from bunkhouse.api.schemas import ChatCompletionRequest, CompletionRequest, validate
+from bunkhouse.errors import InvalidRequest
+
+SCHEMA = {"type": "object", "properties": {"x": {"default": None, "enum": [None, 1]}}}
+
+
+def test_nulls_are_omitted_at_any_depth_but_in_free_form_json() -> None:
+    body = {"model": None, "messages": [{"role": "user", "content": "hi", "name": None},
+                                        {"role": "assistant", "content": None,
+                                         "tool_calls": [{"id": "c", "type": "function",
+                                                         "function": {"name": "f",
+                                                                      "arguments": "{}"}}]}],
+            "tools": [{"type": "function", "function": {"name": "f", "description": None,
+                                                        "parameters": SCHEMA}}],
+            "stop": [None], "response_format": {"type": "json_schema", "json_schema": {
+                "name": "n", "strict": None, "schema": SCHEMA}}}
+    out = omit_nulls(body, CHAT_FREE_FORM)
+    assert "model" not in out and out["messages"][0] == {"role": "user", "content": "hi"}
+    assert "content" not in out["messages"][1]
+    assert out["tools"][0]["function"] == {"name": "f", "parameters": SCHEMA}
+    assert out["response_format"]["json_schema"] == {"name": "n", "schema": SCHEMA}
+    assert out["stop"] == [None]  # a null in an array is a value: its type check refuses it
+    untouched = {"messages": [{"role": "user", "content": "hi"}], "prompt": [1, 2]}
+    assert omit_nulls(untouched, CHAT_FREE_FORM) is untouched  # nothing copied
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "x", "name": None}], "stream": None,
+     "max_tokens": None, "stream_options": None, "n": None, "seed": None, "user": None,
+     "tools": [{"type": "function", "function": {"name": "f", "description": None,
+                                                 "parameters": None, "strict": None}}]},
+])
+def test_a_chat_request_of_nulls_validates_as_if_they_were_omitted(body: dict[str, Any]
+                                                                    ) -> None:
+    parsed = validate(ChatCompletionRequest, omit_nulls(body, CHAT_FREE_FORM))
+    assert parsed.stream is False and parsed.max_tokens is None
+    assert validate(CompletionRequest, omit_nulls({"prompt": "x", "suffix": None,
+                                                   "echo": None}, CHAT_FREE_FORM))
+
+
+def test_anthropic_responses_and_ollama_nulls_are_omitted() -> None:
+    chat = anthropic.to_chat({
+        "max_tokens": 4, "system": None, "temperature": None, "top_k": None,
+        "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": {"a": None}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                   "content": "ok", "is_error": None}]}],
+        "tools": [{"name": "f", "description": None, "input_schema": SCHEMA,
+                   "cache_control": None}]})
+    assert chat["tools"][0]["function"] == {"name": "f", "parameters": SCHEMA}
+    assert chat["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"a": null}'
+    given = omit_nulls({"input": "x", "instructions": None, "max_output_tokens": None,
+                        "tools": [{"type": "function", "name": "f", "description": None,
+                                   "parameters": None}]}, responses.FREE_FORM)
+    out = responses.to_chat(given, responses.check_request(given), [])
+    assert out["tools"][0]["function"]["name"] == "f" and "max_tokens" not in out
+    asked = omit_nulls({"model": "m", "messages": [{"role": "user", "content": "x",
+                                                    "images": None}],
+                        "options": {"seed": None}, "format": None}, ollama.FREE_FORM)
+    assert ollama.chat_request(asked)["messages"] == [{"role": "user", "content": "x"}]
+
+
+CODEX: list[dict[str, Any]] = [
+    {"type": "function", "name": "shell", "parameters": SCHEMA}, {"type": "web_search"},
+    {"type": "custom", "name": "apply_patch", "format": {"type": "text"}}]
+
+
+def test_codex_tools_serve_the_function_and_skip_the_rest() -> None:
+    body = {"input": "x", "tools": CODEX}
+    out = responses.to_chat(body, responses.check_request(body), [])
+    assert [t["function"]["name"] for t in out["tools"]] == ["shell"]
+    assert skipped_tools(body, function_tool) == ["web_search", "custom:apply_patch"]
+    only = {"input": "x", "tools": CODEX[1:]}
+    assert "tools" not in responses.to_chat(only, responses.check_request(only), [])
+
+
+def test_every_protocol_skips_the_tools_the_model_cannot_run() -> None:
+    function = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+    custom = {"type": "custom", "custom": {"name": "apply_patch"}}
+    chat = {"messages": [{"role": "user", "content": "x"}], "tools": [custom, function]}
+    assert without_tools(chat, function_tool)["tools"] == [function]
+    assert skipped_tools(chat, function_tool) == ["custom:apply_patch"]
+    assert "tools" not in without_tools({"tools": [custom]}, function_tool)
+    server = {"type": "web_search_20250305", "name": "web_search"}
+    message = {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+               "tools": [server, {"name": "f", "input_schema": SCHEMA}]}
+    assert [t["function"]["name"] for t in anthropic.to_chat(message)["tools"]] == ["f"]
+    assert skipped_tools(message, anthropic.served) == ["web_search_20250305:web_search"]
+    asked = {"model": "m", "messages": [], "tools": [{"type": "web_search"}, function]}
+    assert ollama.chat_request(asked)["tools"] == [function]
+    with pytest.raises(InvalidRequest) as info:  # a demand for a skipped tool: refused
+        responses.to_chat({"input": "x", "tools": CODEX, "tool_choice": {"type": "web_search"}},
+                          [], [])
+    assert info.value.param == "tool_choice"
+
+
+def test_openai_integers_past_what_engines_hold_are_refused_by_name() -> None:
+    for schema, body, param in (
+            (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                     "seed": 1 << 64}, "seed"),
+            (CompletionRequest, {"prompt": [4294967296]}, "prompt")):
+        with pytest.raises(InvalidRequest) as info:
+            validate(schema, body)
+        assert info.value.param == param
+    assert validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                            "seed": -(1 << 63)})
