@@ -64,3 +64,12 @@ def test_truncated_file_says_truncated(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:3000])
     with pytest.raises(GGUFError, match="truncated"):
         read_gguf_info(path)
+
+
+def test_counts_the_weights_of_its_tensors(tmp_path: Path) -> None:
+    """Ollama's parameter_size comes from here: the tensors' shapes summed (one 4x64)."""
+    assert read_gguf_info(write_tiny_gguf(tmp_path / "m.gguf")).parameters == 4 * 64
+    truncated = tmp_path / "cut.gguf"
+    whole = (tmp_path / "m.gguf").read_bytes()
+    truncated.write_bytes(whole[: whole.index(b"token_embd.weight") + 4])
+    assert read_gguf_info(truncated).parameters is None  # the metadata still reads
