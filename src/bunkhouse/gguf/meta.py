@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUF_MAGIC, GGUFValueType
+from gguf import GGUF_MAGIC, GGUFValueType, LlamaFileType
 
 from bunkhouse.errors import GGUFError
 
@@ -114,6 +114,17 @@ class GGUFInfo:
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
+
+    @property
+    def quantization(self) -> str:
+        """The file's quantization as llama.cpp's tools name it (``general.file_type``: 15 is
+        "Q4_K_M", 1 "F16"); "unknown" when it states none or one not known here."""
+        try:
+            name = LlamaFileType(self.file_type).name if self.file_type is not None else ""
+        except ValueError:
+            name = ""
+        known = name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        return known if known and known != "GUESSED" else "unknown"
 
 
 class _Cursor:
