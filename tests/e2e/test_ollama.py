@@ -4,6 +4,7 @@ and raw on the base model), the 501s for what bunkhouse does not do, errors as O
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from collections.abc import Iterator
 
@@ -97,5 +98,6 @@ def test_what_bunkhouse_does_not_do_and_bad_input(client: ollama.Client,
         "model": QWEN, "messages": ASK, "options": {"temperature": "hot"}})
     assert bad.status_code == 400 and "options.temperature" in bad.json()["error"]
     # an Ollama release's version (docs/architecture.md): clients that check it go on
-    version = httpx.get(f"{server.url}/api/version").json()["version"]
-    assert tuple(int(n) for n in version.split(".")) >= (0, 5, 0)
+    version = httpx.get(f"{server.url}/api/version").json()
+    assert tuple(int(n) for n in version["version"].split(".")) >= (0, 5, 0)
+    assert version["bunkhouse"] == importlib.metadata.version("bunkhouse")

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from bunkhouse import __version__
 from bunkhouse.api import ollama
 from bunkhouse.api.schemas import (
     ChatCompletionRequest,
@@ -153,8 +154,10 @@ class OllamaRoutes:
                                         ollama.tagged(model_id), legacy))
 
     async def version(self, request: Request) -> Response:
-        """The Ollama release whose API these routes answer (docs/architecture.md)."""
-        return JSONResponse({"version": ollama.VERSION})
+        """The Ollama release whose API these routes answer (docs/architecture.md), and
+        bunkhouse's own version beside it (the console shows it; Ollama's clients read
+        ``version`` only)."""
+        return JSONResponse({"version": ollama.VERSION, "bunkhouse": __version__})
 
     async def tags(self, request: Request) -> Response:
         """Every model under its id, then under each alias (as ``ollama cp`` lists a copy:
