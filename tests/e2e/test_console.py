@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -148,7 +149,8 @@ def test_console_with_client_keys_asks_for_one_and_clears_its_note(tmp_path: Pat
             page.wait_for_selector(f'#models tr[data-model="{QWEN}"]')
             page.wait_for_selector("#admin-note:not(.bad)", state="attached")
             assert page.inner_text("#admin-note").strip() == ""
-            page.wait_for_selector("#version:has-text('v')")
+            # bunkhouse's own version, not the Ollama release /api/version names
+            page.wait_for_selector(f"#version:text-is('v{version('bunkhouse')}')")
             page.wait_for_selector("#live.on")  # the stream reconnects with the key
         finally:
             browser.close()

@@ -15,8 +15,10 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import ollama
+import openai
 import pytest
 
 from bunkhouse.catalog import Catalog
@@ -29,6 +31,7 @@ OLLAMA_NAME = "gemma3:270m"
 HF_NAME = "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF:qwen2.5-coder-0.5b-instruct-q4_k_m"
 GREEDY = {"temperature": 0, "num_predict": 8}
 ASK = [{"role": "user", "content": "What is the capital of France? One word."}]
+EMBED_ALIAS = "gemma-embed"
 
 
 def _place(source: Path, target: Path) -> None:
@@ -89,7 +92,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, packaged_catalog: Catalog
     hf_cache(root / "hub", packaged_catalog.get(QWEN).path)
     config = root / "bunkhouse.toml"
     config.write_text(f'[[models]]\nid = "{OLLAMA_NAME}"\nembeddings = true\n'
-                      f'[aliases]\n"qwen-coder" = "{HF_NAME}"\n')
+                      f'[aliases]\n"qwen-coder" = "{HF_NAME}"\n"{EMBED_ALIAS}" = "{OLLAMA_NAME}"\n')
     with serve(root / "serve", "--no-packaged", "--no-source", "lmstudio", "--config",
                str(config), env={"OLLAMA_MODELS": str(root / "ollama"),
                                  "HF_HUB_CACHE": str(root / "hub")}) as running:
@@ -105,11 +108,14 @@ def client(server: Server) -> Iterator[ollama.Client]:
 
 def test_the_stores_are_served_under_their_tools_names(server: Server,
                                                        client: ollama.Client) -> None:
-    assert {m.model for m in client.list().models} == {OLLAMA_NAME, HF_NAME}
+    listed = {m.model: m for m in client.list().models}  # each alias too, as `ollama cp`
+    assert set(listed) == {OLLAMA_NAME, HF_NAME, "qwen-coder:latest", f"{EMBED_ALIAS}:latest"}
+    assert listed["qwen-coder:latest"].digest == listed[HF_NAME].digest
     models = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
     assert models[OLLAMA_NAME]["source"] == "ollama"
     assert models[HF_NAME]["source"] == "hf_cache"
     assert models[HF_NAME]["aliases"] == ["qwen-coder"]
+    assert models[OLLAMA_NAME]["aliases"] == [EMBED_ALIAS]
     # each slot holds 8,192 tokens by default
     assert models[HF_NAME]["slot_context"] == 8192
 
@@ -151,3 +157,40 @@ def test_keep_alive_zero_unloads(client: ollama.Client) -> None:
     client.generate(model=OLLAMA_NAME, keep_alive="10m")  # Ollama's way to load
     (loaded,) = [m for m in client.ps().models if m.model == OLLAMA_NAME]
     assert loaded.expires_at is not None
+
+
+def test_every_route_answers_with_the_id_the_request_used_an_alias_for(
+        server: Server, client: ollama.Client) -> None:
+    """One rule for `model` in answers: the model's id, on every route and protocol, in
+    whole answers and each streamed piece, whatever alias (or `:latest`) the request used."""
+    few = {"max_tokens": 2, "temperature": 0}
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as sdk:
+        chat = sdk.chat.completions.create(model="qwen-coder", messages=ASK, **few)
+        chunks = list(sdk.chat.completions.create(model="qwen-coder:latest", messages=ASK,
+                                                  stream=True, **few))
+        text = sdk.completions.create(model="qwen-coder", prompt="Paris is", **few)
+        middle = sdk.completions.create(model="qwen-coder", prompt="def f(", suffix="):",
+                                        **few)
+        said = sdk.responses.create(model="qwen-coder", input="Hi", max_output_tokens=2)
+        vectors = sdk.embeddings.create(model=EMBED_ALIAS, input="a cat")
+        with pytest.raises(openai.BadRequestError) as refused:  # an error names the id too
+            sdk.chat.completions.create(model=EMBED_ALIAS, messages=ASK)
+    assert OLLAMA_NAME in refused.value.message and EMBED_ALIAS not in refused.value.message
+    assert {chat.model, text.model, middle.model, said.model} == {HF_NAME}
+    assert chunks and {c.model for c in chunks} == {HF_NAME} and vectors.model == OLLAMA_NAME
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0,
+                             timeout=300) as claude:
+        message = claude.messages.create(model="qwen-coder", max_tokens=2, messages=ASK)
+        with claude.messages.stream(model="qwen-coder", max_tokens=2, messages=ASK) as events:
+            streamed = events.get_final_message()
+    assert message.model == streamed.model == HF_NAME
+    infill = httpx.post(f"{server.url}/infill", timeout=300, json={
+        "model": "qwen-coder", "input_prefix": "def f(", "input_suffix": "):", "n_predict": 2})
+    assert infill.status_code == 200 and infill.json()["model"] == HF_NAME
+    options = {"num_predict": 2, "temperature": 0}
+    parts = list(client.chat(model="qwen-coder", messages=ASK, options=options, stream=True))
+    generated = client.generate(model="qwen-coder", prompt="Hi", options=options)
+    embedded = client.embed(model=EMBED_ALIAS, input="a cat")
+    assert {p.model for p in parts} | {generated.model} == {HF_NAME}
+    assert embedded.model == OLLAMA_NAME

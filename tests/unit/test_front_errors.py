@@ -184,7 +184,8 @@ def test_only_openai_and_engine_extension_fields_are_forwarded(tmp_path: Path) -
     body = prepare("/v1/chat/completions", ChatCompletionRequest, model, {
         "messages": MSGS, "max_completion_tokens": 7, "ignore_eos": True, "n_probs": 2,
         "temprature": 0.5, "secret_debug": 1})
-    assert body == {"messages": MSGS, "max_tokens": 7, "ignore_eos": True, "n_probs": 2}
+    assert body == {"messages": MSGS, "max_tokens": 7, "ignore_eos": True, "n_probs": 2,
+                    "model": "tiny"}  # named by its id, whatever the request said
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -64,3 +65,21 @@ def test_truncated_file_says_truncated(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:3000])
     with pytest.raises(GGUFError, match="truncated"):
         read_gguf_info(path)
+
+
+def test_counts_the_weights_of_its_tensors(tmp_path: Path) -> None:
+    """Ollama's parameter_size comes from here: the tensors' shapes summed (one 4x64)."""
+    assert read_gguf_info(write_tiny_gguf(tmp_path / "m.gguf")).parameters == 4 * 64
+    truncated = tmp_path / "cut.gguf"
+    whole = (tmp_path / "m.gguf").read_bytes()
+    truncated.write_bytes(whole[: whole.index(b"token_embd.weight") + 4])
+    assert read_gguf_info(truncated).parameters is None  # the metadata still reads
+
+
+@pytest.mark.parametrize(("file_type", "name"), [
+    (15, "Q4_K_M"), (1, "F16"), (0, "F32"), (7, "Q8_0"), (32, "BF16"), (None, "unknown"),
+    (999, "unknown"), (1024, "unknown")])
+def test_quantization_is_named_as_llama_cpp_names_it(tmp_path: Path, file_type: int | None,
+                                                     name: str) -> None:
+    info = read_gguf_info(write_tiny_gguf(tmp_path / "m.gguf"))  # file type 15
+    assert dataclasses.replace(info, file_type=file_type).quantization == name

@@ -102,3 +102,22 @@ def test_whole_answers_for_chat_and_generate() -> None:
 def test_what_is_not_served_says_what_to_do() -> None:
     assert "--models-dir" in ollama.not_served("pull")
     assert "TOML" in ollama.not_served("create")
+
+
+@pytest.mark.parametrize(("model_id", "name"), [
+    ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct:latest"),
+    ("gemma3:270m", "gemma3:270m"),
+    ("Qwen/Qwen2.5-GGUF:q4_k_m", "Qwen/Qwen2.5-GGUF:q4_k_m"),
+    ("host:11434/team/model", "host:11434/team/model:latest"),  # a port is not a tag
+])
+def test_names_are_listed_and_answered_with_a_tag(model_id: str, name: str) -> None:
+    assert ollama.tagged(model_id) == name
+
+
+@pytest.mark.parametrize(("count", "size"), [
+    (630167424, "630.17M"), (268098176, "268.10M"), (494032768, "494.03M"),
+    (7_000_000_000, "7B"), (8_030_261_248, "8.0B"), (2_000_000, "2M"), (1500, "2K"),
+    (999, "999"), (None, ""),
+])
+def test_parameter_size_as_ollama_writes_it(count: int | None, size: str) -> None:
+    assert ollama.parameter_size(count) == size

@@ -40,6 +40,33 @@ FREE_FORM: Paths = (("tools", "*", "function", "parameters"), ("format",),
 reads a null as the field's zero value, as Go does)."""
 
 
+VERSION = "0.10.0"
+"""The Ollama release whose API the routes answer (``/api/version``): its newest fields
+served here are ``/api/ps``' ``context_length`` (0.10.0) and tool messages' ``tool_name``
+(0.9.6). Clients that check the version refuse bunkhouse's own (docs/architecture.md)."""
+
+
+def tagged(model_id: str) -> str:
+    """A model id as Ollama lists and answers a name: ``name:tag``, with ``:latest`` when
+    the id has no tag (no colon in its last ``/`` segment), as Ollama always shows one."""
+    return model_id if ":" in model_id.rsplit("/", 1)[-1] else f"{model_id}:latest"
+
+
+def parameter_size(count: int | None) -> str:
+    """A weight count as Ollama's ``details.parameter_size`` writes it (its
+    format.HumanNumber): 494032768 is "494.03M", 7000000000 "7B", 8030000000 "8.0B"; ""
+    when unknown."""
+    if count is None:
+        return ""
+    for unit, scale, decimals in (("B", 10**9, 1), ("M", 10**6, 2), ("K", 10**3, 0)):
+        if count >= scale:
+            number = count / scale
+            if unit == "K" or number != int(number):
+                return f"{number:.{decimals}f}{unit}"
+            return f"{number:.0f}{unit}"
+    return str(count)
+
+
 def now() -> str:
     """A timestamp as Ollama writes ``created_at`` (RFC 3339, UTC)."""
     return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")

@@ -321,7 +321,8 @@ async function showVersion() {
   try {
     const resp = await fetch("/api/version", { headers: headers("client") });
     const body = resp.ok ? await resp.json() : {};
-    if (body.version) $("#version").textContent = "v" + body.version;
+    // "version" is the Ollama release the API matches; bunkhouse's own is beside it
+    if (body.bunkhouse) $("#version").textContent = "v" + body.bunkhouse;
   } catch (e) {
     // the server is away: the event stream says so
   }

@@ -12,6 +12,8 @@ what depends on the model and on field aliases, and builds the body the worker g
   ``strip_params``, config.RequestParams) are applied first, so every check sees the result.
 - Only OpenAI's fields and the engine adapter's extension fields are forwarded; anything else
   unknown is dropped, so a typo never reaches the engine as a raw parse error.
+- ``model`` is the model's id, not the alias or ``:latest`` spelling the client sent, so that
+  every answer names the model one way.
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ def note_skipped_tools(request: Request, skipped: list[str]) -> None:
 
 def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
             data: dict[str, Any]) -> dict[str, Any]:
-    """The body to send to ``model``'s worker, or InvalidRequest (400) naming the field."""
+    """The body to send to ``model``'s worker, or InvalidRequest (400) naming the field. It
+    names the model by its id, whatever alias the client used (or none): an answer that
+    echoes ``model`` echoes the id, on every route."""
     check_generates(model)
-    body = model.request.apply(_merge_token_limits(data))
+    body = {**model.request.apply(_merge_token_limits(data)), "model": model.id}
     _check_choices(model, body)
     if path == "/v1/chat/completions":
         _check_template(model)

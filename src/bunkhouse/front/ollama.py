@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import time
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -53,9 +52,18 @@ def _digest(model: CatalogModel) -> str:
 
 
 def _details(model: CatalogModel) -> dict[str, Any]:
+    """Ollama's ``details``, from the model file's metadata."""
     arch = model.info.architecture
     return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
-            "parameter_size": "", "quantization_level": ""}
+            "parameter_size": ollama.parameter_size(model.info.parameters),
+            "quantization_level": model.info.quantization}
+
+
+def _listed(model: CatalogModel, name: str) -> dict[str, Any]:
+    """``model`` as ``/api/tags`` lists it under ``name`` (its id or an alias)."""
+    return {"name": ollama.tagged(name), "model": ollama.tagged(name),
+            "modified_at": _time(model.modified), "size": model.size_bytes,
+            "digest": _digest(model), "details": _details(model)}
 
 
 class OllamaRoutes:
@@ -70,7 +78,7 @@ class OllamaRoutes:
         check_generates(model)  # Ollama's API serves language models only
         return model
 
-    async def _load_only(self, model: CatalogModel, name: str, chat: bool,
+    async def _load_only(self, model: CatalogModel, chat: bool,
                          keep: float | None) -> Response:
         """An empty request loads the model (Ollama's way to preload), or with
         ``keep_alive: 0`` unloads it (Ollama's way to unload)."""
@@ -81,25 +89,28 @@ class OllamaRoutes:
         else:
             await residency.load(model.id)
             reason = "load"
-        done: dict[str, Any] = {"model": name, "created_at": ollama.now(), "done": True,
+        done: dict[str, Any] = {"model": ollama.tagged(model.id), "created_at": ollama.now(),
+                                "done": True,
                                 "done_reason": reason}
         done.update({"message": {"role": "assistant", "content": ""}} if chat
                     else {"response": ""})
         return JSONResponse(done)
 
     async def _begin(self, request: Request) -> tuple[bytes, dict[str, Any], CatalogModel,
-                                                      str, float | None]:
-        """The body, parsed, the model it names, the name as given, and its keep_alive."""
+                                                      float | None]:
+        """The body, parsed, the model it names and its keep_alive. Answers name the model
+        by its id as Ollama shows it (:func:`ollama.tagged`), whatever alias the request
+        used."""
         body = await self.front.bodies.read(request)
         given = await self.front.bodies.cpu(len(body), read_object, body, ollama.FREE_FORM)
         keep = ollama.keep_alive(given)
-        return body, given, self._model(given.get("model")), str(given.get("model")), keep
+        return body, given, self._model(given.get("model")), keep
 
     async def chat(self, request: Request) -> Response:
         front = self.front
-        body, given, model, name, keep = await self._begin(request)
+        body, given, model, keep = await self._begin(request)
         if not given.get("messages"):
-            return await self._load_only(model, name, True, keep)
+            return await self._load_only(model, True, keep)
         data = await front.bodies.cpu(len(body), ollama.chat_request, given)
         note_skipped_tools(request, skipped_tools(given, function_tool))
         data["model"] = model.id
@@ -107,14 +118,15 @@ class OllamaRoutes:
         front.residency.keep_alive(model.id, keep)
         return await front.generate(request, "/v1/chat/completions", ChatCompletionRequest,
                                     parsed, data, len(body),
-                                    lambda _: OllamaShape(name, True, _timing(request)),
+                                    lambda model_id: OllamaShape(
+                                        ollama.tagged(model_id), True, _timing(request)),
                                     cap=True)
 
     async def generate(self, request: Request) -> Response:
         front = self.front
-        body, given, model, name, keep = await self._begin(request)
+        body, given, model, keep = await self._begin(request)
         if not given.get("prompt") and not given.get("suffix"):
-            return await self._load_only(model, name, False, keep)
+            return await self._load_only(model, False, keep)
         path, data = await front.bodies.cpu(len(body), ollama.generate_request, given,
                                             model.has_chat_template)
         data["model"] = model.id
@@ -122,9 +134,11 @@ class OllamaRoutes:
                           else InfillRequest if path == "/infill" else CompletionRequest)
         parsed = await front.bodies.cpu(len(body), validate, schema, data)
         front.residency.keep_alive(model.id, keep)
-        shape: Callable[[str], Shape] = (
-            (lambda _: InfillShape(name, OllamaShape(name, False, _timing(request))))
-            if path == "/infill" else (lambda _: OllamaShape(name, False, _timing(request))))
+
+        def shape(model_id: str) -> Shape:
+            answer = OllamaShape(ollama.tagged(model_id), False, _timing(request))
+            return InfillShape(model_id, answer) if path == "/infill" else answer
+
         return await front.generate(request, path, schema, parsed, data, len(body), shape,
                                     cap=True)
 
@@ -132,22 +146,27 @@ class OllamaRoutes:
         """``POST /api/embed`` and the older ``/api/embeddings``: the embeddings path."""
         front = self.front
         legacy = request.url.path == "/api/embeddings"
-        body, given, model, name, keep = await self._begin(request)
+        body, given, model, keep = await self._begin(request)
         data = await front.bodies.cpu(len(body), ollama.embed_request, given, legacy)
         data["model"] = model.id
         parsed = await front.bodies.cpu(len(body), validate, EmbeddingRequest, data)
         front.residency.keep_alive(model.id, keep)
         return await front.generate(request, "/v1/embeddings", EmbeddingRequest, parsed, data,
-                                    len(body), lambda _: OllamaEmbedShape(name, legacy))
+                                    len(body), lambda model_id: OllamaEmbedShape(
+                                        ollama.tagged(model_id), legacy))
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": __version__})
+        """The Ollama release whose API these routes answer (docs/architecture.md), and
+        bunkhouse's own version beside it (the console shows it; Ollama's clients read
+        ``version`` only)."""
+        return JSONResponse({"version": ollama.VERSION, "bunkhouse": __version__})
 
     async def tags(self, request: Request) -> Response:
+        """Every model under its id, then under each alias (as ``ollama cp`` lists a copy:
+        the same digest), each ``name:tag``."""
         return JSONResponse({"models": [
-            {"name": m.id, "model": m.id, "modified_at": _time(m.modified),
-             "size": m.size_bytes, "digest": _digest(m), "details": _details(m)}
-            for m in self.front.catalog if not m.transcribes]})  # Ollama's are all LLMs
+            _listed(m, name) for m in self.front.catalog if not m.transcribes  # LLMs only
+            for name in (m.id, *m.aliases)]})
 
     async def ps(self, request: Request) -> Response:
         running = []
@@ -158,7 +177,7 @@ class OllamaRoutes:
                 continue
             never = 4102444800.0  # no idle unload: far away (2100)
             expires = min(residency.expires_at(m.id) or never, never)
-            running.append({"name": m.id, "model": m.id, "size":
+            running.append({"name": ollama.tagged(m.id), "model": ollama.tagged(m.id), "size":
                             status.measured_bytes or status.estimated_bytes,
                             "digest": _digest(m), "details": _details(m),
                             "expires_at": _time(expires), "size_vram": 0,
@@ -176,6 +195,7 @@ class OllamaRoutes:
         return JSONResponse({
             "modelfile": "", "parameters": "", "template": "", "details": _details(model),
             "model_info": {"general.architecture": arch,
+                           "general.parameter_count": model.info.parameters,
                            f"{arch}.context_length": model.info.context_length},
             "capabilities": capabilities, "modified_at": _time(model.modified)})
 

@@ -280,9 +280,10 @@ def _ollama_paths() -> dict[str, Any]:
         **{f"/api/{name}": {"post": _not_served(name, "post")}
            for name in ("pull", "push", "create", "copy")},
         "/api/delete": {"delete": _not_served("delete", "delete")},
-        "/api/tags": {"get": _op("Ollama: every model", "200")},
+        "/api/tags": {"get": _op("Ollama: every model and alias, as name:tag", "200")},
         "/api/ps": {"get": _op("Ollama: the loaded models", "200")},
-        "/api/version": {"get": _op("Ollama: the server's version", "200")},
+        "/api/version": {"get": _op("Ollama: the Ollama release these routes match "
+                                    "(bunkhouse's own version beside it)", "200")},
     }
 
 

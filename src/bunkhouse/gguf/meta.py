@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUF_MAGIC, GGUFValueType
+from gguf import GGUF_MAGIC, GGUFValueType, LlamaFileType
 
 from bunkhouse.errors import GGUFError
 
@@ -109,10 +109,22 @@ class GGUFInfo:
     feed_forward_length: int | None = None  # the FFN's hidden width
     pooling: bool = False  # an embedding model: it declares how it pools
     split_count: int = 1  # files the model is split into (the engine finds them by name)
+    parameters: int | None = None  # weights in all its tensors (None: unknown)
 
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
+
+    @property
+    def quantization(self) -> str:
+        """The file's quantization as llama.cpp's tools name it (``general.file_type``: 15 is
+        "Q4_K_M", 1 "F16"); "unknown" when it states none or one not known here."""
+        try:
+            name = LlamaFileType(self.file_type).name if self.file_type is not None else ""
+        except ValueError:
+            name = ""
+        known = name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        return known if known and known != "GUESSED" else "unknown"
 
 
 class _Cursor:
@@ -248,11 +260,19 @@ def _skip_arrays(cur: _Cursor, n: int, depth: int) -> None:
         cur.pos = end
 
 
-def read_fields(path: Path, strings: frozenset[str] = frozenset()
-                ) -> tuple[dict[str, Any], int]:
+PARAMETER_COUNT = "general.parameter_count"
+"""The key :func:`read_fields` fills in, when asked and the file has none, with the weights
+its tensors hold (as Ollama patches it in): the sum over the tensor infos of their shapes."""
+
+
+def read_fields(path: Path, strings: frozenset[str] = frozenset(), *,
+                parameters: bool = False) -> tuple[dict[str, Any], int]:
     """The number and short numeric-array metadata of ``path``, and its tensor count; the
     strings and string arrays of the keys named in ``strings`` (e.g. the chat template, the
-    vocabulary) are read too, arrays as lists. Other strings are seeked over, never read."""
+    vocabulary) are read too, arrays as lists. Other strings are seeked over, never read.
+    ``parameters``: :data:`PARAMETER_COUNT` counted from the tensor infos if the file has
+    no such key and is a whole model, not a shard (left out when they cannot be read within
+    the scan's budgets)."""
     try:
         # O_NONBLOCK: a FIFO swapped in for a model file must not block the open
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -262,7 +282,15 @@ def read_fields(path: Path, strings: frozenset[str] = frozenset()
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise GGUFError(f"{path}: not a regular file")
         with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-            return _read_header(_Cursor(buf, path), strings)
+            cur = _Cursor(buf, path)
+            fields, tensors = _read_header(cur, strings)
+            whole = (_int(fields, "split.count") or 1) == 1  # a shard holds a part
+            if parameters and whole and _int(fields, PARAMETER_COUNT) is None:
+                fields.pop(PARAMETER_COUNT, None)
+                count = _tensor_parameters(cur, tensors)
+                if count is not None:
+                    fields[PARAMETER_COUNT] = count
+            return fields, tensors
     except (OSError, ValueError, OverflowError, struct.error) as e:  # e.g. an empty file
         raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
     finally:
@@ -286,6 +314,36 @@ def _string_array(cur: _Cursor, key: str) -> list[str]:
         values.append(buf[pos + 8 : pos + 8 + length].decode("utf-8", errors="replace"))
         cur.pos = pos + 8 + length
     return values
+
+
+_MAX_DIMS = 4
+"""Dimensions a tensor has at most (ggml's GGML_MAX_DIMS)."""
+
+
+def _tensor_parameters(cur: _Cursor, n: int) -> int | None:
+    """The weights of the ``n`` tensor infos at the cursor (each: a name, a dimension count,
+    the dimensions, a type and an offset), summed; None for infos past the scan's item
+    budget, malformed or truncated (the count is a description, never needed to serve)."""
+    if n > cur.items_left:
+        return None
+    total = 0
+    try:
+        for _ in range(n):
+            cur.skip_strings(1)
+            dims = cur.unpack("<I")
+            if dims > _MAX_DIMS:
+                return None
+            weights = 1
+            for _ in range(dims):
+                weights *= cur.unpack("<Q")
+            cur.skip(4 + 8)  # its type and offset
+            total += weights
+            if total > MAX_VALUE:
+                return None
+    except GGUFError:
+        return None
+    cur.items_left -= n
+    return total
 
 
 def _read_header(cur: _Cursor, strings: frozenset[str]) -> tuple[dict[str, Any], int]:
@@ -338,7 +396,7 @@ _INFO_STRINGS = frozenset({"general.architecture", "general.name", "tokenizer.ch
 
 def read_gguf_info(path: Path) -> GGUFInfo:
     """Read the serving-relevant metadata of the GGUF file at ``path``."""
-    fields, tensor_count = read_fields(path, _INFO_STRINGS)
+    fields, tensor_count = read_fields(path, _INFO_STRINGS, parameters=True)
     arch = fields.get("general.architecture")
     if not isinstance(arch, str) or not 0 < len(arch) <= 64:
         raise GGUFError(f"{path}: GGUF file has no general.architecture (a short string)")
@@ -367,4 +425,5 @@ def read_gguf_info(path: Path) -> GGUFInfo:
         pooling=f"{arch}.pooling_type" in fields,
         feed_forward_length=_int(fields, f"{arch}.feed_forward_length"),
         split_count=max(1, _int(fields, "split.count") or 1),
+        parameters=_int(fields, PARAMETER_COUNT),
     )
