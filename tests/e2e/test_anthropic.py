@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
+import ollama
 import openai
 import pytest
 
@@ -70,6 +71,63 @@ WEATHER_TOOL: anthropic.types.ToolParam = {
                      "required": ["city"]}}
 ASK = "What is the weather in Paris?"
 RESULT = "Sunny, 18 degrees Celsius"
+
+
+def test_usage_is_each_apis_own_at_every_point(client: anthropic.Anthropic,
+                                              server: Server) -> None:
+    """One prompt through every protocol: each usage object has its reference's fields, and
+    they all count the same prompt: Anthropic's message_start (before any answer), its
+    message_delta and count_tokens; OpenAI's chat stream (include_usage) and a Responses
+    stream's response.completed (null in response.created and in_progress); Ollama's last
+    chunk (counts, durations in ns)."""
+    system, ask = "You are terse.", "Name one colour. One word."
+    counted = client.messages.count_tokens(model=QWEN, system=system,
+                                           messages=[{"role": "user", "content": ask}])
+    prompt = counted.input_tokens
+    with client.messages.stream(model=QWEN, max_tokens=8, extra_body=GREEDY, system=system,
+                                messages=[{"role": "user", "content": ask}]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    start = next(e for e in events if e.type == "message_start").message.usage
+    delta = next(e for e in events if e.type == "message_delta").usage
+    assert start.input_tokens == delta.input_tokens == final.usage.input_tokens == prompt
+    assert start.cache_read_input_tokens == delta.cache_read_input_tokens == 0
+    assert delta.output_tokens == final.usage.output_tokens > 0
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as sdk:
+        chunks = list(sdk.chat.completions.create(
+            model=QWEN, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": ask}]))
+        usage = chunks[-1].usage
+        assert usage is not None and not chunks[-1].choices
+        assert usage.prompt_tokens == prompt and usage.completion_tokens > 0
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens is not None
+        assert all(c.usage is None for c in chunks[:-1])
+        with sdk.responses.stream(model=QWEN, input=ask, instructions=system,
+                                  temperature=0, max_output_tokens=16) as answer:
+            kinds = {e.type: e for e in answer}
+        assert kinds["response.created"].response.usage is None  # type: ignore[attr-defined]
+        assert kinds["response.in_progress"].response.usage is None  # type: ignore[attr-defined]
+        done = kinds["response.completed"].response.usage  # type: ignore[attr-defined]
+        assert done.input_tokens == prompt and done.output_tokens > 0
+        assert done.total_tokens == done.input_tokens + done.output_tokens
+        assert done.input_tokens_details.cached_tokens >= 0
+        assert done.output_tokens_details.reasoning_tokens == 0
+    local = ollama.Client(host=server.url, timeout=300)
+    try:
+        *_, last = local.chat(model=QWEN, stream=True, options={"temperature": 0,
+                                                                "num_predict": 8},
+                              messages=[{"role": "system", "content": system},
+                                        {"role": "user", "content": ask}])
+    finally:
+        local._client.close()  # the client keeps its connections open until told
+    assert last.done and last.prompt_eval_count == prompt and (last.eval_count or 0) > 0
+    assert all(isinstance(getattr(last, f), int) for f in (
+        "total_duration", "load_duration", "prompt_eval_duration", "eval_duration"))
+    assert (last.total_duration or 0) >= (last.eval_duration or 0) > 0
 
 
 def test_a_required_tool_call_and_its_result_round_trip(client: anthropic.Anthropic) -> None:

@@ -9,8 +9,10 @@ import os
 import shutil
 from pathlib import Path
 
+import anthropic
 import httpx
 import psutil
+import pytest
 
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
@@ -99,6 +101,18 @@ def test_model_files_are_checked_at_every_load_and_clients_see_no_internals(
         _no_internals(stats, tmp_path)
         admin_view = httpx.get(f"{server.url}/v1/models/broken", headers=ADMIN).json()
         assert "llama" in admin_view["last_error_detail"].lower()
+        # Anthropic's API names the failure api_error (not overloaded_error, its type for a
+        # lack of capacity), answered before a stream or in one alike (docs/protocols.md)
+        with anthropic.Anthropic(base_url=server.url, api_key="client-k",
+                                 max_retries=0) as sdk:
+            ask: list[anthropic.types.MessageParam] = [{"role": "user", "content": "a"}]
+            with pytest.raises(anthropic.APIStatusError) as whole:
+                sdk.messages.create(model="broken", max_tokens=2, messages=ask)
+            with pytest.raises(anthropic.APIStatusError) as streamed, \
+                    sdk.messages.stream(model="broken", max_tokens=2, messages=ask) as stream:
+                stream.until_done()
+            for failed in (whole, streamed):
+                assert failed.value.body["error"]["type"] == "api_error"  # type: ignore[index]
 
         # Failed registrations leave nothing behind; /health shows no models without a key.
         for i in range(20):

@@ -65,12 +65,16 @@ def test_create_stream_a_chain_retrieve_and_delete(server: Server) -> None:
         assert streamed == third.output_text
         (message,) = third.output
         assert message.type == "message" and len(message.content) == 1
+        # every item done is done: in output_item.done, the final response, the stored copy
+        assert [e.item.status for e in events if e.type == "response.output_item.done"
+                ] == [message.status] == ["completed"]
         # max_output_tokens is a ceiling: far above the slot, the answer is the same
         capped = ask(client, "What is my name?", second.id, max_output_tokens=100_000)
         assert capped.output_text == third.output_text
 
         kept = client.responses.retrieve(third.id)
         assert kept.output_text == third.output_text and kept.status == "completed"
+        assert [item.status for item in kept.output] == ["completed"]  # type: ignore[union-attr]
         items = client.responses.input_items.list(third.id)
         assert [i.type for i in items.data] == ["message"]  # this turn's input only
         assert items.data[0].content[0].text == "What is my name?"  # type: ignore[union-attr]

@@ -64,7 +64,12 @@ def test_a_stream_waiting_for_a_load_gets_headers_pings_and_loading_state(tmp_pa
         sdk = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
         with sdk.messages.stream(model=QWEN, max_tokens=8, messages=[
                 {"role": "user", "content": "Say hello"}]) as s:
-            assert "".join(s.text_stream).strip()
+            events = list(s)
+            final = s.get_final_message()
+        assert "".join(b.text for b in final.content if b.type == "text").strip()
+        # its message_start, sent once the wait ended, already counts the prompt
+        start = next(e for e in events if e.type == "message_start")
+        assert start.message.usage.input_tokens == final.usage.input_tokens > 0
         sdk.close()
 
         # each answer's first token came after its wait ended, pings or not

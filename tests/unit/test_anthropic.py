@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from bunkhouse.api.anthropic import MessageStream, error_envelope, message_from_chat, to_chat
-from bunkhouse.errors import InsufficientMemory, InvalidRequest, NotFound, Unauthorized
+from bunkhouse.errors import (
+    InsufficientMemory,
+    InvalidRequest,
+    NotFound,
+    Unauthorized,
+    WorkerLoadFailed,
+)
 
 
 def test_a_request_becomes_a_chat_request() -> None:
@@ -108,7 +114,8 @@ def test_an_answer_becomes_a_message() -> None:
                                   {"type": "tool_use", "id": "toolu_c1", "name": "add",
                                    "input": {"a": 1}}]
     assert message["stop_reason"] == "tool_use" and message["stop_sequence"] is None
-    assert message["usage"] == {"input_tokens": 12, "output_tokens": 7}
+    assert message["usage"] == {"input_tokens": 12, "cache_creation_input_tokens": 0,
+                                "cache_read_input_tokens": 0, "output_tokens": 7}
     stopped = message_from_chat({"choices": [{"finish_reason": "stop", "message": {
         "content": "one two"}}]}, "qwen", ["three"])
     assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "three")
@@ -141,7 +148,25 @@ def test_a_stream_becomes_anthropic_events_block_by_block() -> None:
                                         "input": {}}
     assert "".join(d["delta"].get("partial_json", "") for d in data[6:8]) == "{\"a\": 1}"
     assert data[9]["delta"]["stop_reason"] == "tool_use"
-    assert data[9]["usage"] == {"input_tokens": 9, "output_tokens": 4}
+    assert data[9]["usage"] == {"input_tokens": 9, "cache_creation_input_tokens": 0,
+                                "cache_read_input_tokens": 0, "output_tokens": 4}
+
+
+def test_message_start_says_the_prompts_count_and_every_usage_is_the_references() -> None:
+    stream = MessageStream("qwen")
+    stream.prompt(33)  # counted before the answer (front/pipeline.py)
+    events = stream.feed({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})
+    events += stream.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    events += stream.feed({"choices": [], "usage": {"prompt_tokens": 33,
+                                                    "completion_tokens": 2}})
+    events += stream.end()
+    usages = {name: data.get("usage") or data.get("message", {}).get("usage")
+              for name, data in events if name in ("message_start", "message_delta")}
+    fields = {"input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+              "output_tokens"}
+    assert set(usages["message_start"]) == set(usages["message_delta"]) == fields
+    assert usages["message_start"]["input_tokens"] == 33
+    assert usages["message_delta"] == {**usages["message_start"], "output_tokens": 2}
 
 
 def test_errors_use_anthropics_envelope_and_types() -> None:
@@ -151,3 +176,5 @@ def test_errors_use_anthropics_envelope_and_types() -> None:
     assert error_envelope(Unauthorized("key"))["error"]["type"] == "authentication_error"
     assert error_envelope(NotFound("x"))["error"]["type"] == "not_found_error"
     assert error_envelope(InsufficientMemory("x"))["error"]["type"] == "overloaded_error"
+    # a model that failed to load is the server's failure, not a lack of capacity
+    assert error_envelope(WorkerLoadFailed("x"))["error"]["type"] == "api_error"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,34 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from bunkhouse.api.responses import Echo
+from bunkhouse.errors import (
+    BunkhouseError,
+    ContextLengthExceeded,
+    EngineUnavailable,
+    Forbidden,
+    InsufficientMemory,
+    InvalidRequest,
+    ModelFailed,
+    ModelNotFound,
+    ModelTooLarge,
+    Paused,
+    QueueFull,
+    RequestTooLarge,
+    ServerBusy,
+    ShuttingDown,
+    StalledTooOften,
+    Unauthorized,
+    WorkerLoadFailed,
+    error_body,
+)
+from bunkhouse.front.protocols import (
+    AnthropicShape,
+    ChatShape,
+    OllamaShape,
+    ResponsesShape,
+    error_envelope,
+)
 from tests.helpers import app_without_workers
 
 
@@ -216,3 +245,46 @@ def test_an_unknown_model_is_named_in_at_most_a_few_hundred_characters(
     resp = client.get("/v1/models/" + "x" * 5000)
     assert resp.status_code == 404 and len(resp.content) < 1000
     assert err["message"]
+
+
+ANTHROPIC_TYPES = {  # one cause, one type (docs/protocols.md)
+    "invalid_request": "invalid_request_error", "context_length_exceeded":
+    "invalid_request_error", "invalid_api_key": "authentication_error",
+    "permission_denied": "permission_error", "model_not_found": "not_found_error",
+    "request_too_large": "request_too_large", "queue_full": "rate_limit_error",
+    "stalled_too_often": "rate_limit_error", "model_load_failed": "api_error",
+    "model_too_large": "api_error", "model_failed": "api_error",
+    "insufficient_memory": "overloaded_error", "paused": "overloaded_error",
+    "server_busy": "overloaded_error", "shutting_down": "api_error",
+    "engine_unavailable": "api_error", "internal_error": "api_error"}
+
+CAUSES = [InvalidRequest("bad", param="messages"), ContextLengthExceeded("long"),
+          Unauthorized("key"), Forbidden("no"), ModelNotFound("who"), RequestTooLarge("big"),
+          QueueFull("full"), StalledTooOften("stalls", 3.0), WorkerLoadFailed("load failed"),
+          ModelTooLarge("too large"), ModelFailed("kept dying"), InsufficientMemory("held"),
+          Paused("paused"), ServerBusy("busy"), ShuttingDown("m"),
+          EngineUnavailable("worker gone"), BunkhouseError("internal")]
+
+
+def _event_data(raw: bytes) -> dict[str, Any]:
+    data = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    event: dict[str, Any] = json.loads(data[-1])
+    return event
+
+
+@pytest.mark.parametrize("err", CAUSES, ids=lambda e: e.code)
+def test_one_cause_is_one_error_type_before_a_stream_and_in_it(err: BunkhouseError) -> None:
+    body = error_body(err)
+    # Anthropic's: the route's envelope, a shape's and the stream's error event agree
+    answered = error_envelope("/v1/messages", err)["error"]["type"]
+    assert answered == ANTHROPIC_TYPES[err.code]
+    assert AnthropicShape("m").error(err.status, body)["error"]["type"] == answered
+    assert _event_data(AnthropicShape("m").stream().error(body))["error"]["type"] == answered
+    # OpenAI's chat and completions: the same envelope in the stream as with the status
+    assert _event_data(ChatShape().stream().error(body)) == body
+    # the Responses API: response.failed has the code the envelope has
+    failed = ResponsesShape(Echo({"input": "x"}, "m")).stream().error(body)
+    assert _event_data(failed)["response"]["error"]["code"] == err.code
+    # Ollama's: the one message, before the stream and in it
+    line = json.loads(OllamaShape("m", chat=True).stream().error(body))
+    assert line == error_envelope("/api/chat", err) == {"error": err.message}

@@ -19,6 +19,7 @@ from bunkhouse.engines.contract import Timings
 from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import BunkhouseError, error_body
 from bunkhouse.front.assemble import LineSplitter, sse_lines
+from bunkhouse.front.protocols import AnthropicShape
 from bunkhouse.front.proxy import forward
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -333,3 +334,34 @@ def test_a_client_that_stops_reading_ends_its_answer_and_frees_what_it_holds(
         assert done == [True] and len(sent) == 4
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize(("error", "kind"), [
+    ({"code": 500, "message": "decode failed", "type": "server_error"}, "api_error"),
+    ({"code": 400, "message": "the request exceeds the available context size",
+      "type": "exceed_context_size_error"}, "invalid_request_error")])
+def test_an_engine_error_has_one_type_before_a_stream_and_in_it(error: dict[str, object],
+                                                                kind: str) -> None:
+    """Anthropic's shape: the engine's error answered with its status, and the same error
+    sent inside its stream (after an answer began), are one type."""
+    def route_with(handler: Handler) -> TestClient:
+        upstream = LlamaCppClient(httpx.MockTransport(handler), "m")
+
+        async def route(request: Request) -> Response:
+            return await forward(upstream, "/v1/chat/completions", await request.body(),
+                                 stream=True, request=request, model_id="m",
+                                 shape=AnthropicShape("m"))
+
+        return TestClient(Starlette(routes=[Route("/c", route, methods=["POST"])]))
+
+    before = route_with(lambda req: httpx.Response(int(str(error["code"])),
+                                                   json={"error": error}))
+    assert before.post("/c", content=b"{}").json()["error"]["type"] == kind
+    events = [b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n',
+              b"data: " + json.dumps({"error": error}).encode() + b"\n\n"]
+    during = route_with(lambda req: httpx.Response(200, content=b"".join(events), headers={
+        "content-type": "text/event-stream"}))
+    text = during.post("/c", content=b"{}").text
+    last = json.loads(text.strip().split("\n\n")[-1].split("data: ", 1)[1])
+    assert "message_start" in text and last["type"] == "error"
+    assert last["error"]["type"] == kind

@@ -181,6 +181,26 @@ def test_a_streamed_text_answer_has_openais_event_sequence() -> None:
     assert {e["item_id"] for e in events[3:8]} == {events[2]["item"]["id"]}
 
 
+def _items_done(events: list[dict[str, Any]]) -> list[str]:
+    """Every status a finished item has: in output_item.done and in the final response."""
+    final = events[-1]["response"]["output"]
+    return ([e["item"]["status"] for e in events if e["type"] == "response.output_item.done"]
+            + [item["status"] for item in final])
+
+
+def test_every_streamed_item_is_done_when_it_is_done() -> None:
+    text = stream_events([{"content": "Hello"}])
+    assert _items_done(text) == ["completed", "completed"]
+    reasoned = stream_events([{"reasoning_content": "Think."}, {"content": "Hi"}])
+    assert _items_done(reasoned) == ["completed"] * 4
+    called = stream_events([{"content": "Calling."}, {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function",
+         "function": {"name": "f", "arguments": "{}"}}]}], "tool_calls")
+    assert _items_done(called) == ["completed"] * 4
+    cut = stream_events([{"content": "Hel"}], "length")  # max_output_tokens
+    assert _items_done(cut) == ["incomplete", "incomplete"]
+
+
 def test_a_streamed_call_has_argument_deltas() -> None:
     events = stream_events([
         {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",

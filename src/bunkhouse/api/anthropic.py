@@ -35,22 +35,52 @@ FREE_FORM: Paths = (("tools", "*", "input_schema"), ("messages", "*", "content",
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "function_call": "tool_use", "content_filter": "refusal"}
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error",
-                529: "overloaded_error"}
+_TYPES_BY_CODE = {
+    "invalid_api_key": "authentication_error", "permission_denied": "permission_error",
+    "not_found": "not_found_error", "model_not_found": "not_found_error",
+    "request_too_large": "request_too_large", "queue_full": "rate_limit_error",
+    "stalled_too_often": "rate_limit_error", "insufficient_memory": "overloaded_error",
+    "paused": "overloaded_error", "server_busy": "overloaded_error"}
+"""bunkhouse's error codes (errors.py) whose cause has an Anthropic type of its own;
+``overloaded_error`` (Anthropic's 529) only for a lack of capacity that passes (memory held
+by other requests, paused models, a shared budget full). Every other cause is told by its
+status, or, in a stream, by its OpenAI type: see docs/protocols.md."""
+
+_TYPES_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 529: "overloaded_error"}
 
 
-def error_object(status: int, message: str) -> dict[str, Any]:
-    """An error as Anthropic sends it: ``{"type": "error", "error": {"type", "message"}}``,
-    its type from the HTTP status (Anthropic's "Errors" page)."""
-    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+def error_type(status: int | None, body: dict[str, Any]) -> str:
+    """Anthropic's error type for an error in OpenAI's envelope (``body``), one per cause
+    whether it is answered with a status (``status``) or in a stream (None): by its code,
+    else by its status (a stream's: an engine's numeric ``code``, else 400 for an
+    ``invalid_request_error`` and 500 for the rest); a 5xx without a type of its own is an
+    ``api_error``."""
+    err = body.get("error")
+    err = err if isinstance(err, dict) else {}
+    code = err.get("code")
+    if isinstance(code, str) and code in _TYPES_BY_CODE:
+        return _TYPES_BY_CODE[code]
+    if status is None:
+        numeric = isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600
+        status = 400 if err.get("type") == "invalid_request_error" else 500
+        if numeric and isinstance(code, int):
+            status = code
+    return _TYPES_BY_STATUS.get(status, "invalid_request_error" if status < 500
+                                else "api_error")
+
+
+def error_object(kind: str, message: str) -> dict[str, Any]:
+    """An error as Anthropic sends it: ``{"type": "error", "error": {"type", "message"}}``
+    (Anthropic's "Errors" page); ``kind`` from :func:`error_type`."""
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_envelope(err: BunkhouseError, detail: bool = False) -> dict[str, Any]:
     """``err`` in Anthropic's envelope; ``detail``: its private detail too (admins)."""
-    return error_object(err.status, err.full_message() if detail else err.message)
+    kind = error_type(err.status, {"error": {"code": err.code, "type": err.type}})
+    return error_object(kind, err.full_message() if detail else err.message)
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -250,10 +280,17 @@ def message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
+def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    """A usage object as Anthropic's "Messages" reference gives it: ``input_tokens`` is the
+    whole prompt (what count_tokens says), so the cache fields are 0: a local engine's reuse
+    of its KV cache bills nobody, and input + cache creation + cache read stays the prompt."""
+    return {"input_tokens": input_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0, "output_tokens": output_tokens}
+
+
 def _usage(chat: dict[str, Any]) -> dict[str, int]:
-    usage = chat.get("usage") or {}
-    return {"input_tokens": int(usage.get("prompt_tokens") or 0),
-            "output_tokens": int(usage.get("completion_tokens") or 0)}
+    given = chat.get("usage") or {}
+    return usage(int(given.get("prompt_tokens") or 0), int(given.get("completion_tokens") or 0))
 
 
 def _tool_input(arguments: Any) -> Any:
@@ -306,8 +343,18 @@ class MessageStream:
         self._index = -1
         self._text: list[str] = []
         self._finish: str | None = None
-        self._usage = {"input_tokens": 0, "output_tokens": 0}
+        self._usage = usage(0, 0)
         self._tool_ids: dict[int, str] = {}
+
+    def prompt(self, tokens: int) -> None:
+        """The prompt's token count, known before the answer: ``message_start`` says it, as
+        Anthropic's does (the engine's own count, at the end, has the last word)."""
+        self._usage = usage(tokens, self._usage["output_tokens"])
+
+    @property
+    def started(self) -> bool:
+        """Whether ``message_start`` was sent."""
+        return self._started
 
     def _start(self) -> list[Event]:
         if self._started:
@@ -334,8 +381,7 @@ class MessageStream:
 
     def feed(self, chunk: dict[str, Any]) -> list[Event]:
         events = self._start()
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
+        if isinstance(chunk.get("usage"), dict):
             self._usage = _usage(chunk)
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
@@ -376,8 +422,8 @@ class MessageStream:
         events.append(("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            # the prompt's tokens are known only now (the engine's last chunk): the SDKs
-            # take input_tokens from here over message_start's 0
+            # the engine's own counts (its last chunk): the SDKs take them over
+            # message_start's
             "usage": dict(self._usage)}))
         events.append(("message_stop", {"type": "message_stop"}))
         return events

@@ -442,6 +442,10 @@ class ResponseStream:
         item = self._output[index]
         text = "".join(self._parts)
         events: list[Event] = []
+        # done, as every item is once the next one opens or the answer ends: an answer cut
+        # at max_output_tokens leaves its message incomplete (the finish is known by then)
+        item["status"] = ("incomplete" if kind == "message" and _status(self._finish)
+                          == "incomplete" else "completed")
         if kind == "message":
             item["content"][0]["text"] = text
             events.append(self._event("response.output_text.done", item_id=item["id"],
@@ -506,10 +510,8 @@ class ResponseStream:
         events = self._start() + self._close()
         status = _status(self._finish)
         if not self._output:
-            self._output.append(_message_item(""))
-        for item in self._output:
-            if item["type"] == "message" and status == "incomplete":
-                item["status"] = "incomplete"
+            self._output.append(_message_item("", "incomplete" if status == "incomplete"
+                                              else "completed"))
         final = self.echo.response(status, self._output, self._usage, self._finish)
         if self.on_done is not None:
             self.on_done(final)

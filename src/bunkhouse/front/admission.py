@@ -74,6 +74,7 @@ class Admitted:
     engine: EngineClient
     data: dict[str, Any]  # the body to send, its max_tokens lowered to the room left
     tokens: list[int] | None = None  # its prompt's tokens, when KV snapshots needed them
+    prompt_tokens: int | None = None  # their count, when its protocol shows it first
     slot: Slot | None = None
     keeper: SnapshotKeeper | None = None  # KV snapshots, when on for its model
     pinned: bool = False  # it runs in ``slot``, chosen by the front

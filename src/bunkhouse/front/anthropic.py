@@ -44,7 +44,7 @@ class AnthropicRoutes:
         return await self.pipeline.generate(request, CHAT, ChatCompletionRequest, parsed, data,
                                             len(body),
                                             lambda model_id: AnthropicShape(model_id, stops),
-                                            cap=True)
+                                            cap=True, count_prompt=bool(parsed.stream))
 
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: the prompt's tokens, as the model's worker

@@ -102,14 +102,17 @@ class Pipeline:
 
     async def generate(self, request: Request, route: str, schema: type[BaseModel],
                        parsed: Any, data: dict[str, Any], size: int,
-                       shape: Shaper | None = None, cap: bool = False) -> Response:
+                       shape: Shaper | None = None, cap: bool = False,
+                       count_prompt: bool = False) -> Response:
         """Serve one generation (``route``: an OpenAI generation route or ``/infill``;
         ``parsed``: ``data`` as ``schema`` validated it, ``size`` its body's bytes) and
         answer it, in ``shape(model_id)``'s protocol if given. ``cap``: the request's
         ``max_tokens`` is a ceiling, lowered to what the slot holds after the prompt
         (Anthropic's and the Responses API's meaning), not a need refused when it does not
         fit (OpenAI chat completions' with ``--strict-context``; without it every request's
-        ``max_tokens`` is a ceiling, as local servers treat it)."""
+        ``max_tokens`` is a ceiling, as local servers treat it). ``count_prompt``: the
+        prompt's tokens are counted before it is sent, for a protocol whose stream says
+        them first (Anthropic's ``message_start``)."""
         cap = cap or not self.strict_context
         model = self.catalog.get(parsed.model)
         request.state.model = model.id  # for the access log
@@ -123,7 +126,7 @@ class Pipeline:
         shaped = _shape(model.id, shape, reader)
         serve = functools.partial(self._serve, request, model, route, bool(parsed.stream),
                                   shaped)
-        admit = self.admit(request, model, route, data, cap)
+        admit = self.admit(request, model, route, data, cap, count_prompt)
         if not parsed.stream:  # a client that leaves while it waits gives its place up
             return await serve(await self.unless_gone(request, admit))
         task = asyncio.ensure_future(admit)
@@ -151,11 +154,13 @@ class Pipeline:
     # -- stages 3 to 7: admission ---------------------------------------------------------
 
     async def admit(self, request: Request, model: CatalogModel, route: str,
-                    data: dict[str, Any] | None = None, cap: bool = True) -> Admitted:
+                    data: dict[str, Any] | None = None, cap: bool = True,
+                    count_prompt: bool = False) -> Admitted:
         """Everything a request waits for before its engine sees it: the lease (loading the
-        model if need be), for a generation (``data``) its constraint, tokens and fit, then
-        a slot and a compute turn. ClientGone if the client left meanwhile. On an error or a
-        cancel, what was taken is given back."""
+        model if need be), for a generation (``data``) its constraint, tokens and fit (and
+        its prompt's count if ``count_prompt``), then a slot and a compute turn. ClientGone
+        if the client left meanwhile. On an error or a cancel, what was taken is given
+        back."""
         queued = time.monotonic()
         lease = await self.residency.acquire(model)
         request.state.load_s = time.monotonic() - queued  # its model's load, if it waited
@@ -164,6 +169,8 @@ class Pipeline:
             admitted = Admitted(held, lease.worker.engine, data or {})
             if data is not None:
                 admitted = await self._tokens_and_fit(request, model, route, admitted, cap)
+                if count_prompt:
+                    admitted.prompt_tokens = await _prompt_count(admitted)
             slots = lease.slots
             slot = await slots.enter(admitted.tokens)
             admitted.slot = slot
@@ -249,7 +256,8 @@ class Pipeline:
                                      request=request, model_id=model.id, slot=slot,
                                      on_done=held.close, on_broken=self._broken(lease, blamed),
                                      on_timings=functools.partial(_noted, request, check),
-                                     shape=shaped, started=shaper)
+                                     shape=shaped, started=shaper,
+                                     prompt_tokens=admitted.prompt_tokens)
         lease.report(True)  # it answered: whatever it said, it is alive
         return response
 
@@ -345,6 +353,14 @@ def _shape(model_id: str, shape: Shaper | None, reader: ToolCallReader | None) -
     if reader is None:
         return inner
     return ToolCallShape(reader, inner or ChatShape())
+
+
+async def _prompt_count(admitted: Admitted) -> int:
+    """The tokens of the admitted chat request's prompt as its engine prefills them (its
+    template, tools and all): counted when snapshots needed them, else now."""
+    if admitted.tokens is not None:
+        return len(admitted.tokens)
+    return len(await admitted.engine.tokenize(admitted.data))
 
 
 def _counter(engine: EngineClient, tokens: list[int] | None

@@ -47,6 +47,9 @@ class _Once:
         self._ended = True
         return self._closing()
 
+    def prompt(self, tokens: int) -> None:
+        """The prompt's token count before the answer: only Anthropic's stream shows it."""
+
     def _closing(self) -> bytes:
         raise NotImplementedError
 
@@ -62,15 +65,18 @@ class _AnthropicStream(_Once):
     def _closing(self) -> bytes:
         return b"".join(anthropic.sse(e) for e in self._events.end())
 
+    def prompt(self, tokens: int) -> None:
+        self._events.prompt(tokens)
+
     def error(self, body: dict[str, Any]) -> bytes:
         self._ended = True  # an error event ends an Anthropic stream
-        err = body.get("error")
-        code = err.get("code") if isinstance(err, dict) else None
-        status = 503 if code in ("shutting_down", "insufficient_memory") else 500
-        return anthropic.sse(("error", anthropic.error_object(status, _message(body))))
+        kind = anthropic.error_type(None, body)  # the type it has before a stream too
+        return anthropic.sse(("error", anthropic.error_object(kind, _message(body))))
 
     def keepalive(self) -> bytes:
-        return self.feed({}) + anthropic.sse(("ping", {"type": "ping"}))  # opens it first
+        if not self._events.started:  # message_start waits for the prompt's count
+            return _COMMENT
+        return anthropic.sse(("ping", {"type": "ping"}))
 
 
 class AnthropicShape:
@@ -86,7 +92,7 @@ class AnthropicShape:
         return anthropic.message_from_chat(chat, self.model, self.stops)
 
     def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
-        return anthropic.error_object(status, _message(body))
+        return anthropic.error_object(anthropic.error_type(status, body), _message(body))
 
     def stream(self) -> _AnthropicStream:
         return _AnthropicStream(self.model, self.stops)
@@ -151,6 +157,9 @@ class _ToolCallStream(_Once):
 
     def _closing(self) -> bytes:
         return b"".join(self._inner.feed(e) for e in self._reader.end()) + self._inner.end()
+
+    def prompt(self, tokens: int) -> None:
+        self._inner.prompt(tokens)
 
     def error(self, body: dict[str, Any]) -> bytes:
         self._ended = True
@@ -328,6 +337,9 @@ class _Converted:
 
     def end(self) -> bytes:
         return self._then.end()
+
+    def prompt(self, tokens: int) -> None:
+        self._then.prompt(tokens)
 
     def error(self, body: dict[str, Any]) -> bytes:
         return self._then.error(body)

@@ -50,6 +50,10 @@ class StreamShaper(Protocol):
     def end(self) -> bytes:
         """The closing events (once, whatever calls it again)."""
 
+    def prompt(self, tokens: int) -> None:
+        """The prompt's token count, known before the engine's first event (a protocol
+        that shows it at the start of its stream keeps it)."""
+
     def error(self, body: dict[str, Any]) -> bytes:
         """An error (an OpenAI error object) as the protocol's error event."""
 
@@ -133,7 +137,8 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
                   on_done: Callable[[], None] = _nothing,
                   on_broken: Callable[[Exception], BunkhouseError] | None = None,
                   on_timings: OnTimings | None = None, shape: Shape | None = None,
-                  started: StreamShaper | None = None) -> Response:
+                  started: StreamShaper | None = None,
+                  prompt_tokens: int | None = None) -> Response:
     """Send ``body`` to the worker behind ``engine`` and relay its answer.
 
     ``path``: a route of :data:`bunkhouse.engines.contract.GENERATION_ROUTES`, or ``/infill``
@@ -151,7 +156,8 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
     ``shape``: the answer, a stream's events and errors in another protocol (a single chat
     answer only). ``started``: a stream whose first bytes ``shape``'s shaper ``started``
     already sent (front/waiting.py): it goes on with that shaper, and an engine's error is
-    its error event, not a status.
+    its error event, not a status. ``prompt_tokens``: the prompt's count, counted before
+    (a stream's shaper that shows it first is told).
     """
     assembler = None
     if isinstance(body, dict):
@@ -162,8 +168,11 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
     send: Upstream = functools.partial(_send, engine, path, body, slot)
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)
+        shaper = started or (shape.stream() if shape else None)
+        if shaper is not None and prompt_tokens is not None:
+            shaper.prompt(prompt_tokens)
         return await _forward_stream(engine, send, path, model_id, on_done, broken, on_timings,
-                                     shape, started)
+                                     shape, shaper, started is not None)
     return await _forward_once(engine, send, path, request, model_id, assembler, on_done,
                                on_timings, shape)
 
@@ -182,20 +191,21 @@ async def _forward_stream(engine: EngineClient, send: Upstream, path: str, model
                           on_done: Callable[[], None],
                           on_broken: Callable[[Exception], BunkhouseError],
                           on_timings: OnTimings | None, shape: Shape | None,
-                          started: StreamShaper | None = None) -> Response:
+                          shaper: StreamShaper | None, started: bool) -> Response:
+    """``shaper``: the stream's, if in another protocol; ``started``: its first bytes were
+    sent already (an error is its error event then)."""
     resp = await send()
     if resp.status_code >= 400:
         try:
-            if started is not None:
+            if started and shaper is not None:
                 _, content = engine.error(resp.status_code, await _read_error(resp), path)
-                return StreamingResponse(iter([started.error(content)]))
+                return StreamingResponse(iter([shaper.error(content)]))
             return _engine_error(engine, resp.status_code, await _read_error(resp), path,
                                  shape)
         finally:
             await resp.aclose()
             on_done()
-    shaper = started or (shape.stream() if shape else None)
-    return _Relay(resp, engine, model_id, on_done, on_broken, on_timings,
+    return _Relay(resp, engine, path, model_id, on_done, on_broken, on_timings,
                   shaper, shape.media_type if shape else None)
 
 
@@ -233,7 +243,7 @@ class _Relay(StreamingResponse):
     """Streams the worker's answer; closes it and calls ``on_done`` however the send ends,
     even when the client is gone before the first byte (the body iterator never starts)."""
 
-    def __init__(self, upstream: httpx.Response, engine: EngineClient, model_id: str,
+    def __init__(self, upstream: httpx.Response, engine: EngineClient, path: str, model_id: str,
                  on_done: Callable[[], None],
                  on_broken: Callable[[Exception], BunkhouseError] | None,
                  on_timings: OnTimings | None = None,
@@ -246,7 +256,7 @@ class _Relay(StreamingResponse):
         if on_broken is None and length is not None:
             headers["content-length"] = length
         body = (_relay(upstream, engine, model_id, on_broken, on_timings) if shaper is None
-                else _shaped(upstream, engine, model_id, on_broken, on_timings, shaper))
+                else _shaped(upstream, engine, path, model_id, on_broken, on_timings, shaper))
         super().__init__(
             body,
             status_code=upstream.status_code,
@@ -289,18 +299,19 @@ async def _relay(resp: httpx.Response, engine: EngineClient, model_id: str,
         await resp.aclose()
 
 
-async def _shaped(resp: httpx.Response, engine: EngineClient, model_id: str,
+async def _shaped(resp: httpx.Response, engine: EngineClient, path: str, model_id: str,
                   on_broken: Callable[[Exception], BunkhouseError] | None,
                   on_timings: OnTimings | None, shaper: StreamShaper) -> AsyncIterator[bytes]:
     """The stream's events, line by line, through ``shaper``."""
     lines = LineSplitter()
+    shape_line = functools.partial(_shape_line, shaper=shaper, engine=engine, path=path,
+                                   on_timings=on_timings)
     try:
         async for chunk in _raw(resp):
-            out = b"".join(_shape_line(line, shaper, engine, on_timings)
-                           for line in lines.feed(chunk))
+            out = b"".join(shape_line(line) for line in lines.feed(chunk))
             if out:
                 yield out
-        out = b"".join(_shape_line(line, shaper, engine, on_timings) for line in lines.close())
+        out = b"".join(shape_line(line) for line in lines.close())
         yield out + shaper.end()
     except httpx.TransportError as e:
         log.warning("model %s: answer from worker broke: %r", model_id, e)
@@ -310,12 +321,12 @@ async def _shaped(resp: httpx.Response, engine: EngineClient, model_id: str,
         await resp.aclose()
 
 
-def _shape_line(line: str, shaper: StreamShaper, engine: EngineClient,
+def _shape_line(line: str, shaper: StreamShaper, engine: EngineClient, path: str,
                 on_timings: OnTimings | None) -> bytes:
     try:
         event = data_event(line)
-    except StreamError as e:
-        return shaper.error(e.body)
+    except StreamError as e:  # the engine's error, as its adapter shapes it before a stream
+        return shaper.error(_stream_error(engine, e.body, path))
     except ValueError:
         return b""
     if event == DONE:
@@ -327,6 +338,21 @@ def _shape_line(line: str, shaper: StreamShaper, engine: EngineClient,
         if timings is not None:
             on_timings(timings)
     return shaper.feed(event)
+
+
+def _stream_error(engine: EngineClient, body: dict[str, Any], path: str) -> dict[str, Any]:
+    """An error the engine sent in its stream, in the envelope its adapter gives the same
+    error answered with a status (the status its body names, else 500)."""
+    return engine.error(_stream_status(body), json.dumps(body).encode(), path)[1]
+
+
+def _stream_status(body: dict[str, Any]) -> int:
+    """The status of an error the engine sent in its stream: the one its body names (as
+    llama.cpp's ``code`` does), else 500."""
+    err = body.get("error")
+    code = err.get("code") if isinstance(err, dict) else None
+    numeric = isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600
+    return code if numeric and isinstance(code, int) else 500
 
 
 def _single(data: dict[str, Any]) -> bool:
@@ -379,7 +405,7 @@ async def _call(engine: EngineClient, send: Upstream, path: str, model_id: str,
                     raise _unreadable(model_id, e) from e
             if assembler is None:
                 relayed = True
-                return _Relay(resp, engine, model_id, on_done, None)
+                return _Relay(resp, engine, path, model_id, on_done, None)
             return await _assemble(engine, path, resp, model_id, assembler(), shape, on_timings)
         finally:
             if not relayed:
@@ -406,7 +432,8 @@ async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model
     except httpx.TransportError as e:
         raise stream_broke(model_id, e) from e
     except StreamError as e:
-        return _engine_error(engine, 500, json.dumps(e.body).encode(), path, shape)
+        return _engine_error(engine, _stream_status(e.body), json.dumps(e.body).encode(), path,
+                             shape)
     except ValueError as e:
         raise _unreadable(model_id, e) from e
     if on_timings is not None and timings is not None:

@@ -1,7 +1,8 @@
 """A streamed request that waits (for its model to load, for memory, for a slot or a compute
 turn) is answered at once: status 200 and its stream's headers after
 :attr:`WaitingOptions.headers_after_s`, then a ping every :attr:`WaitingOptions.ping_s`
-while it waits, in its protocol's own form (an SSE comment, Anthropic's ``ping`` event), so
+while it waits, in its protocol's own form (an SSE comment; Anthropic's ``ping`` event once
+its ``message_start``, which waits for the prompt's count, went), so
 that proxies and clients that give up on a silent connection keep it. With
 ``--send-loading-state``, an OpenAI chat stream also gets what it waits for as
 ``reasoning_content`` deltas ("loading model ..."), as llama-swap's ``sendLoadingState``
