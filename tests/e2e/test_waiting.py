@@ -42,6 +42,7 @@ def test_a_stream_waiting_for_a_load_gets_headers_pings_and_loading_state(tmp_pa
                 lines.append(line)
         assert state_at_headers in ("absent", "loading"), state_at_headers
         pings = [line for line in lines if line.startswith(":")]
+        assert lines[0].startswith(":"), lines[:3]  # a first ping with the headers
         assert pings, lines[:20]
         chunks = [json.loads(line[6:]) for line in lines
                   if line.startswith("data: {")]

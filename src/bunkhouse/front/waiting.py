@@ -1,6 +1,7 @@
 """A streamed request that waits (for its model to load, for memory, for a slot or a compute
 turn) is answered at once: status 200 and its stream's headers after
-:attr:`WaitingOptions.headers_after_s`, then a ping every :attr:`WaitingOptions.ping_s`
+:attr:`WaitingOptions.headers_after_s` with a first ping (a proxy's or a browser's first-byte
+timer sees bytes at once), then a ping every :attr:`WaitingOptions.ping_s`
 while it waits, in its protocol's own form (an SSE comment; Anthropic's ``ping`` event once
 its ``message_start``, which waits for the prompt's count, went), so
 that proxies and clients that give up on a silent connection keep it. With
@@ -83,6 +84,10 @@ class WaitingStream(Response):
         state["first_byte_at"] = None
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
+        # a first body with the headers: a proxy's or browser's first-byte timer stops now
+        opening = self.shaper.keepalive()
+        if opening:
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
         if not await self._wait(receive, send):
             return
         try:
