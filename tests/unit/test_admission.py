@@ -245,11 +245,14 @@ def test_embeddings_inputs_within_the_limit_pass() -> None:
     assert worker.calls == ["/tokenize"]  # only the input whose bytes left it open
 
 
-def test_more_prompts_than_slots_is_400() -> None:
+def test_more_prompts_than_slots_is_400_before_the_model_loads() -> None:
+    async def no_table() -> None:
+        raise AssertionError("a prompt count needs no vocabulary, nor a worker")
+
     body = {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 4}
     with pytest.raises(InvalidRequest, match="5 prompts in one request; send at most 4"):
-        run(check_fits(_model(), "/v1/completions", body, Worker()))
-    run(check_fits(_model(), "/v1/completions", {"prompt": ["a", "b"]}, Worker()))
+        run(refuse_before_load(_model(), "/v1/completions", body, no_table))
+    run(refuse_before_load(_model(), "/v1/completions", {"prompt": ["a", "b"]}, no_table))
 
 
 def _tiny_table(tmp_path: Path) -> Any:
