@@ -3,8 +3,10 @@ whatever its protocol (the route modules translate in front of it and answer aft
 
 1. **Resolve**: the model the body names (catalog), the body checked and made the one sent to
    its engine (front/edge.py ``prepare``), the tool-call reader and the protocol's shape.
-2. **Refuse before load**: a prompt certainly too long for a slot is a 400 before its model
-   is loaded (front/admission.py ``refuse_before_load``), so it evicts nothing.
+2. **Refuse before load**: a prompt certainly too long for a slot, more prompts than slots,
+   a constraint already found too costly or a client whose constraints stall workers too
+   often is refused before its model is loaded (front/admission.py ``refuse_before_load``,
+   front/constraints.py ``refuse_known``), so it waits for no load and evicts nothing.
 3. **Place and lease**: a place in the model's line (residency/slots.py; a full line is a
    429 at once, whether the model is loading, waiting for memory or busy), then the model
    ready and held (residency; it may load, evicting others).
@@ -121,6 +123,7 @@ class Pipeline:
             data, reader = _tool_reader(data)
         await refuse_before_load(model, route, data, functools.partial(model_pair_table, model),
                                  cap=cap)
+        self.constraints.refuse_known(model, route, data, self.keys.client_of(request))
         request.state.stream = bool(parsed.stream)
         shaped = _shape(model.id, shape, reader)
         serve = functools.partial(self._serve, request, model, route, bool(parsed.stream),
