@@ -131,6 +131,7 @@ class Host:
         self.max_concurrent_starts = 0
         self.workers: list[FakeWorker] = []
         self.fail: set[str] = set()
+        self.fail_detail: str | None = None  # the failing worker's output
         self.gate: asyncio.Event | None = None
         self.stop_gate: asyncio.Event | None = None
         self.spares = spares
@@ -153,7 +154,8 @@ class Host:
                 await self.gate.wait()
             await asyncio.sleep(0)
             if m.id in self.fail:
-                raise WorkerLoadFailed(f"model {m.id!r} failed to load")
+                raise WorkerLoadFailed(f"model {m.id!r} failed to load",
+                                       detail=self.fail_detail)
         finally:
             self.running -= 1
         w = FakeWorker(m, self.stop_gate, lambda: self.manager.status(m.id).leases)

@@ -4,6 +4,8 @@ The worker loads it by import path (``--engine tests.fault_engine:FaultEngine``)
 from the environment, per model id: ``BUNKHOUSE_FAULTS='{"m": {"crash_after_tokens": 3}}'``.
 
 - ``load_delay_s``: seconds before it serves;
+- ``load_gate``: a file path; the load goes on once the file exists (at most 120 s), so that
+  a test holds a model loading for as long as it needs, without timing anything;
 - ``fail_load``: a message; the load fails with it;
 - ``crash_after_tokens``: the process exits (code 70) after streaming this many tokens;
 - ``ignore_sigterm``: SIGTERM does nothing (only SIGKILL stops it);
@@ -53,6 +55,10 @@ class FaultEngine:
 
     def start(self) -> None:
         time.sleep(float(self.faults.get("load_delay_s", 0)))
+        gate = self.faults.get("load_gate")
+        deadline = time.monotonic() + 120
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self.faults.get("fail_load"):
             raise EngineLoadError(f"fault engine: {self.faults['fail_load']}")
         if self.faults.get("ignore_sigterm"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -21,6 +22,9 @@ import psutil
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]  # the repository's root
+CHILD_PYTHONPATH = os.pathsep.join([str(REPO / "src"), str(REPO)])
+"""A child process's PYTHONPATH: this checkout's code (not another an editable install points
+at) and the tests' modules (the fault engine)."""
 
 
 def wait_for(check: Callable[[], T | None], timeout_s: float, what: str,

@@ -36,11 +36,15 @@ them into ``{"error": {"message", "type", "code", "param"}}`` in one place
 
 ``message`` is what any caller may read: it names no server path and quotes no file or
 process output. What only the operator should see (a worker's last output lines, a file's
-path) goes in ``detail``: the log always has it, and an admin-key caller gets it appended.
+path) goes in ``detail``: the log has it, and an admin-key caller gets it appended. The log
+has it once: an error made where its fault was logged (a failed load, with its worker's
+output, logged once per failure by residency) is marked ``logged``, and each request it then
+answers logs one short line (:func:`log_line`), not the output again.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 
@@ -50,13 +54,15 @@ class BunkhouseError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     code: ClassVar[str] = "internal_error"
+    refusal: ClassVar[bool] = False  # a state of the host refuses it, not a fault: WARNING
 
     def __init__(self, message: str, *, param: str | None = None,
-                 detail: str | None = None) -> None:
+                 detail: str | None = None, logged: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.detail = detail  # for the log and admin-key callers only (module doc)
+        self.logged = logged  # its fault, detail included, was logged where it happened
 
     def full_message(self) -> str:
         """The message with its detail: for the log and for admin-key callers."""
@@ -183,9 +189,11 @@ class InsufficientMemory(BunkhouseError):
     status = 503
     code = "insufficient_memory"
 
+    refusal = True
+
     def __init__(self, message: str, *, retry_after_s: int = 5,
-                 detail: str | None = None) -> None:
-        super().__init__(message, detail=detail)
+                 detail: str | None = None, logged: bool = False) -> None:
+        super().__init__(message, detail=detail, logged=logged)
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
@@ -210,6 +218,7 @@ class ModelTooLarge(BunkhouseError):
 
     status = 503
     code = "model_too_large"
+    refusal = True
 
 
 class ShuttingDown(BunkhouseError):
@@ -239,6 +248,24 @@ class EngineUnavailable(BunkhouseError):
 
     status = 502
     code = "engine_unavailable"
+
+
+def log_line(err: BunkhouseError) -> tuple[int, str] | None:
+    """How a request answered with ``err`` is logged at the HTTP edge, once: (level, text),
+    or None for not at all. A fault of the server (5xx) at ERROR with its detail; one whose
+    fault was logged where it happened (``logged``: a failed load's output, once per
+    failure) and a refusal by the host's state (a full budget, a failed model, a model too
+    large) at WARNING, one short line; a client's error with a detail at INFO; a stop and an
+    operator's pause not at all."""
+    if isinstance(err, ShuttingDown | Paused):
+        return None
+    if err.logged or (err.refusal and err.status >= 500):
+        return logging.WARNING, err.message
+    if err.status >= 500:
+        return logging.ERROR, err.full_message()
+    if err.detail:
+        return logging.INFO, err.full_message()
+    return None
 
 
 def error_body(err: BunkhouseError, *, detail: bool = False) -> dict[str, Any]:

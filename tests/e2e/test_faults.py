@@ -5,15 +5,21 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
 import httpx
+import ollama
+import openai
 import psutil
+import pytest
 
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
 from tests.fault_engine import ENGINE
-from tests.helpers import REPO, wait_for, write_tiny_gguf
+from tests.helpers import CHILD_PYTHONPATH, wait_for, write_tiny_gguf
 from tests.models import QWEN
 
 
@@ -21,7 +27,7 @@ def _serve_faulty(tmp_path: Path, faults: dict[str, dict[str, object]], *args: s
     models = tmp_path / "models"
     for model_id in faults:
         write_tiny_gguf(models / f"{model_id}.gguf")
-    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(REPO)}
+    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": CHILD_PYTHONPATH}
     return serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine", ENGINE,
                  *args, env=env)
 
@@ -36,16 +42,97 @@ def _kinds(server: Server, model: str) -> list[str]:
     return [e["kind"] for e in server.stats()["events"] if e["model"] == model]
 
 
-def test_a_crash_loop_ends_in_failed_after_the_budget(tmp_path: Path) -> None:
-    with _serve_faulty(tmp_path, {"crashy": {"fail_load": "weights are garbage"}}) as server:
-        codes = [_ask(server, "crashy").json()["error"]["code"] for _ in range(7)]
-        assert codes == ["model_load_failed"] * 4 + ["model_failed"] * 3
-        assert _kinds(server, "crashy").count("loading") == 4  # 1 + 3 restarts: no storm
-        last = _ask(server, "crashy")
-        assert last.status_code == 503 and int(last.headers["retry-after"]) > 0
-        assert "failed to load" in last.json()["error"]["message"]
-        assert server.model("crashy")["state"] == "failed"
-    assert "weights are garbage" in server.log.read_text()  # the worker's reason: logged
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    """One server for the crash loop and the full line: ``crashy`` never loads; ``slow``
+    (1 slot, a queue of 8) loads once the gate file exists."""
+    tmp_path = tmp_path_factory.mktemp("faulty")
+    gate = tmp_path / "slow-may-load"
+    with _serve_faulty(tmp_path, {"crashy": {"fail_load": "weights are garbage"},
+                                  "slow": {"load_gate": str(gate)}},
+                       "--parallel", "1") as server:
+        yield server, gate
+
+
+def test_a_crash_loop_ends_in_failed_after_the_budget(faulty: tuple[Server, Path]) -> None:
+    """... and logs the worker's output once per failure; each request refused in the
+    cool-down after (in every protocol, through the real SDKs) logs one short line."""
+    server, _ = faulty
+    codes = [_ask(server, "crashy").json()["error"]["code"] for _ in range(7)]
+    assert codes == ["model_load_failed"] * 4 + ["model_failed"] * 3
+    assert _kinds(server, "crashy").count("loading") == 4  # 1 + 3 restarts: no storm
+    last = _ask(server, "crashy")
+    assert last.status_code == 503 and int(last.headers["retry-after"]) > 0
+    assert "failed to load" in last.json()["error"]["message"]
+    assert server.model("crashy")["state"] == "failed"
+    with anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0) as claude, \
+            pytest.raises(anthropic.InternalServerError) as refused:
+        claude.messages.create(model="crashy", max_tokens=4,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.status_code == 503 and "tried again in" in str(refused.value)
+    with ollama.Client(host=server.url, timeout=60) as local, \
+            pytest.raises(ollama.ResponseError) as gone:
+        local.chat(model="crashy", messages=[{"role": "user", "content": "hi"}])
+    assert gone.value.status_code == 503 and "tried again in" in gone.value.error
+    log = wait_for(lambda: _refusals(server.log.read_text(), 6), 10, "6 refusals logged")
+    failures = [line for line in log.splitlines() if "crashy: load failed:" in line]
+    assert len(failures) == 4 and all(" ERROR " in line for line in failures), failures
+    outputs = log.count("Last lines of its output")
+    assert outputs == 4, outputs  # once per failure, never per request
+
+
+def _refusals(log: str, count: int) -> str | None:
+    """The log once it has ``count`` short lines of requests refused in the cool-down."""
+    lines = [line for line in log.splitlines() if "is failed:" in line]
+    if len(lines) < count:
+        return None
+    assert all(" WARNING " in line and "tried again in" in line for line in lines), lines
+    return log
+
+
+def test_a_full_line_is_refused_at_once_while_its_model_loads(faulty: tuple[Server, Path]
+                                                              ) -> None:
+    """14 requests (the OpenAI, Anthropic and Ollama SDKs) to a 1-slot, queue-8 model that
+    is loading: 9 wait for it, and the other 5 get 429 while it still loads, each in its
+    protocol's shape; once it is loaded the 9 are answered."""
+    server, gate = faulty
+    prompt = [{"role": "user", "content": "hi"}]
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                       timeout=120) as oai, \
+            anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0,
+                                timeout=120) as claude, \
+            ollama.Client(host=server.url, timeout=120) as local:
+        calls: list[Callable[[], object]] = [
+            lambda: oai.chat.completions.create(model="slow", max_tokens=4,
+                                                messages=prompt),  # type: ignore[arg-type]
+            lambda: claude.messages.create(model="slow", max_tokens=4,
+                                           messages=prompt),  # type: ignore[arg-type]
+            lambda: local.chat(model="slow", messages=prompt, options={"num_predict": 4})]
+        _fourteen_at_a_loading_model(server, gate, calls)
+
+
+def _fourteen_at_a_loading_model(server: Server, gate: Path,
+                                 calls: list[Callable[[], object]]) -> None:
+    with ThreadPoolExecutor(14) as pool:
+        futures = [pool.submit(calls[i % 3]) for i in range(14)]
+        early = wait_for(lambda: [f for f in futures if f.done()]
+                         if sum(f.done() for f in futures) >= 5 else None, 60, "5 refusals")
+        refused = [f.exception() for f in early]
+        assert len(refused) == 5 and server.model("slow")["state"] == "loading"
+        assert server.model("slow")["queued"] == 9
+        for error in refused:
+            if isinstance(error, openai.RateLimitError):
+                assert error.code == "queue_full"
+                assert int(error.response.headers["retry-after"]) > 0
+            elif isinstance(error, anthropic.RateLimitError):
+                assert error.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+                assert int(error.response.headers["retry-after"]) > 0
+            else:
+                assert isinstance(error, ollama.ResponseError), error
+                assert error.status_code == 429 and "queue" in error.error
+        gate.touch()  # the model may load now
+        answered = [f.result() for f in futures if f not in early]  # raises if refused
+        assert len(answered) == 9
 
 
 def test_a_worker_crashing_mid_stream_is_respawned(tmp_path: Path) -> None:
@@ -109,7 +196,7 @@ def test_a_stall_on_a_requests_grammar_is_that_requests_not_the_models(
     models.mkdir()
     os.link(packaged_catalog.get(QWEN).path, models / "stally.gguf")
     env = {"BUNKHOUSE_FAULTS": json.dumps({"stally": {"stall_on_grammar": True}}),
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": CHILD_PYTHONPATH}
     with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine",
                ENGINE, "--probe-interval", "1", "--api-key", "one", "--api-key", "two",
                env=env) as server:

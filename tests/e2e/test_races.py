@@ -16,7 +16,7 @@ from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, running, serve
 from tests.e2e.shared import post_stream, stale_plan_config, stream_usage
 from tests.fault_engine import ENGINE
-from tests.helpers import REPO, wait_for, write_tiny_gguf
+from tests.helpers import CHILD_PYTHONPATH, REPO, wait_for, write_tiny_gguf
 from tests.models import GEMMA, QWEN
 
 
@@ -93,7 +93,7 @@ def test_requests_queued_at_shutdown_get_shutting_down(tmp_path: Path) -> None:
     config.write_text(f'include_packaged = false\nmodels_dirs = ["{models}"]\n'
                       "[defaults]\nparallel = 1\nqueue = 2\n")
     env = {"BUNKHOUSE_FAULTS": json.dumps({"one": {"token_interval_s": 0.05}}),
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": CHILD_PYTHONPATH}
     body = {"model": "one", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}
     with running(tmp_path, "--config", str(config), "--worker-engine", ENGINE, "--stop-grace", "1",
                  env=env) as server:
@@ -121,7 +121,7 @@ def test_a_second_interrupt_still_stops_cleanly(tmp_path: Path) -> None:
     models = tmp_path / "models"
     write_tiny_gguf(models / "one.gguf")
     env = {"BUNKHOUSE_FAULTS": json.dumps({"one": {"token_interval_s": 0.05}}),
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": CHILD_PYTHONPATH}
     body = {"model": "one", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}
     with running(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine", ENGINE,
                  "--stop-grace", "2", env=env) as server:
@@ -145,7 +145,7 @@ def test_sigterm_while_one_model_drains_and_another_loads(tmp_path: Path) -> Non
     for model_id in ("busy", "slow"):
         write_tiny_gguf(models / f"{model_id}.gguf")
     faults = {"busy": {"token_interval_s": 0.05}, "slow": {"load_delay_s": 60}}
-    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": str(REPO)}
+    env = {"BUNKHOUSE_FAULTS": json.dumps(faults), "PYTHONPATH": CHILD_PYTHONPATH}
     admin = {"authorization": "Bearer adm"}
     with serve(tmp_path, "--no-packaged", "--models-dir", str(models), "--worker-engine", ENGINE,
                "--admin-key", "adm", "--stop-grace", "2", env=env) as server:

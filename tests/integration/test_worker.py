@@ -30,7 +30,13 @@ from bunkhouse.supervisor.process import (
     worker_argv,
 )
 from tests.fault_engine import ENGINE
-from tests.helpers import REPO, healthy_socket, wait_for, worker_socket, write_tiny_gguf
+from tests.helpers import (
+    CHILD_PYTHONPATH,
+    healthy_socket,
+    wait_for,
+    worker_socket,
+    write_tiny_gguf,
+)
 from tests.models import GEMMA, QWEN
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -166,7 +172,7 @@ def test_a_burst_of_stop_signals_never_wedges_a_worker(tmp_path: Path) -> None:
     """A signal handler that took a lock the interrupted main loop held left a worker hung for
     good (found as an orphan after its front was SIGKILLed): 300 SIGTERMs at once, 10 times."""
     model = write_tiny_gguf(tmp_path / "m.gguf")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
     for n in range(10):
         sock = tmp_path / f"w{n}.sock"
         proc = subprocess.Popen(

@@ -51,6 +51,39 @@ def test_slot_gate_runs_slots_queues_queue_refuses_the_rest() -> None:
     run(go())
 
 
+def test_a_full_line_is_refused_at_once_while_the_model_loads() -> None:
+    """14 requests to a 1-slot, queue-8 model that is still loading: 9 take their places
+    before any lease (none runs yet), the other 5 are refused at once, not after the load."""
+    async def go() -> None:
+        gate = SlotGate("m", slots=1, queue=8)
+        places = [gate.join() for _ in range(9)]
+        for _ in range(5):
+            with pytest.raises(QueueFull) as info:
+                gate.join()
+            assert "queue of 8" in info.value.message
+        assert gate.waiting == 9 and gate.running == 0
+        places[-1].leave()
+        places[-1].leave()  # again is harmless
+        assert gate.waiting == 8
+        first = await gate.enter(place=places[0])  # the model is ready: its places go in
+        assert gate.running == 1 and gate.waiting == 7
+        waiter = asyncio.create_task(gate.enter(place=places[1]))
+        await asyncio.sleep(0)
+        assert gate.waiting == 7  # still in line, counted once
+        gate.join().leave()  # one more fits; the line is full again without it
+        other = SlotGate("m", slots=1, queue=8)  # a place in an old gate is given back
+        lone = await other.enter(place=places[2])
+        assert gate.waiting == 6 and other.running == 1
+        other.leave(lone)
+        gate.leave(first)
+        gate.leave(await asyncio.wait_for(waiter, 1))
+        for place in places[3:]:
+            place.leave()
+        assert (gate.waiting, gate.running) == (0, 0)
+
+    run(go())
+
+
 def test_slot_gate_gives_a_conversation_its_slot_and_a_new_one_the_cheapest() -> None:
     async def go() -> None:
         gate = SlotGate("m", slots=3, queue=0)
@@ -212,11 +245,14 @@ def test_embeddings_inputs_within_the_limit_pass() -> None:
     assert worker.calls == ["/tokenize"]  # only the input whose bytes left it open
 
 
-def test_more_prompts_than_slots_is_400() -> None:
+def test_more_prompts_than_slots_is_400_before_the_model_loads() -> None:
+    async def no_table() -> None:
+        raise AssertionError("a prompt count needs no vocabulary, nor a worker")
+
     body = {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 4}
     with pytest.raises(InvalidRequest, match="5 prompts in one request; send at most 4"):
-        run(check_fits(_model(), "/v1/completions", body, Worker()))
-    run(check_fits(_model(), "/v1/completions", {"prompt": ["a", "b"]}, Worker()))
+        run(refuse_before_load(_model(), "/v1/completions", body, no_table))
+    run(refuse_before_load(_model(), "/v1/completions", {"prompt": ["a", "b"]}, no_table))
 
 
 def _tiny_table(tmp_path: Path) -> Any:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bunkhouse.engines.llamacpp import constraint_checks
+from bunkhouse.errors import InvalidRequest, StalledTooOften
+from bunkhouse.front.constraints import MAX_STALLS, ConstraintGate
+from tests.fakes import model
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -83,3 +88,21 @@ def test_parts_of_many_alternatives_are_measured_on_their_own() -> None:
     # a schema of few alternatives has no parts of its own
     assert len(constraint_checks(CHAT, {"response_format": {"type": "json_schema",
                                        "json_schema": {"schema": {"enum": [1, 2]}}}})) == 1
+
+
+def test_what_is_known_refused_is_refused_before_any_load_or_probe() -> None:
+    """A constraint that stalled a worker, and a client whose constraints stalled workers
+    too often, are refused from what the gate knows: no probe, no lease, no load waited for."""
+    gate, m = ConstraintGate(), model("a")
+    body = {"messages": [], "grammar": 'root ::= "a"'}
+    gate.refuse_known(m, CHAT, body, "alice")  # nothing known yet: it goes on
+    assert gate.blame(m, CHAT, body, "bob") == "grammar"
+    with pytest.raises(InvalidRequest) as info:
+        gate.refuse_known(m, CHAT, body, "alice")
+    assert info.value.param == "grammar"
+    other = {"messages": [], "grammar": 'root ::= "b"'}
+    for _ in range(MAX_STALLS - 1):
+        gate.blame(m, CHAT, other, "bob")
+    with pytest.raises(StalledTooOften):
+        gate.refuse_known(m, CHAT, {"messages": [], "grammar": 'root ::= "c"'}, "bob")
+    gate.refuse_known(m, CHAT, {"messages": []}, "bob")  # no constraint: never refused

@@ -4,6 +4,7 @@ clock: no processes, no sleeps (time moves only when a test advances the clock).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from bunkhouse.errors import (
     Paused,
     ShuttingDown,
     WorkerLoadFailed,
+    log_line,
 )
 from bunkhouse.supervisor.restart import RestartPolicy
 from tests.fakes import GIB, FakeSpares, FakeWorker, Host, model, run, settle, until
@@ -310,6 +312,50 @@ def test_a_crash_loop_ends_in_failed_after_the_budget_without_a_storm() -> None:
         h.advance(61)  # the cool-down passes
         await h.use("a")
         assert h.state("a") == "ready" and len(h.starts) == 5
+
+    run(go())
+
+
+def test_a_failed_load_logs_its_output_once_and_each_refusal_a_short_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's output of a failed load is logged once per failure, at ERROR; every
+    request refused meanwhile or in the cool-down after logs one short WARNING at the edge
+    (errors.log_line), naming the model, the cause and when the cool-down ends."""
+    output = "llama_model_load: error loading model: tensor 'blk.0' is corrupt\n" * 20
+
+    async def go() -> None:
+        h = Host([model("a")], restart=RestartPolicy(max_restarts=1, backoff_s=0.001,
+                                                     cooldown_s=60))
+        h.fail.add("a")
+        h.fail_detail = output
+        errors: list[BunkhouseError] = []
+        for _ in range(6):
+            results = await asyncio.gather(*(h.use("a") for _ in range(3)),
+                                           return_exceptions=True)
+            errors += [r for r in results if isinstance(r, BunkhouseError)]
+            h.advance(1)
+        assert len(errors) == 18 and h.starts == ["a", "a"]  # a try, a restart, cooling
+        lines = [log_line(e) for e in errors]
+        assert all(line is not None and line[0] == logging.WARNING and output not in line[1]
+                   for line in lines)
+        cooling = [e for e in errors if isinstance(e, ModelFailed)]
+        assert cooling and "tried again in" in cooling[-1].message
+        assert cooling[-1].detail == output  # admins still read it
+
+    with caplog.at_level(logging.INFO):
+        run(go())
+    assert caplog.text.count("tensor 'blk.0' is corrupt") == 2 * 20  # once per failure
+    loud = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(loud) == 2 and all("load failed" in r.getMessage() for r in loud)
+
+
+def test_a_model_too_large_is_refused_at_once_even_while_paused() -> None:
+    async def go() -> None:
+        h = Host([model("a", 1), model("huge", 12)], budget_gib=10, admission_wait_s=30)
+        await h.manager.operator_pause(60)
+        with pytest.raises(ModelTooLarge, match="needs"):
+            await asyncio.wait_for(h.use("huge"), 1)  # not Paused after the wait
+        assert h.starts == []
 
     run(go())
 

@@ -11,8 +11,9 @@
   model in arrival order, with all of its waiting requests. The window lets requests that
   arrive together batch together instead of being split across turns.
 - :func:`refuse_before_load`: a request whose prompt is *certainly* too long for one slot
-  (a lower bound on its tokens from the model's vocabulary, catalog/vocab.py) gets 400 before
-  its model is loaded, so it never evicts other models.
+  (a lower bound on its tokens from the model's vocabulary, catalog/vocab.py), or that has
+  more prompts than the model has slots, gets 400 before its model is loaded, so it never
+  waits for a load or evicts other models.
 - :func:`check_fits`: a request whose prompt plus ``max_tokens`` can never fit one slot gets
   400 before any generation (exact, counted by the worker when a byte bound cannot decide).
 """
@@ -280,11 +281,6 @@ async def check_fits(model: CatalogModel, path: str, body: dict[str, Any],
         prompts: list[Any] = [_Chat(messages)]
     else:
         prompts = _prompts(body.get("prompt", ""))
-        if len(prompts) > model.options.parallel:
-            raise InvalidRequest(
-                f"model {model.id!r}: {len(prompts)} prompts in one request; send at most "
-                f"{model.options.parallel} (its slots) and the rest in further requests",
-                param="prompt")
     for prompt in prompts:
         if isinstance(prompt, _Chat):
             tokens = await count_tokens(prompt.messages)
@@ -369,6 +365,7 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
 
         await _check_inputs(model, body, bound, at_least=True)
         return
+    _check_prompt_count(model, path, body)
     limit = limit or slot_context(model)
     given = body.get("max_tokens")
     max_tokens = given if isinstance(given, int) and not cap else 0
@@ -385,6 +382,19 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
         need = tokens + max(max_tokens, 1)
         if need > limit:
             raise _too_long(model, path, tokens, max_tokens, need, limit, at_least=True)
+
+
+def _check_prompt_count(model: CatalogModel, path: str, body: dict[str, Any]) -> None:
+    """InvalidRequest (400, ``prompt``) for a completion with more prompts than the model
+    has slots (each prompt takes one in the engine): known from the body, before any load."""
+    if path == "/v1/chat/completions":
+        return
+    count = len(_prompts(body.get("prompt", "")))
+    if count > model.options.parallel:
+        raise InvalidRequest(
+            f"model {model.id!r}: {count} prompts in one request; send at most "
+            f"{model.options.parallel} (its slots) and the rest in further requests",
+            param="prompt")
 
 
 def trained_limit(model: CatalogModel) -> int:

@@ -28,7 +28,7 @@ from bunkhouse.api.schemas import (
     InfillRequest,
 )
 from bunkhouse.catalog import Catalog
-from bunkhouse.errors import BunkhouseError, MethodNotAllowed, NotFound, Paused, ShuttingDown
+from bunkhouse.errors import BunkhouseError, MethodNotAllowed, NotFound, log_line
 from bunkhouse.front.access import AccessLog
 from bunkhouse.front.admin import Admin, AdminOptions
 from bunkhouse.front.admission import ComputeGate
@@ -297,11 +297,9 @@ def _error_handlers(keys: Keys) -> dict[Any, ErrorHandler]:
 
     async def bunkhouse_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, BunkhouseError)
-        # a stop, and a pause an operator asked for, are no errors
-        if exc.status >= 500 and not isinstance(exc, ShuttingDown | Paused):
-            log.error("%s %s: %s", request.method, request.url.path[:200], exc.full_message())
-        elif exc.detail:
-            log.info("%s %s: %s", request.method, request.url.path[:200], exc.full_message())
+        line = log_line(exc)  # once: a fault logged where it happened, a short line here
+        if line is not None:
+            log.log(line[0], "%s %s: %s", request.method, request.url.path[:200], line[1])
         detail = keys.level_of(request) is Level.ADMIN
         return JSONResponse(error_envelope(request.url.path, exc, detail),
                             status_code=exc.status, headers=exc.headers())

@@ -153,11 +153,21 @@ class ConstraintGate:
                         verdict = await self._measure(model, check)
             self._keep(key, verdict)
             if verdict:
-                raise InvalidRequest(  # the protocols name the field (param) their way
-                    f"this request's {_KINDS.get(check.param, 'sampler lists')} would cost the "
-                    f"engine too much to prepare ({verdict}); simplify it: fewer "
-                    "alternatives, enum values or optional properties", param=check.param)
+                raise _too_costly(check, verdict)
         return bool(checks)
+
+    def refuse_known(self, model: CatalogModel, path: str, body: dict[str, Any],
+                     client: str = "") -> None:
+        """What :meth:`check` would refuse without measuring anything (a client whose
+        constraints stall workers too often, a constraint already found too costly): raised
+        before the model's lease, so that such a request never waits for a load."""
+        checks = engine_for(model).constraint_checks(path, body)
+        if checks:
+            self._refuse_stalling(client)
+        for check in checks:
+            verdict = self._verdicts.get(_key(model, check))
+            if verdict:
+                raise _too_costly(check, verdict)
 
     def blame(self, model: CatalogModel, path: str, body: dict[str, Any],
               client: str = "") -> str:
@@ -289,6 +299,13 @@ class ConstraintGate:
         if self._idle is not None:
             self._idle.cancel()
         self._drop()
+
+
+def _too_costly(check: ConstraintCheck, verdict: str) -> InvalidRequest:
+    return InvalidRequest(  # the protocols name the field (param) their way
+        f"this request's {_KINDS.get(check.param, 'sampler lists')} would cost the engine "
+        f"too much to prepare ({verdict}); simplify it: fewer alternatives, enum values or "
+        "optional properties", param=check.param)
 
 
 def _key(model: CatalogModel, check: ConstraintCheck) -> bytes:

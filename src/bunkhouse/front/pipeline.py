@@ -3,14 +3,18 @@ whatever its protocol (the route modules translate in front of it and answer aft
 
 1. **Resolve**: the model the body names (catalog), the body checked and made the one sent to
    its engine (front/edge.py ``prepare``), the tool-call reader and the protocol's shape.
-2. **Refuse before load**: a prompt certainly too long for a slot is a 400 before its model
-   is loaded (front/admission.py ``refuse_before_load``), so it evicts nothing.
-3. **Lease**: the model ready and held (residency; it may load, evicting others).
+2. **Refuse before load**: a prompt certainly too long for a slot, more prompts than slots,
+   a constraint already found too costly or a client whose constraints stall workers too
+   often is refused before its model is loaded (front/admission.py ``refuse_before_load``,
+   front/constraints.py ``refuse_known``), so it waits for no load and evicts nothing.
+3. **Place and lease**: a place in the model's line (residency/slots.py; a full line is a
+   429 at once, whether the model is loading, waiting for memory or busy), then the model
+   ready and held (residency; it may load, evicting others).
 4. **Constraint**: a grammar, schema or sampler lists measured apart from the shared worker
    (front/constraints.py).
 5. **Tokens and fit**: the prompt tokenized when KV snapshots need it, then checked to fit
    one slot with its ``max_tokens`` (lowered to the room left when that is a ceiling).
-6. **Slot**: one of the model's slots, or a place in its queue (residency/slots.py).
+6. **Slot**: one of the model's slots, its place in line kept until one is free.
 7. **Compute turn**: on a CPU host one model computes at a time (front/admission.py
    ``ComputeGate``).
 8. **Restore**: the slot's KV state from the snapshot sharing most of the prompt
@@ -69,7 +73,7 @@ from bunkhouse.front.proxy import Shape, StreamShaper, client_gone, forward, str
 from bunkhouse.front.waiting import WaitingOptions, WaitingStream
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import Lease, ResidencyManager
-from bunkhouse.residency.slots import Slot, SlotGate
+from bunkhouse.residency.slots import Place, Slot, SlotGate
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,7 @@ class Pipeline:
             data, reader = _tool_reader(data)
         await refuse_before_load(model, route, data, functools.partial(model_pair_table, model),
                                  cap=cap)
+        self.constraints.refuse_known(model, route, data, self.keys.client_of(request))
         request.state.stream = bool(parsed.stream)
         shaped = _shape(model.id, shape, reader)
         serve = functools.partial(self._serve, request, model, route, bool(parsed.stream),
@@ -162,9 +167,17 @@ class Pipeline:
         if the client left meanwhile. On an error or a cancel, what was taken is given
         back."""
         queued = time.monotonic()
-        lease = await self.residency.acquire(model)
+        place = self._join(model)  # a full line refuses now, whatever the model is doing
+        try:
+            lease = await self.residency.acquire(model)
+        except BaseException:
+            if place is not None:
+                place.leave()
+            raise
         request.state.load_s = time.monotonic() - queued  # its model's load, if it waited
         held = Held(lease)
+        if place is not None:
+            held.push(place.leave)  # until it takes a slot (again is harmless)
         with self._releasing(lease, held, model.id):
             admitted = Admitted(held, lease.worker.engine, data or {})
             if data is not None:
@@ -172,7 +185,7 @@ class Pipeline:
                 if count_prompt:
                     admitted.prompt_tokens = await _prompt_count(admitted)
             slots = lease.slots
-            slot = await slots.enter(admitted.tokens)
+            slot = await slots.enter(admitted.tokens, place)
             admitted.slot = slot
             held.push(functools.partial(self._leave, model, admitted.engine, slots, slot))
             await self.compute.enter(model.id)
@@ -181,6 +194,16 @@ class Pipeline:
             if await request.is_disconnected():  # gone while it waited: never started
                 raise ClientGone("the client disconnected while its request waited")
         return admitted
+
+    def _join(self, model: CatalogModel) -> Place | None:
+        """The request's place in its model's line (residency/slots.py), before its lease;
+        QueueFull (429) at once when the line is full. None for a model residency does not
+        track (its lease answers why)."""
+        try:
+            gate = self.residency.slots(model.id)
+        except KeyError:
+            return None
+        return gate.join()
 
     async def _tokens_and_fit(self, request: Request, model: CatalogModel, route: str,
                               admitted: Admitted, cap: bool) -> Admitted:

@@ -28,7 +28,7 @@ from typing import Any
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from bunkhouse.errors import BunkhouseError, error_body
+from bunkhouse.errors import BunkhouseError, error_body, log_line
 from bunkhouse.front import proxy
 from bunkhouse.front.admission import Admitted, drop_admission
 from bunkhouse.front.protocols import ChatShape
@@ -94,7 +94,10 @@ class WaitingStream(Response):
             admitted = self.admission.result()
             response = await self.serve(admitted, self.shaper if self.shape else None)
         except BunkhouseError as e:
-            log.info("a streamed request failed after waiting: %s", e.full_message())
+            line = log_line(e)  # once: a fault logged where it happened, a short line here
+            if line is not None:
+                log.log(line[0], "model %s: a streamed request failed after waiting: %s",
+                        self.model_id, line[1])
             await self._end(send, self.shaper.error(error_body(e)))
             return
         except Exception as e:  # rendered once, here, as the error handler would

@@ -151,8 +151,9 @@ class EventLog:
         self.by_model[(model, kind)] = self.by_model.get((model, kind), 0) + 1
         self._totals[kind] = self._totals.get(kind, 0) + 1
         if kind != "load_progress":  # progress has its own, rarer, log line
-            log.info("model %s: %s (%s)%s", model, kind, reason,
-                     "" if detail is None else f": {detail}")
+            # the reason only: a detail (a worker's output) was logged once where its fault
+            # happened (a failed load, a crash), not again at each event it explains
+            log.info("model %s: %s (%s)", model, kind, reason)
         for listener in self._listeners:
             try:
                 listener(event)

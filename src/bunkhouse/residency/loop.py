@@ -195,13 +195,17 @@ class Executor:
             self.post(msg.LoadFailed(e.model, e.worker, None))
             return
         except BunkhouseError as error:
+            # once per failure, with the worker's output; each request it refuses (now, or
+            # during the cool-down that may follow) logs one short line (errors.log_line)
+            log.error("model %s: load failed: %s", e.model, error.full_message())
+            error.logged = True
             self.post(msg.LoadFailed(e.model, e.worker, error))
             return
         except Exception as error:
             log.exception("model %s: load failed", e.model)
             self.post(msg.LoadFailed(e.model, e.worker, BunkhouseError(
                 f"model {e.model!r} failed to load (an internal error; the server log has "
-                "it)", detail=f"{type(error).__name__}: {error}")))
+                "it)", detail=f"{type(error).__name__}: {error}", logged=True)))
             return
         finally:
             self._spawns.pop(e.worker, None)

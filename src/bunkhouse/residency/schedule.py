@@ -151,14 +151,18 @@ def _first_asked(m: Model, now: float) -> float:
 
 
 def _never_fits(m: Model, d: policy.NeverFits, fx: Fx) -> Model:
+    return replace(refuse(m, too_large(m, d), fx), respawn=False, wait_since=None)
+
+
+def too_large(m: Model, d: policy.NeverFits) -> ModelTooLarge:
+    """The refusal of a model that can never fit (``d``), naming both sizes."""
     pinned = f", of which pinned models hold {d.pinned_bytes // MIB} MiB" \
         if d.pinned_bytes else ""
     need, budget = _sizes(d.need, d.budget)
-    error = ModelTooLarge(f"model {m.id!r} needs {need} but the memory budget is {budget}"
-                          f"{pinned}; raise --budget or lower the model's context")
     if not d.budget:
-        error = ModelTooLarge(f"model {m.id!r}: no node runs its engine ({m.spec.engine})")
-    return replace(refuse(m, error, fx), respawn=False, wait_since=None)
+        return ModelTooLarge(f"model {m.id!r}: no node runs its engine ({m.spec.engine})")
+    return ModelTooLarge(f"model {m.id!r} needs {need} but the memory budget is {budget}"
+                         f"{pinned}; raise --budget or lower the model's context")
 
 
 def _sizes(a: int, b: int) -> tuple[str, str]:

@@ -1,6 +1,10 @@
 """A model's slot gate: as many requests run as its worker has slots, ``queue`` more wait,
 the rest are refused with 429 ``queue_full``. Models never wait behind each other's queues.
 
+A request takes its place in the line (:meth:`SlotGate.join`) as soon as it names the model,
+before its lease: while the model loads (or waits for memory) the line is already counted, so
+that a full one refuses at once whatever the model's state, not once its load is over.
+
 The gate also hands out the worker's slots by id and remembers, per slot, what its KV cache
 holds as far as the front knows (:class:`Slot`): a request that continues a conversation goes
 to the slot holding it, a new one to the slot whose loss costs least. The KV snapshot keeper
@@ -43,6 +47,20 @@ class Slot:
         return shared if shared * 2 >= len(self.held) else 0
 
 
+class Place:
+    """A request's place in a model's line (:meth:`SlotGate.join`), held until it takes a
+    slot or gives up; :meth:`leave` gives it back (again is harmless)."""
+
+    def __init__(self, gate: SlotGate) -> None:
+        self.gate = gate
+        self._held = True
+
+    def leave(self) -> None:
+        if self._held:
+            self._held = False
+            self.gate.waiting -= 1
+
+
 class SlotGate:
     """``slots`` requests at once, ``queue`` more waiting, the rest refused."""
 
@@ -55,20 +73,35 @@ class SlotGate:
         self.running = 0
         self.table = [Slot(i) for i in range(slots)]
 
-    async def enter(self, tokens: Sequence[int] | None = None) -> Slot:
+    def join(self) -> Place:
+        """A place in the line, taken at once (no await): the request counts as queued from
+        now until it takes a slot. Raises QueueFull (429) when ``slots`` requests run or
+        wait and ``queue`` more wait already, whatever the model's state (loading, waiting
+        for memory, busy)."""
+        if self.running + self.waiting >= self.slots + self.queue:
+            raise QueueFull(f"model {self.model_id!r}: {self.running} requests run and "
+                            f"{self.waiting} wait, which fills its {self.slots} slot(s) and "
+                            f"its queue of {self.queue}; retry shortly")
+        self.waiting += 1
+        return Place(self)
+
+    async def enter(self, tokens: Sequence[int] | None = None,
+                    place: Place | None = None) -> Slot:
         """Take a slot, waiting in the queue if every slot is busy: the free slot that holds
         most of ``tokens`` (the request's prompt, when known), else the one whose loss costs
-        least (empty, then saved, then least recently used).
+        least (empty, then saved, then least recently used). ``place``: the request's place
+        in the line, taken by :meth:`join` (one of another gate, an old one of the model's,
+        is given back and a new one taken).
 
         Raises QueueFull (429) when the queue is full too."""
-        if self._free.locked() and self.waiting >= self.queue:
-            raise QueueFull(f"model {self.model_id!r}: every slot is busy and {self.waiting} "
-                            "requests are queued; retry shortly")
-        self.waiting += 1
+        if place is None or place.gate is not self:
+            if place is not None:
+                place.leave()
+            place = self.join()
         try:
             await self._free.acquire()
         finally:
-            self.waiting -= 1
+            place.leave()
         self.running += 1
         slot = self._choose(tokens)
         slot.busy = True

@@ -40,7 +40,8 @@ from bunkhouse.residency.edit import (
     wants_load,
 )
 from bunkhouse.residency.messages import Effect, Event
-from bunkhouse.residency.schedule import schedule, settle
+from bunkhouse.residency.policy import NeverFits
+from bunkhouse.residency.schedule import place, schedule, settle, too_large
 from bunkhouse.residency.state import (
     Drain,
     Model,
@@ -93,7 +94,12 @@ def _refusal(s: State, m: Model | None, model_id: str, now: float) -> Exception 
         if left is not None:
             return ModelFailed(
                 f"model {model_id!r} is failed: {m.last_error}; it will be tried again in "
-                f"{left:.0f} s", retry_after_s=max(1, int(left)), detail=m.last_error_detail)
+                f"{left:.0f} s", retry_after_s=max(1, int(left)), detail=m.last_error_detail,
+                logged=True)
+    if m.phase in (Phase.ABSENT, Phase.FAILED):  # not even a pause or a backoff can help
+        _, decision, _ = place(s, m)
+        if isinstance(decision, NeverFits):
+            return too_large(m, decision)
     return None
 
 
