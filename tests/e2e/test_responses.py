@@ -5,6 +5,7 @@ restart of the front; bad input in OpenAI's envelope."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -40,6 +41,41 @@ def ask(client: openai.OpenAI, text: str, previous: str | None = None,
     given: dict[str, Any] = {"max_output_tokens": 24, **extra}
     return client.responses.create(model=QWEN, input=text, instructions=TERSE, temperature=0,
                                    previous_response_id=previous or openai.NOT_GIVEN, **given)
+
+
+LONG = {"model": QWEN, "input": "Count from 1 to 300, separated by commas.",
+        "max_output_tokens": 600, "temperature": 0, "stream": True}
+
+
+def events_of(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """A Responses stream's events, as they arrive."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
+def stored(server: Server, response_id: str) -> dict[str, Any] | None:
+    got = httpx.get(f"{server.url}/v1/responses/{response_id}", timeout=60)
+    return got.json() if got.status_code == 200 else None  # type: ignore[no-any-return]
+
+
+def test_a_stream_its_client_leaves_is_stored_incomplete_with_what_was_made(
+        server: Server) -> None:
+    seen = ""
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=LONG, timeout=300) as answer:
+        for event in events_of(answer):
+            if event["type"] == "response.created":
+                response_id = event["response"]["id"]
+            if event["type"] == "response.output_text.delta":
+                seen += event["delta"]
+                if len(seen) >= 8:
+                    break  # the client leaves mid-answer
+    kept = wait_for(lambda: stored(server, response_id), 60, "the cut response stored")
+    assert kept["status"] == "incomplete"
+    assert kept["incomplete_details"] == {"reason": "client_disconnected"}
+    (message,) = kept["output"]
+    assert message["status"] == "incomplete"
+    assert message["content"][0]["text"].startswith(seen)
 
 
 def test_create_stream_a_chain_retrieve_and_delete(server: Server) -> None:
@@ -218,8 +254,11 @@ def test_a_chain_outlives_a_killed_worker_and_a_restarted_front(tmp_path: Path) 
             sdk(server) as client:
         first = ask(client, "My name is Ada. Reply with just: OK")
         pid = server.model(QWEN)["pid"]
-        os.kill(pid, signal.SIGKILL)
+        failed = kill_mid_stream(server, pid)
         wait_for(lambda: server.model(QWEN)["pid"] != pid, 120, "the killed worker noticed")
+        assert failed["status"] == "failed" and failed["error"]["message"]
+        # kept as it was sent: its items closed, its error, what was made before it
+        assert stored(server, failed["id"]) == failed
         second = ask(client, "What is my name?", first.id)
         assert "Ada" in second.output_text
     assert stat.S_IMODE(db.stat().st_mode) == 0o600
@@ -229,6 +268,26 @@ def test_a_chain_outlives_a_killed_worker_and_a_restarted_front(tmp_path: Path) 
         third = ask(client, "What is my name, once more?", second.id)
         assert "Ada" in third.output_text
         assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def kill_mid_stream(server: Server, pid: int) -> dict[str, Any]:
+    """SIGKILL of the worker ``pid`` while it streams a long answer: the failed response,
+    after every item it opened was closed as incomplete."""
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=LONG, timeout=300) as answer:
+        kinds: list[str] = []
+        for event in events_of(answer):
+            kinds.append(event["type"])
+            if event["type"] == "response.output_text.delta" and kinds.count(
+                    "response.output_text.delta") == 3:
+                os.kill(pid, signal.SIGKILL)
+            if event["type"] == "response.output_item.done":
+                assert event["item"]["status"] == "incomplete"
+            if event["type"] == "response.failed":
+                assert kinds[-4:-1] == ["response.output_text.done",
+                                        "response.content_part.done",
+                                        "response.output_item.done"]
+                return event["response"]  # type: ignore[no-any-return]
+    raise AssertionError(f"no response.failed after the kill: {kinds[-5:]}")
 
 
 def test_one_clients_stored_responses_are_not_anothers(tmp_path: Path) -> None:

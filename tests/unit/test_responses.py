@@ -13,6 +13,7 @@ import pytest
 from bunkhouse.api import responses
 from bunkhouse.errors import InvalidRequest
 from bunkhouse.front.assemble import assemble_chat
+from bunkhouse.front.protocols import ResponsesShape
 from bunkhouse.front.response_store import ResponseStore, ResponseStoreError
 
 
@@ -223,6 +224,42 @@ def test_a_stream_cut_by_max_tokens_is_incomplete_and_a_failure_is_failed() -> N
                                            "response.failed"]
     assert failed[-1]["response"]["error"] == {"code": "engine_unavailable",
                                                "message": "worker broke"}
+
+
+def _midway() -> tuple[responses.ResponseStream, list[dict[str, Any]], list[dict[str, Any]]]:
+    """A stream two text deltas into its message: the stream, its events, what it reported."""
+    done: list[dict[str, Any]] = []
+    stream = responses.ResponseStream(responses.Echo({"input": "x"}, "m"), done.append)
+    events = [e for piece in ("Hel", "lo") for e in stream.feed(
+        {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})]
+    return stream, events, done
+
+
+def test_a_failure_mid_item_closes_the_item_and_reports_the_failed_response() -> None:
+    stream, events, done = _midway()
+    events += stream.failed("worker broke", "engine_unavailable")
+    kinds = [e["type"] for e in events]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-2]["item"]["status"] == "incomplete"
+    (final,) = done  # reported, to be stored, as it was sent
+    assert final == events[-1]["response"] and final["status"] == "failed"
+    assert final["error"] == {"code": "engine_unavailable", "message": "worker broke"}
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+
+
+def test_a_stream_its_client_left_is_reported_incomplete_with_what_was_made() -> None:
+    stream, _, done = _midway()
+    stream.cut()
+    (final,) = done
+    assert final["status"] == "incomplete"
+    assert final["incomplete_details"] == {"reason": responses.CLIENT_LEFT}
+    assert [(i["status"], i["content"][0]["text"]) for i in final["output"]] == [
+        ("incomplete", "Hello")]
+    unseen: list[dict[str, Any]] = []  # left before response.created: no one knows its id
+    responses.ResponseStream(responses.Echo({"input": "x"}, "m"), unseen.append).cut()
+    assert unseen == []
 
 
 def test_input_items_pages() -> None:
@@ -438,3 +475,19 @@ def test_a_chat_field_a_refusal_names_is_named_as_the_responses_api_names_it(
         chat: str | None, ours: str | None) -> None:
     from bunkhouse.api.fields import renamed
     assert renamed(chat, responses.CHAT_FIELDS) == ours
+
+
+def test_a_shape_reports_each_stream_once_however_it_ends() -> None:
+    done: list[dict[str, Any]] = []
+    chunk = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": "stop"}]}
+    for ending in ("end", "error", "left"):
+        shape = ResponsesShape(responses.Echo({"input": "x"}, "m"), done.append)
+        stream = shape.stream()
+        stream.feed(chunk)
+        if ending == "end":
+            stream.end()
+        elif ending == "error":
+            stream.error({"error": {"message": "broke", "code": "engine_unavailable"}})
+        shape.sent()  # the answer's sending is over, whatever happened
+        shape.sent()
+    assert [r["status"] for r in done] == ["completed", "failed", "incomplete"]

@@ -344,14 +344,23 @@ class Echo:
 
     def response(self, status: str, output: list[dict[str, Any]],
                  usage: dict[str, Any] | None, finish: str | None = None,
-                 error: dict[str, Any] | None = None) -> dict[str, Any]:
+                 error: dict[str, Any] | None = None,
+                 reason: str | None = None) -> dict[str, Any]:
+        """The response object; ``reason``: why it is incomplete, when not the engine's
+        ``finish`` (a client that left: :data:`CLIENT_LEFT`)."""
         incomplete = None
         if status == "incomplete":
-            incomplete = {"reason": "max_output_tokens" if finish == "length"
-                          else "content_filter"}
+            incomplete = {"reason": reason or ("max_output_tokens" if finish == "length"
+                                               else "content_filter")}
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": status, "error": error, "incomplete_details": incomplete,
                 "output": output, "usage": usage, **self.fields}
+
+
+CLIENT_LEFT = "client_disconnected"
+"""``incomplete_details.reason`` of a stored response whose client left its stream: the
+generation stopped there (as OpenAI's does when a stream that is not in the background is
+closed), and what was generated is kept."""
 
 
 def _status(finish: str | None) -> str:
@@ -433,7 +442,9 @@ class ResponseStream:
                                       output_index=index, content_index=0, part=part))
         return events
 
-    def _close(self) -> list[Event]:
+    def _close(self, cut: bool = False) -> list[Event]:
+        """The open item's closing events. ``cut``: the answer broke off in it (an error,
+        a client that left): it is incomplete, whatever its kind."""
         if self._open is None:
             return []
         kind, _ = self._open
@@ -444,8 +455,8 @@ class ResponseStream:
         events: list[Event] = []
         # done, as every item is once the next one opens or the answer ends: an answer cut
         # at max_output_tokens leaves its message incomplete (the finish is known by then)
-        item["status"] = ("incomplete" if kind == "message" and _status(self._finish)
-                          == "incomplete" else "completed")
+        short = kind == "message" and _status(self._finish) == "incomplete"
+        item["status"] = "incomplete" if cut or short else "completed"
         if kind == "message":
             item["content"][0]["text"] = text
             events.append(self._event("response.output_text.done", item_id=item["id"],
@@ -520,23 +531,28 @@ class ResponseStream:
         return events
 
     def failed(self, message: str, code: str | None = None) -> list[Event]:
-        """The stream ending in an error: ``response.failed`` (after opening it, if not),
-        holding what was streamed before it."""
-        events = self._start()
-        if self._open is not None:  # the item cut short keeps its text, marked incomplete
-            kind, _ = self._open
-            item = self._output[-1]
-            text = "".join(self._parts)
-            if kind == "call":
-                item["arguments"] = text
-            else:
-                item["content"][0]["text"] = text
-            item["status"] = "incomplete"
-            self._open = None
+        """The stream ending in an error: the item it broke off in closed as incomplete
+        (its done events), then ``response.failed`` holding what was streamed before it;
+        ``on_done`` gets that failed response first (where the front stores it)."""
+        events = self._start() + self._close(cut=True)
         final = self.echo.response("failed", self._output, self._usage,
                                    error={"code": code or "server_error", "message": message})
+        if self.on_done is not None:
+            self.on_done(final)
         events.append(self._event("response.failed", response=final))
         return events
+
+    def cut(self) -> None:
+        """The client left the stream (no event can reach it): ``on_done`` gets the response
+        as far as it went, ``incomplete`` (reason :data:`CLIENT_LEFT`), its open item
+        incomplete; nothing if ``response.created`` never went out (no one knows its id)."""
+        if not self._started:
+            return
+        self._close(cut=True)
+        final = self.echo.response("incomplete", self._output, self._usage,
+                                   reason=CLIENT_LEFT)
+        if self.on_done is not None:
+            self.on_done(final)
 
 
 def sse(event: Event) -> bytes:

@@ -218,16 +218,29 @@ class _ResponseStream(_Once):
     def keepalive(self) -> bytes:
         return self.feed({}) + _COMMENT  # response.created first, if not sent yet
 
+    def cut(self) -> None:
+        """The client left before the stream ended (nothing more can be sent)."""
+        if not self._ended:
+            self._ended = True
+            self._events.cut()
+
 
 class ResponsesShape:
     """A chat completion answer as an OpenAI Responses ``response``; ``on_done`` gets each
-    finished response (whole or at the end of its stream)."""
+    response that ends: a whole one, or at the end of its stream, however it ends (completed,
+    incomplete, failed, or cut by its client: :meth:`sent`)."""
 
     media_type = "text/event-stream"
 
     def __init__(self, echo: responses.Echo, on_done: Stored | None = None) -> None:
         self.echo = echo
         self.on_done = on_done
+        self._streams: list[_ResponseStream] = []
+
+    def sent(self) -> None:
+        """The answer's sending is over: a stream that did not end was cut by its client."""
+        for stream in self._streams:
+            stream.cut()
 
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
         response = responses.response_from_chat(chat, self.echo)
@@ -243,7 +256,9 @@ class ResponsesShape:
         return body
 
     def stream(self) -> StreamShaper:
-        return _ResponseStream(responses.ResponseStream(self.echo, self.on_done))
+        stream = _ResponseStream(responses.ResponseStream(self.echo, self.on_done))
+        self._streams.append(stream)
+        return stream
 
 
 class _OllamaStream(_Once):

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from bunkhouse.api import responses
 from bunkhouse.api.fields import function_tool, read_object, renamed, shown, skipped_tools
@@ -68,18 +70,23 @@ class ResponsesRoutes:
             store.check(len(body) + history_bytes)
         given = {**given, "store": store is not None}  # as the response will say
 
+        made: list[ResponsesShape] = []
+
         def shape(model_id: str) -> ResponsesShape:
             on_done = (functools.partial(_keep, store, owner or "", items, history)
                        if store is not None else None)
-            return ResponsesShape(responses.Echo(given, model_id), on_done)
+            made.append(ResponsesShape(responses.Echo(given, model_id), on_done))
+            return made[-1]
 
         try:
-            return await front.generate(request, "/v1/chat/completions",
-                                        ChatCompletionRequest, parsed, data, len(body), shape,
-                                        cap=True)
+            answer = await front.generate(request, "/v1/chat/completions",
+                                          ChatCompletionRequest, parsed, data, len(body),
+                                          shape, cap=True)
         except BunkhouseError as e:  # refused as a chat request: named as this API names it
             e.param = renamed(e.param, responses.CHAT_FIELDS)
             raise
+        # a stream its client leaves is kept as far as it went (ResponsesShape.sent)
+        return _Sent(answer, made[0].sent) if parsed.stream and made else answer
 
     async def retrieve(self, request: Request) -> Response:
         found = await self._stored(request, "response")
@@ -117,6 +124,24 @@ class ResponsesRoutes:
         return found
 
 
+class _Sent(Response):
+    """``inner`` sent as it is, then ``then()`` however its sending ended (the whole answer
+    sent, the client gone, the task cancelled)."""
+
+    def __init__(self, inner: Response, then: Callable[[], None]) -> None:
+        self.inner = inner
+        self.then = then
+        self.status_code = inner.status_code
+        self.raw_headers = inner.raw_headers  # one list: a header set here is the inner's
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self.then()
+
+
 def _encoded(value: Any) -> bytes:
     return json.dumps(value).encode()
 
@@ -128,5 +153,6 @@ def _not_found(response_id: str) -> NotFound:
 
 def _keep(store: ResponseStore, owner: str, items: list[dict[str, Any]],
           history: list[dict[str, Any]], response: dict[str, Any]) -> None:
-    if response.get("status") in ("completed", "incomplete"):
-        store.put(owner, response, items, responses.conversation(history, items, response))
+    """Store ``response``, however it ended (completed, incomplete, failed: OpenAI keeps
+    each, with its status and its ``error``)."""
+    store.put(owner, response, items, responses.conversation(history, items, response))
