@@ -115,6 +115,12 @@ def test_tools_the_model_cannot_run_are_skipped_and_named(
         tools=[{"type": "web_search_20250305", "name": "web_search"},
                {"name": "run", "input_schema": SCHEMA}])
     assert message.headers[SKIPPED] == "web_search_20250305:web_search"
+    counted = claude.messages.with_raw_response.count_tokens(
+        model=QWEN, messages=[{"role": "user", "content": "Hi"}],
+        tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    assert counted.headers[SKIPPED] == "web_search_20250305:web_search"
+    assert counted.parse().input_tokens == claude.messages.count_tokens(
+        model=QWEN, messages=[{"role": "user", "content": "Hi"}]).input_tokens
 
     with ollama.Client(host=server.url, timeout=300) as client:
         answer = client.chat(model=QWEN, messages=[{"role": "user", "content": "Hi"}],

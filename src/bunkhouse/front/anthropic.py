@@ -53,12 +53,14 @@ class AnthropicRoutes:
         bodies = self.pipeline.bodies
         body = await bodies.read(request)
 
-        def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
+        def parse(raw: bytes) -> tuple[Any, dict[str, Any], list[str]]:
             given = parse_json_object(raw)
             data = anthropic.to_chat({**given, "max_tokens": 1, "stream": False})
-            return validate(ChatCompletionRequest, data), data
+            return (validate(ChatCompletionRequest, data), data,
+                    skipped_tools(given, anthropic.served))
 
-        parsed, data = await bodies.cpu(len(body), parse, body)
+        parsed, data, skipped = await bodies.cpu(len(body), parse, body)
+        note_skipped_tools(request, skipped)  # left out of the count, as of an answer
         check_tool_choice(data)
         model = self.pipeline.catalog.get(parsed.model)
         data = await bodies.cpu(len(body), prepare, CHAT, ChatCompletionRequest, model, data)
