@@ -46,6 +46,13 @@ def test_list_ps_and_show(client: ollama.Client) -> None:
     assert shown.capabilities is not None and "completion" in shown.capabilities
     assert shown.details == details and shown.modelinfo
     assert shown.modelinfo["general.parameter_count"] > 0
+    assert shown.modelinfo["qwen2.block_count"] > 0
+    # the model's own template (the GGUF's Jinja), its options, and a Modelfile of both
+    assert "<|im_start|>" in (shown.template or "")
+    assert re.search(r"^num_ctx +\d+$", shown.parameters or "", re.M)
+    assert shown.modelfile is not None and "\nFROM /" in shown.modelfile
+    assert f'TEMPLATE """{shown.template}"""' in shown.modelfile
+    assert shown.capabilities == ["completion", "tools"]
 
 
 def test_chat_streamed_and_not(client: ollama.Client) -> None:

@@ -121,3 +121,16 @@ def test_names_are_listed_and_answered_with_a_tag(model_id: str, name: str) -> N
 ])
 def test_parameter_size_as_ollama_writes_it(count: int | None, size: str) -> None:
     assert ollama.parameter_size(count) == size
+
+
+def test_show_writes_parameters_and_a_modelfile_as_ollama_does() -> None:
+    options = ollama.parameters([("num_ctx", 8192), ("temperature", 0.2),
+                                 ("stop", ["<a>", "<b>"]), ("max_tokens", 64)])
+    assert options == [("num_ctx", 8192), ("temperature", 0.2), ("stop", "<a>"),
+                       ("stop", "<b>"), ("num_predict", 64)]
+    text = ollama.parameters_text(options)
+    assert text.splitlines()[2] == "stop" + " " * 27 + '"<a>"'
+    made = ollama.modelfile("m:latest", "/models/m.gguf", "{{ x }}", options[:1])
+    assert made.splitlines()[1:] == ["FROM /models/m.gguf", 'TEMPLATE """{{ x }}"""',
+                                     "PARAMETER num_ctx 8192"]
+    assert "TEMPLATE" not in ollama.modelfile("m", "/m.gguf", "", [])

@@ -6,6 +6,7 @@ instead. Errors come as Ollama's ``{"error": "..."}`` (front/protocols.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import time
@@ -185,22 +186,75 @@ class OllamaRoutes:
         return JSONResponse({"models": running})
 
     async def show(self, request: Request) -> Response:
+        """``POST /api/show``: the model's template (its GGUF's Jinja chat template, or the
+        one configured), parameters (its request params and slot size as Ollama's options),
+        a Modelfile of both, details, metadata and capabilities."""
         front = self.front
         body = await front.bodies.read(request)
         given = await front.bodies.cpu(len(body), parse_json_object, body)
         model = self._model(given.get("model") or given.get("name"))
-        arch = model.info.architecture
-        capabilities = ["completion"] + (["tools"] if model.has_chat_template else []) + (
-            ["embedding"] if model.embeddings else [])
+        template = await asyncio.to_thread(_template, model)
+        options = ollama.parameters([
+            ("num_ctx", model.options.context // max(model.options.parallel, 1)),
+            *model.request.defaults, *model.request.fixed])
         return JSONResponse({
-            "modelfile": "", "parameters": "", "template": "", "details": _details(model),
-            "model_info": {"general.architecture": arch,
-                           "general.parameter_count": model.info.parameters,
-                           f"{arch}.context_length": model.info.context_length},
-            "capabilities": capabilities, "modified_at": _time(model.modified)})
+            "modelfile": ollama.modelfile(ollama.tagged(model.id), str(model.path), template,
+                                          options),
+            "parameters": ollama.parameters_text(options), "template": template,
+            "details": _details(model), "model_info": _model_info(model),
+            "capabilities": _capabilities(model),
+            "modified_at": _time(model.modified)})
 
     async def not_served(self, request: Request) -> Response:
         raise NotServed(ollama.not_served(request.url.path.rsplit("/", 1)[-1]))
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+"""The most of a configured ``.jinja`` template ``/api/show`` reads."""
+
+
+def _template(model: CatalogModel) -> str:
+    """The chat template the model is served with: the configured one (a ``.jinja`` file's
+    text, or the name of one llama.cpp knows), else its GGUF's; "" for none."""
+    configured = model.chat_template
+    if configured is None:
+        return model.info.chat_template or ""
+    if not configured.endswith(".jinja"):
+        return configured
+    try:
+        with open(configured, "rb") as f:
+            return f.read(MAX_TEMPLATE_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return configured
+
+
+def _model_info(model: CatalogModel) -> dict[str, Any]:
+    """Ollama's ``model_info``: the GGUF metadata keys the catalog read (``general.*`` and
+    ``{architecture}.*``), those the file has."""
+    info, arch = model.info, model.info.architecture
+    keys: dict[str, Any] = {
+        "general.architecture": arch, "general.name": info.name,
+        "general.file_type": info.file_type, "general.parameter_count": info.parameters,
+        f"{arch}.context_length": info.context_length, f"{arch}.block_count": info.block_count,
+        f"{arch}.embedding_length": info.embedding_length,
+        f"{arch}.feed_forward_length": info.feed_forward_length,
+        f"{arch}.attention.head_count": info.head_count,
+        f"{arch}.attention.head_count_kv": info.head_count_kv,
+        f"{arch}.attention.key_length": info.key_length,
+        f"{arch}.attention.value_length": info.value_length,
+        f"{arch}.attention.sliding_window": info.sliding_window,
+        f"{arch}.vocab_size": info.vocab_size}
+    return {k: v for k, v in keys.items() if v is not None}
+
+
+def _capabilities(model: CatalogModel) -> list[str]:
+    """Ollama's capabilities: ``completion`` (not for an embedding model), ``tools`` for a
+    chat model (tools are served on every chat route), ``embedding`` where it serves
+    them."""
+    found = [] if model.kind == "embedding" else ["completion"]
+    if model.has_chat_template:
+        found.append("tools")
+    return found + (["embedding"] if model.embeddings else [])
 
 
 def _timing(request: Request) -> ollama.Timing:
