@@ -67,7 +67,8 @@ def test_completion_text_is_joined() -> None:
         {**TOP, "choices": [], "usage": {"completion_tokens": 2}},
     ))
     out = assemble_completion(events)
-    assert out["object"] == "text_completion" and out["usage"] == {"completion_tokens": 2}
+    assert out["object"] == "text_completion" and out["id"] == "cmpl-1"  # OpenAI's prefix
+    assert out["usage"] == {"prompt_tokens": 0, "completion_tokens": 2, "total_tokens": 2}
     assert out["choices"] == [{"index": 0, "text": " Paris", "logprobs": None,
                                "finish_reason": "length"}]
 

@@ -104,4 +104,5 @@ def test_several_infill_answers_are_one_completion_with_a_choice_each() -> None:
     out = infill.Completions("m").convert(answers)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]] == [
         (0, "a", "stop"), (1, "b", "length")]
-    assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+    # one prompt: each answer counts it, the answer once (OpenAI's n)
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}

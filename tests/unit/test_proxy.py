@@ -219,7 +219,6 @@ def _never_disconnects() -> Request:
 
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/embeddings", {"input": ["a", "b"]}),  # one piece from the engine
-    ("/v1/chat/completions", {"messages": [], "n": 2}),  # several choices
 ])
 def test_a_plain_answer_the_engine_sends_whole_is_relayed_as_it_arrives(
         path: str, body: dict[str, object]) -> None:

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from bunkhouse.api.fields import need
+from bunkhouse.api.usage import Tally
 
 _NOT_WITH_SUFFIX = ("echo", "logprobs", "best_of")
 
@@ -57,10 +58,11 @@ def as_completion(event: dict[str, Any], model: str, completion_id: str,
     if event.get("stop"):
         prompt = int(event.get("tokens_evaluated") or 0)
         completion = int(event.get("tokens_predicted") or 0)
+        timings = event.get("timings")
         out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
                         "total_tokens": prompt + completion}
-        if isinstance(event.get("timings"), dict):
-            out["timings"] = event["timings"]
+        if isinstance(timings, dict):
+            out["timings"] = timings
     return out
 
 
@@ -81,7 +83,10 @@ class Completions:
                    for i, e in enumerate(event) if isinstance(e, dict)]
         out = answers[0] if answers else as_completion({}, self.model, self.id, self.created)
         out["choices"] = [a["choices"][0] for a in answers]
-        usages = [a["usage"] for a in answers if "usage" in a]
-        if usages:
-            out["usage"] = {key: sum(u[key] for u in usages) for key in usages[0]}
+        tally = Tally(len(answers))  # one prompt, each answer counts it
+        for answer in answers:
+            tally.add(answer.get("usage"))
+        usage = tally.total()
+        if usage is not None:
+            out["usage"] = usage
         return out

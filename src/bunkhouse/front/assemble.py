@@ -14,8 +14,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from bunkhouse.api.usage import Tally, completion_id
+
 _TOP_FIELDS = ("id", "created", "model", "system_fingerprint")
-_FOLDED = frozenset({*_TOP_FIELDS, "object", "choices"})
+_FOLDED = frozenset({*_TOP_FIELDS, "object", "choices", "usage"})
 
 
 class StreamError(Exception):
@@ -42,17 +44,24 @@ class LineSplitter:
 
     def feed(self, chunk: bytes) -> list[str]:
         """The lines ``chunk`` completes; a trailing CR waits for a possible LF."""
+        return [p.decode("utf-8", errors="replace") for p in self.feed_raw(chunk)]
+
+    def feed_raw(self, chunk: bytes) -> list[bytes]:
+        """As :meth:`feed`, the lines' bytes undecoded."""
         parts = _LINE_END.split(self._rest + chunk)
         self._rest = parts.pop()
         if self._rest == b"" and chunk.endswith(b"\r"):  # CR now, maybe LF next
             last = parts.pop()
             self._rest = last + b"\r"
-        return [p.decode("utf-8", errors="replace") for p in parts]
+        return parts
 
     def close(self) -> list[str]:
+        return [line.decode("utf-8", errors="replace") for line in self.close_raw()]
+
+    def close_raw(self) -> list[bytes]:
+        """The last line, if the stream did not end it (its bytes)."""
         rest, self._rest = self._rest, b""
-        return [line.decode("utf-8", errors="replace")
-                for line in _LINE_END.split(rest)] if rest else []
+        return _LINE_END.split(rest) if rest else []
 
 
 def sse_lines(data: bytes) -> list[str]:
@@ -94,20 +103,24 @@ def sse_events(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 class Assembly:
     """Folds a stream's events, one at a time, into one plain answer: what it holds grows
-    with the answer, never with the stream's bytes."""
+    with the answer, never with the stream's bytes. ``n``: the request's choices per prompt;
+    the usage of every choice and prompt is added up (api/usage.py)."""
 
     object = ""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = 1) -> None:
         self._top: dict[str, Any] = {"object": self.object}
+        self._usage = Tally(n)
 
     def add(self, event: dict[str, Any]) -> None:
         for key in _TOP_FIELDS:
             if key in event and key not in self._top:
                 self._top[key] = event[key]
-        for key, value in event.items():  # usage, and an engine's own (its figures): the last
+        for key, value in event.items():  # an engine's own (its figures): the last
             if key not in _FOLDED:
                 self._top[key] = value
+        if "usage" in event:
+            self._usage.add(event["usage"])
         for ch in event.get("choices") or []:
             if isinstance(ch, dict):
                 self._choice(ch)
@@ -117,6 +130,11 @@ class Assembly:
 
     def result(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def _whole(self) -> dict[str, Any]:
+        """The answer's fields but its choices: its usage (if any was reported) added up."""
+        usage = self._usage.total()
+        return self._top if usage is None else {**self._top, "usage": usage}
 
 
 def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
@@ -136,8 +154,8 @@ class ChatAssembly(Assembly):
 
     object = "chat.completion"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, n: int = 1) -> None:
+        super().__init__(n)
         self._choices: dict[int, dict[str, Any]] = {}
 
     def _choice(self, ch: dict[str, Any]) -> None:
@@ -156,7 +174,7 @@ class ChatAssembly(Assembly):
             c["finish_reason"] = ch["finish_reason"]
 
     def result(self) -> dict[str, Any]:
-        return {**self._top,
+        return {**self._whole(),
                 "choices": [_chat_choice(i, c) for i, c in sorted(self._choices.items())]}
 
 
@@ -175,12 +193,12 @@ def _chat_choice(index: int, c: dict[str, Any]) -> dict[str, Any]:
 
 
 class CompletionAssembly(Assembly):
-    """One ``text_completion`` from streamed completion events."""
+    """One ``text_completion`` from streamed completion events (its id ``cmpl-``)."""
 
     object = "text_completion"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, n: int = 1) -> None:
+        super().__init__(n)
         self._texts: dict[int, list[str]] = {}
         self._logprobs: dict[int, list[Any]] = {}
         self._finish: dict[int, str | None] = {}
@@ -195,7 +213,10 @@ class CompletionAssembly(Assembly):
 
     def result(self) -> dict[str, Any]:
         lp = self._logprobs
-        return {**self._top, "choices": [
+        top = self._whole()
+        if "id" in top:
+            top = {**top, "id": completion_id(top["id"])}
+        return {**top, "choices": [
             {"index": i, "text": "".join(t),
              "logprobs": {"content": lp[i]} if i in lp else None,
              "finish_reason": self._finish.get(i)} for i, t in sorted(self._texts.items())]}

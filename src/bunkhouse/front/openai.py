@@ -4,6 +4,7 @@ here and served by the one pipeline (front/pipeline.py)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,9 +46,10 @@ class OpenAIRoutes:
             parsed, data, skipped = await bodies.cpu(len(body), parse, body)
             note_skipped_tools(request, skipped)
             if route == "/v1/completions" and data.get("suffix"):  # fill-in-the-middle
+                shape = functools.partial(InfillShape, request=data)
                 return await pipeline.generate(request, "/infill", InfillRequest, parsed,
                                                infill.from_completion(data), len(body),
-                                               InfillShape)
+                                               shape)
             return await pipeline.generate(request, route, schema, parsed, data, len(body))
 
         return handler

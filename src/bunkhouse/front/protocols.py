@@ -13,6 +13,7 @@ from typing import Any
 from bunkhouse.api import anthropic, infill, ollama, responses
 from bunkhouse.api.fields import renamed
 from bunkhouse.api.tool_calls import ToolCallReader
+from bunkhouse.api.usage import COMPLETIONS, StreamUsage
 from bunkhouse.errors import BunkhouseError, error_body
 from bunkhouse.front.proxy import Shape, StreamShaper
 
@@ -323,13 +324,21 @@ class OllamaEmbedShape(_OllamaErrors):
 
 
 class _CompletionEvents(_Once):
-    """OpenAI completion objects as SSE ``data:`` events, ``[DONE]`` last."""
+    """OpenAI completion objects as SSE ``data:`` events, ``[DONE]`` last; usage as
+    ``usage`` rules (api/usage.py: only when asked, in a last chunk of its own)."""
+
+    def __init__(self, usage: StreamUsage) -> None:
+        super().__init__()
+        self._usage = usage
 
     def feed(self, event: dict[str, Any]) -> bytes:
-        return b"data: " + json.dumps(event).encode() + b"\n\n"
+        shown = self._usage.event(event)
+        return b"" if shown is None else b"data: " + json.dumps(shown).encode() + b"\n\n"
 
     def _closing(self) -> bytes:
-        return b"data: [DONE]\n\n"
+        chunk = self._usage.closing()
+        usage = b"" if chunk is None else b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        return usage + b"data: [DONE]\n\n"
 
     def error(self, body: dict[str, Any]) -> bytes:
         self._ended = True
@@ -365,11 +374,14 @@ class _Converted:
 
 class InfillShape:
     """llama.cpp's ``/infill`` answer as OpenAI completion objects for ``model``, or, given
-    ``then`` (a shape of completions: Ollama's), in that protocol."""
+    ``then`` (a shape of completions: Ollama's), in that protocol. ``request``: the OpenAI
+    completion request it answers (its ``stream_options`` and ``n`` rule a stream's usage)."""
 
-    def __init__(self, model: str, then: Shape | None = None) -> None:
+    def __init__(self, model: str, then: Shape | None = None,
+                 request: dict[str, Any] | None = None) -> None:
         self._convert = infill.Completions(model).convert
         self._then = then
+        self._request = request or {}
         self.media_type = then.media_type if then is not None else "text/event-stream"
 
     def answer(self, result: dict[str, Any]) -> dict[str, Any]:
@@ -381,4 +393,4 @@ class InfillShape:
 
     def stream(self) -> StreamShaper:
         return _Converted(self._convert, self._then.stream() if self._then is not None
-                          else _CompletionEvents())
+                          else _CompletionEvents(StreamUsage(COMPLETIONS, self._request)))

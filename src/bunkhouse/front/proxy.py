@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from bunkhouse.api.usage import StreamUsage, choices_per_prompt
 from bunkhouse.engines.contract import EngineClient, Timings
 from bunkhouse.errors import BunkhouseError, EngineUnavailable, error_body
 from bunkhouse.front.assemble import (
@@ -126,7 +127,7 @@ def _unreadable(model_id: str, error: Exception) -> BunkhouseError:
                              detail=repr(error))
 
 
-_ASSEMBLERS: dict[str, Callable[[], Assembly]] = {
+_ASSEMBLERS: dict[str, Callable[[int], Assembly]] = {
     "/v1/chat/completions": ChatAssembly,
     "/v1/completions": CompletionAssembly,
 }
@@ -159,12 +160,15 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
     its error event, not a status. ``prompt_tokens``: the prompt's count, counted before
     (a stream's shaper that shows it first is told).
     """
-    assembler = None
+    assembler, usage = None, None
     if isinstance(body, dict):
         data = body
-        assembler = _ASSEMBLERS.get(path) if not stream and _single(data) else None
-        if assembler is not None:
+        fold = _ASSEMBLERS.get(path) if not stream else None
+        if fold is not None:
+            assembler = functools.partial(fold, choices_per_prompt(data))
             body = {**data, "stream": True, "stream_options": {"include_usage": True}}
+        if stream and shape is None and path in _ASSEMBLERS and StreamUsage.needed(path, data):
+            usage = StreamUsage(path, data)
     send: Upstream = functools.partial(_send, engine, path, body, slot)
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)
@@ -172,7 +176,7 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
         if shaper is not None and prompt_tokens is not None:
             shaper.prompt(prompt_tokens)
         return await _forward_stream(engine, send, path, model_id, on_done, broken, on_timings,
-                                     shape, shaper, started is not None)
+                                     shape, shaper, started is not None, usage)
     return await _forward_once(engine, send, path, request, model_id, assembler, on_done,
                                on_timings, shape)
 
@@ -191,9 +195,11 @@ async def _forward_stream(engine: EngineClient, send: Upstream, path: str, model
                           on_done: Callable[[], None],
                           on_broken: Callable[[Exception], BunkhouseError],
                           on_timings: OnTimings | None, shape: Shape | None,
-                          shaper: StreamShaper | None, started: bool) -> Response:
+                          shaper: StreamShaper | None, started: bool,
+                          usage: StreamUsage | None = None) -> Response:
     """``shaper``: the stream's, if in another protocol; ``started``: its first bytes were
-    sent already (an error is its error event then)."""
+    sent already (an error is its error event then); ``usage``: the OpenAI stream's lines
+    rewritten to its usage rule (api/usage.py), else relayed as bytes."""
     resp = await send()
     if resp.status_code >= 400:
         try:
@@ -206,7 +212,7 @@ async def _forward_stream(engine: EngineClient, send: Upstream, path: str, model
             await resp.aclose()
             on_done()
     return _Relay(resp, engine, path, model_id, on_done, on_broken, on_timings,
-                  shaper, shape.media_type if shape else None)
+                  shaper, shape.media_type if shape else None, usage)
 
 
 async def _raw(resp: httpx.Response) -> AsyncIterator[bytes]:
@@ -247,16 +253,19 @@ class _Relay(StreamingResponse):
                  on_done: Callable[[], None],
                  on_broken: Callable[[Exception], BunkhouseError] | None,
                  on_timings: OnTimings | None = None,
-                 shaper: StreamShaper | None = None, media_type: str | None = None) -> None:
+                 shaper: StreamShaper | None = None, media_type: str | None = None,
+                 usage: StreamUsage | None = None) -> None:
         """``on_broken`` None: a plain answer, relayed with its length, so that a client
         sees a break as a short body rather than as an event. ``shaper``: the events are
-        sent in another protocol."""
+        sent in another protocol. ``usage``: the lines are rewritten by it."""
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
         length = upstream.headers.get("content-length")
         if on_broken is None and length is not None:
             headers["content-length"] = length
-        body = (_relay(upstream, engine, model_id, on_broken, on_timings) if shaper is None
-                else _shaped(upstream, engine, path, model_id, on_broken, on_timings, shaper))
+        body = (_shaped(upstream, engine, path, model_id, on_broken, on_timings, shaper)
+                if shaper is not None else
+                _relay(upstream, engine, model_id, on_broken, on_timings) if usage is None
+                else _rewritten(upstream, engine, model_id, on_broken, on_timings, usage))
         super().__init__(
             body,
             status_code=upstream.status_code,
@@ -295,6 +304,42 @@ async def _relay(resp: httpx.Response, engine: EngineClient, model_id: str,
         if on_broken is not None:
             err = on_broken(e)
             yield b"event: error\ndata: " + json.dumps(error_body(err)).encode() + b"\n\n"
+    finally:
+        await resp.aclose()
+
+
+async def _rewritten(resp: httpx.Response, engine: EngineClient, model_id: str,
+                     on_broken: Callable[[Exception], BunkhouseError] | None,
+                     on_timings: OnTimings | None,
+                     usage: StreamUsage) -> AsyncIterator[bytes]:
+    """The stream's lines as ``usage`` rewrites them (only those carrying usage are parsed),
+    each chunk's lines sent as they arrive."""
+    lines = LineSplitter()
+
+    def rewrite(raw: list[bytes]) -> bytes:
+        out = []
+        for line in raw:
+            if on_timings is not None and b'"timings"' in line:
+                timings = engine.timings_line(line.decode("utf-8", errors="replace"))
+                if timings is not None:
+                    on_timings(timings)
+            shown = usage.line(line)
+            if shown is not None:
+                out.append(shown + b"\n")
+        return b"".join(out)
+
+    try:
+        async for chunk in _raw(resp):
+            out = rewrite(lines.feed_raw(chunk))
+            if out:
+                yield out
+        out = rewrite(lines.close_raw())
+        if out:
+            yield out
+    except httpx.TransportError as e:
+        log.warning("model %s: answer from worker broke: %r", model_id, e)
+        if on_broken is not None:
+            yield b"event: error\ndata: " + json.dumps(error_body(on_broken(e))).encode() + b"\n\n"
     finally:
         await resp.aclose()
 
@@ -355,14 +400,8 @@ def _stream_status(body: dict[str, Any]) -> int:
     return code if numeric and isinstance(code, int) else 500
 
 
-def _single(data: dict[str, Any]) -> bool:
-    """One answer expected: no ``n`` > 1, no list of several prompts (those pass through)."""
-    prompt = data.get("prompt")
-    several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-    return data.get("n", 1) == 1 and not several
-
-
 Assembler = Callable[[], Assembly]
+"""A fresh fold of one plain answer (front/assemble.py)."""
 
 
 async def _forward_once(engine: EngineClient, send: Upstream, path: str, request: Request,
