@@ -69,7 +69,7 @@ class _Request(BaseModel):
     model: Annotated[StrictStr, Field(max_length=256)] | None = None  # ids: at most 128
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)  # OpenAI: >= 1 (0 made 1)
     temperature: Number(0, 2) | None = None  # type: ignore[valid-type]
     top_p: Number(0, 1) | None = None  # type: ignore[valid-type]
     n: StrictInt | None = Field(default=None, ge=1, le=128)
@@ -153,7 +153,7 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
