@@ -207,3 +207,6 @@ def test_bounds_are_the_engines_and_every_refusal_names_its_field(
     bound = httpx.post(server.url + "/api/chat", timeout=300, json={
         "model": QWEN, "messages": user, "stream": False, "options": {"seed": 1 << 64}})
     assert "from -9223372036854775808 to 9223372036854775807" in bound.json()["error"]
+    schema = httpx.post(server.url + "/api/chat", timeout=300, json={
+        "model": QWEN, "messages": user, "stream": False, "format": huge})
+    assert schema.json()["error"].startswith("format: a JSON schema's minimum"), schema.text

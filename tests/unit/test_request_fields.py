@@ -192,3 +192,8 @@ def test_a_refusal_names_the_field_as_the_callers_protocol_does() -> None:
                              param="tools.0.function.parameters")
         rename_error(err, rules)
         assert (err.param, err.message) == (renamed, f"{renamed} would take the engine too long")
+    for param, renamed in (("response_format", "format"), ("top_k", "options.top_k"),
+                           ("max_tokens", "options.num_predict")):
+        err = InvalidRequest(f"{param}: wrong", param=param)
+        rename_error(err, ollama.CHAT_FIELDS)
+        assert (err.param, err.message) == (renamed, f"{renamed}: wrong")

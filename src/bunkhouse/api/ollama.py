@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bunkhouse.api.fields import Paths, function_tool, need, shown
+from bunkhouse.api.fields import Paths, Renames, function_tool, need, shown
 from bunkhouse.api.schemas import INT32_MAX
 
 _OPTIONS = {"temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int, 0, INT32_MAX),
@@ -34,6 +34,14 @@ _OPTIONS = {"temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int,
             "presence_penalty": (float, -2, 2), "frequency_penalty": (float, -2, 2),
             "min_p": (float, 0, 1)}
 """Ollama options passed on under the same name: (type, lowest, highest)."""
+
+CHAT_FIELDS: Renames = (
+    (r"^response_format.*", "format"),
+    (r"^max_tokens$", "options.num_predict"),
+    (r"^(temperature|top_p|top_k|min_p|seed|stop|repeat_penalty|presence_penalty"
+     r"|frequency_penalty)$", r"options.\1"),
+)
+"""The chat completion fields a refusal may name, as this API names them (api/fields.py)."""
 
 FREE_FORM: Paths = (("tools", "*", "function", "parameters"), ("format",),
                     ("messages", "*", "tool_calls", "*", "function", "arguments"))
