@@ -112,7 +112,11 @@ def test_extension_bounds_are_the_engines_own() -> None:
         with pytest.raises(InvalidRequest, match=re.escape(message[name])) as info:
             check_extensions({name: value})
         assert info.value.param == name
-    check_extensions({"repeat_last_n": 0, "dry_penalty_last_n": 0, "n_predict": 1, "top_k": 0})
+    for wrong in (1.5, "5", True):  # the same message as for a value out of range
+        with pytest.raises(InvalidRequest, match=re.escape(message["top_k"])):
+            check_extensions({"top_k": wrong})
+    check_extensions({"repeat_last_n": 0, "dry_penalty_last_n": 0, "n_predict": 1, "top_k": 0,
+                      "min_p": 1 << 40})
     for lora in ([{"id": 1 << 64, "scale": 1}], [{"id": 0, "scale": 1}], "x"):
         with pytest.raises(InvalidRequest) as info:
             LlamaCpp().check_request("/v1/chat/completions", {"lora": lora})

@@ -197,3 +197,19 @@ def test_a_refusal_names_the_field_as_the_callers_protocol_does() -> None:
         err = InvalidRequest(f"{param}: wrong", param=param)
         rename_error(err, ollama.CHAT_FIELDS)
         assert (err.param, err.message) == (renamed, f"{renamed}: wrong")
+
+
+def test_an_openai_integer_field_has_one_message_whatever_is_wrong() -> None:
+    """``max_tokens: 0`` and ``max_tokens: 1.5`` (and ``n``, ``seed``, ...) are told the same
+    thing: the field's range, not pydantic's words for each way to miss it."""
+    user = [{"role": "user", "content": "x"}]
+    for field, values, says in (("max_tokens", (0, 1.5, "9"), "from 1"),
+                                ("n", (0, 129, True), "from 1 to 128"),
+                                ("top_logprobs", (-1, 21, 2.0), "from 0 to 20")):
+        messages = set()
+        for value in values:
+            with pytest.raises(InvalidRequest) as info:
+                validate(ChatCompletionRequest, {"messages": user, field: value})
+            assert info.value.param == field
+            messages.add(info.value.message)
+        assert messages == {f"{field}: must be an integer {says}"}

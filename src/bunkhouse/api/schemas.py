@@ -10,6 +10,7 @@ import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
+import annotated_types
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -375,12 +376,28 @@ def validate(schema: type[T], data: dict[str, Any]) -> T:
         param = _param(data, first["loc"], missing=first["type"] == "missing")
         message = first["msg"]
         key = "content" if param and param.endswith(".content") else param
+        bounded = _integer_bounds(schema, key) if len(first["loc"]) == 1 else None
         if key in _UNION_MESSAGES and first["type"] != "missing":
             message = _UNION_MESSAGES[key]
+        elif bounded and first["type"] != "missing":
+            message = bounded  # one message whatever is wrong with the integer
         elif first["type"] == "value_error":
             message = str(first["ctx"]["error"]) if "ctx" in first else message
         message = message[:300]
         raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from e
+
+
+def _integer_bounds(schema: type[BaseModel], key: str | None) -> str | None:
+    """What the top-level integer field ``key`` of ``schema`` must be (``must be an integer
+    from 1 to 128``), from its bounds; None for another field."""
+    field = schema.model_fields.get(key or "")
+    if field is None or "int" not in str(field.annotation):
+        return None
+    lo = next((m.ge for m in field.metadata if isinstance(m, annotated_types.Ge)), None)
+    hi = next((m.le for m in field.metadata if isinstance(m, annotated_types.Le)), None)
+    if lo is None:
+        return None
+    return f"must be an integer from {lo}" + (f" to {hi}" if hi is not None else "")
 
 
 def _param(data: Any, loc: tuple[int | str, ...], *, missing: bool) -> str | None:

@@ -131,11 +131,11 @@ def check_extensions(body: dict[str, Any]) -> None:
         if value is None:
             continue
         wrong = isinstance(value, bool) and bool not in types
-        if wrong or not isinstance(value, types):
+        if types == (int,):  # one message whatever is wrong (a float, past either end)
+            check_integer(name, -(1 << 64) if wrong or not isinstance(value, int) else value)
+        elif wrong or not isinstance(value, types):
             kinds = " or ".join(_JSON_NAMES[t] for t in types)
             raise InvalidRequest(f"{name} must be {kinds}", param=name)
-        if isinstance(value, int):
-            check_integer(name, value)
         choices = EXTENSION_CHOICES.get(name)
         if choices is not None and value not in choices:
             raise InvalidRequest(f"{name} must be one of {', '.join(sorted(choices))}",
