@@ -57,19 +57,24 @@ class AnthropicRoutes:
         bodies = self.pipeline.bodies
         body = await bodies.read(request)
 
-        def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
-            given = parse_json_object(raw)
-            data = anthropic.to_chat({**given, "max_tokens": 1, "stream": False})
-            return validate(ChatCompletionRequest, data), data
+        def parse(raw: bytes) -> dict[str, Any]:
+            return anthropic.to_chat({**parse_json_object(raw), "max_tokens": 1,
+                                      "stream": False})
 
-        parsed, data = await bodies.cpu(len(body), parse, body)
-        check_tool_choice(data)
-        model = self.pipeline.catalog.get(parsed.model)
-        data = await bodies.cpu(len(body), prepare, CHAT, ChatCompletionRequest, model, data)
-        # counted even past one slot (agents count to decide when to compact), but not past
-        # what the model was trained for: megabytes of text took the worker gigabytes
-        await refuse_before_load(model, CHAT, data, functools.partial(model_pair_table, model),
-                                 cap=True, limit=trained_limit(model))
+        data = await bodies.cpu(len(body), parse, body)
+        try:  # refused as a chat request: the field named as this API names it
+            parsed = await bodies.cpu(len(body), validate, ChatCompletionRequest, data)
+            check_tool_choice(data)
+            model = self.pipeline.catalog.get(parsed.model)
+            data = await bodies.cpu(len(body), prepare, CHAT, ChatCompletionRequest, model, data)
+            # counted even past one slot (agents count to decide when to compact), but not
+            # past what the model was trained for: megabytes of text took the worker gigabytes
+            await refuse_before_load(model, CHAT, data,
+                                     functools.partial(model_pair_table, model), cap=True,
+                                     limit=trained_limit(model))
+        except BunkhouseError as e:
+            rename_error(e, anthropic.CHAT_FIELDS)
+            raise
         async with self.pipeline.worker(model) as engine:
             tokens = await engine.tokenize(data)
         return JSONResponse({"input_tokens": len(tokens)})
