@@ -138,14 +138,17 @@ class RequestParams:
 
 
 REQUEST_PARAMS: dict[str, tuple[type, float, float]] = {
-    "temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int, 0, 1 << 20),
-    "min_p": (float, 0, 1), "typical_p": (float, 0, 1), "seed": (int, -(1 << 63), 1 << 63),
-    "repeat_penalty": (float, 0, 10), "repeat_last_n": (int, -1, 1 << 20),
+    "temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int, 0, (1 << 31) - 1),
+    "min_p": (float, 0, 1), "typical_p": (float, 0, 1),
+    "seed": (int, -(1 << 63), (1 << 63) - 1),
+    "repeat_penalty": (float, 0, 10), "repeat_last_n": (int, 0, (1 << 31) - 1),
     "presence_penalty": (float, -2, 2), "frequency_penalty": (float, -2, 2),
     "max_tokens": (int, 1, 1 << 24), "stop": (list, 0, 4),
 }
 """Fields a model's params may set: (type, lowest, highest; for ``stop``, how many strings),
-as the request schema bounds them (OpenAI's ranges; llama.cpp's for its own fields)."""
+as a request's fields are bounded (OpenAI's ranges; the engine's for its own fields:
+engines/llamacpp.EXTENSION_BOUNDS), so a config value no request could send is refused
+when the config is read, naming its key."""
 
 
 def param_error(name: str, value: object) -> str | None:

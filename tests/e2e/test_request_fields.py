@@ -169,3 +169,53 @@ def test_integers_the_engine_cannot_hold(server: Server, oai: openai.OpenAI,
     with pytest.raises(anthropic.BadRequestError, match="top_k"):
         claude.messages.create(model=QWEN, max_tokens=2, extra_body={"top_k": 1 << 32},
                                messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_bounds_are_the_engines_and_every_refusal_names_its_field(
+        server: Server, oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    """The engine's own ranges are the front's (``repeat_last_n: -1`` was the engine's 400,
+    after the front's wrong bound); ``lora`` with no adapters, a Responses integer, a token
+    limit of 0 and a schema's huge bounds are refused at the edge, each naming its field as
+    the caller's protocol spells it."""
+    user = [{"role": "user", "content": "x"}]
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    costly = {"type": "object", "properties": {"a": {"type": "array", "maxItems": 1000}}}
+    huge = {"type": "integer", "minimum": -(1 << 64), "maximum": 1 << 64}
+    refused = [
+        (chat, {"messages": user, "repeat_last_n": -1}, "repeat_last_n", "from 0 to"),
+        (chat, {"messages": user, "repeat_last_n": -2}, "repeat_last_n", "from 0 to"),
+        (completions, {"prompt": "x", "dry_penalty_last_n": -2}, "dry_penalty_last_n", "0"),
+        (chat, {"messages": user, "lora": [{"id": 1 << 64, "scale": 1}]}, "lora", "LoRA"),
+        (chat, {"messages": user, "max_tokens": 0}, "max_tokens", "1"),
+        (completions, {"prompt": "hi", "max_tokens": 0}, "max_tokens", "1"),
+        (completions, {"prompt": "hi", "n_predict": 0}, "n_predict", "-1"),
+        (chat, {"messages": user, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "n", "schema": huge}}}, "response_format", "response_format"),
+        ("/v1/responses", {"input": "x", "top_logprobs": 1 << 64}, "top_logprobs", "20"),
+        ("/v1/responses", {"input": "x", "max_tool_calls": -1}, "max_tool_calls", "0"),
+        ("/v1/responses", {"input": "x", "seed": 1 << 64}, "seed", "9223372036854775807"),
+        ("/v1/responses", {"input": "x", "tool_choice": "required", "tools": [
+            {"type": "function", "name": "f", "parameters": costly}]},
+         "tools.0.parameters", "tools.0.parameters would take")]
+    for route, body, param, says in refused:
+        answer = httpx.post(server.url + route, json={"model": QWEN, **body}, timeout=300)
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == param, answer.text
+        assert says in error["message"], answer.text
+    for extra, says in (({"top_k": -1}, "top_k must be an integer from 0 to 2147483647"),
+                        ({"top_k": 1 << 64}, "top_k must be an integer from 0 to 2147483647"),
+                        ({"tools": [{"name": "f", "input_schema": costly}],
+                          "tool_choice": {"type": "any"}}, "tools.0.input_schema would take")):
+        with pytest.raises(anthropic.BadRequestError, match=says):
+            claude.messages.create(model=QWEN, max_tokens=2, extra_body=extra, messages=user)
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        claude.messages.create(model=QWEN, max_tokens=0, messages=user)
+    with pytest.raises(anthropic.BadRequestError, match="tools.0.input_schema would take"):
+        claude.messages.count_tokens(model=QWEN, messages=user,
+                                     tools=[{"name": "f", "input_schema": costly}])
+    bound = httpx.post(server.url + "/api/chat", timeout=300, json={
+        "model": QWEN, "messages": user, "stream": False, "options": {"seed": 1 << 64}})
+    assert "from -9223372036854775808 to 9223372036854775807" in bound.json()["error"]
+    schema = httpx.post(server.url + "/api/chat", timeout=300, json={
+        "model": QWEN, "messages": user, "stream": False, "format": huge})
+    assert schema.json()["error"].startswith("format: a JSON schema's minimum"), schema.text

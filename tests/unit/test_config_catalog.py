@@ -156,7 +156,13 @@ def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {temperature = nan}\n",
          "params.temperature: must be a number from 0.0 to 2.0"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nfixed_params = {repeat_last_n = -100}\n",
-         "fixed_params.repeat_last_n: must be an integer from -1"),
+         "fixed_params.repeat_last_n: must be an integer from 0"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {repeat_last_n = -1}\n",
+         "params.repeat_last_n: must be an integer from 0 to 2147483647"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {top_k = 2147483648}\n",
+         "params.top_k: must be an integer from 0 to 2147483647"),
+        ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {max_tokens = 0}\n",
+         "params.max_tokens: must be an integer from 1"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {max_tokens = 3}\n"
          "strip_params = ['max_tokens']\n", "max_tokens both set and stripped"),
         ("[[models]]\nid = 'x'\npath = 'x.gguf'\nparams = {stop = [1]}\n",
@@ -402,3 +408,15 @@ def test_a_config_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
     path = _config(tmp_path, "x = " + "[" * 2000 + "]" * 2000 + "\n")
     with pytest.raises(ConfigError, match="nests too deeply"):
         load_config_file(path, _settings())
+
+
+def test_config_params_are_bounded_as_the_same_request_fields() -> None:
+    """A model's ``params`` value that no request could send is refused when the config is
+    read: each integer field's range is the engine's (or the protocol's) for that field."""
+    from bunkhouse.config import REQUEST_PARAMS
+    from bunkhouse.engines.llamacpp import EXTENSION_BOUNDS
+
+    for name, (_, lo, hi) in REQUEST_PARAMS.items():
+        if name in EXTENSION_BOUNDS:
+            assert (lo, hi) == EXTENSION_BOUNDS[name], name
+    assert REQUEST_PARAMS["seed"][1:] == (-(1 << 63), (1 << 63) - 1)

@@ -4,6 +4,7 @@ and carried to its worker, and its slot sizes."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -81,11 +82,43 @@ def test_integers_past_the_engines_width_are_refused_by_name_and_seeds_fold() ->
 
     for name, value in (("n_predict", 1 << 31), ("n_predict", -2), ("top_k", 1 << 32),
                         ("n_keep", -(1 << 40)), ("id_slot", 1 << 31), ("mirostat", 3),
-                        ("repeat_last_n", 1 << 31), ("t_max_predict_ms", -1), ("n_cmpl", 0)):
+                        ("repeat_last_n", 1 << 31), ("t_max_predict_ms", -2), ("n_cmpl", 0)):
         with pytest.raises(InvalidRequest) as info:
             check_extensions({name: value})
         assert info.value.param == name
-    check_extensions({"n_predict": -1, "top_k": (1 << 31) - 1, "n_keep": -1, "id_slot": -1})
+    check_extensions({"n_predict": -1, "top_k": (1 << 31) - 1, "n_keep": -1, "id_slot": -1,
+                      "t_max_predict_ms": -1})
     assert fold_seed({"seed": (1 << 40) + 7}) == {"seed": 7}
     assert fold_seed({"seed": -1}) == {"seed": (1 << 32) - 1}
     assert fold_seed({"seed": 42}) == {"seed": 42} and fold_seed({}) == {}
+
+
+def test_extension_bounds_are_the_engines_own() -> None:
+    """The ranges the engine's request schema holds (tried against a worker), one message
+    per field: ``repeat_last_n`` and ``dry_penalty_last_n`` from 0 (the engine refuses -1),
+    ``n_predict`` -1 or from 1 (its 0 generates a token); a ``lora`` list is refused (no
+    adapters are loaded: the engine would ignore any id)."""
+    from bunkhouse.engines.llamacpp import LlamaCpp, check_extensions
+    from bunkhouse.errors import InvalidRequest
+
+    message = {"repeat_last_n": "repeat_last_n must be an integer from 0 to 2147483647",
+               "dry_penalty_last_n": "from 0 to", "dry_allowed_length": "from 0 to",
+               "n_predict": "n_predict must be -1 (until the slot is full) or from 1 to",
+               "top_k": "top_k must be an integer from 0 to 2147483647"}
+    for name, value in (("repeat_last_n", -1), ("repeat_last_n", -2), ("repeat_last_n", 1 << 31),
+                        ("dry_penalty_last_n", -2), ("dry_penalty_last_n", -1),
+                        ("dry_allowed_length", -1), ("n_predict", 0), ("n_predict", -2),
+                        ("top_k", -1), ("top_k", 1 << 64)):
+        with pytest.raises(InvalidRequest, match=re.escape(message[name])) as info:
+            check_extensions({name: value})
+        assert info.value.param == name
+    for wrong in (1.5, "5", True):  # the same message as for a value out of range
+        with pytest.raises(InvalidRequest, match=re.escape(message["top_k"])):
+            check_extensions({"top_k": wrong})
+    check_extensions({"repeat_last_n": 0, "dry_penalty_last_n": 0, "n_predict": 1, "top_k": 0,
+                      "min_p": 1 << 40})
+    for lora in ([{"id": 1 << 64, "scale": 1}], [{"id": 0, "scale": 1}], "x"):
+        with pytest.raises(InvalidRequest) as info:
+            LlamaCpp().check_request("/v1/chat/completions", {"lora": lora})
+        assert info.value.param == "lora"
+    assert LlamaCpp().check_request("/completion", {"lora": []}) == {"lora": []}

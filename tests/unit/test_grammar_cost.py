@@ -176,3 +176,21 @@ def test_an_object_with_too_many_optional_properties_is_refused(where: str) -> N
     check_request({"response_format": {"type": "json_schema", "json_schema": {"schema": {
         "type": "object", "properties": {f"o{j}": _object(MAX_OPTIONAL_PROPERTIES, 2000)
                                          for j in range(8)}}}}})
+
+
+def test_a_schema_bound_past_the_engines_integers_is_refused_naming_the_field() -> None:
+    """``minimum: -2**64`` made the engine fail with no field named: a number's bound past
+    64 bits, or a length or count past 32, is refused naming the field that holds it."""
+    huge = {"type": "integer", "minimum": -(1 << 64), "maximum": 1 << 64}
+    for body, param in (
+            ({"response_format": {"type": "json_schema", "json_schema": {"schema": huge}}},
+             "response_format"),
+            ({"json_schema": {"type": "string", "maxLength": 1 << 40}}, "json_schema"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"n": huge}}}}]},
+             "tools.0.function.parameters")):
+        with pytest.raises(InvalidRequest, match="the engine's integers") as info:
+            check_request(body)
+        assert info.value.param == param
+    check_request({"json_schema": {"type": "integer", "minimum": -(1 << 63),
+                                   "maximum": (1 << 63) - 1, "maxLength": (1 << 31) - 1}})

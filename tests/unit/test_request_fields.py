@@ -121,3 +121,95 @@ def test_openai_integers_past_what_engines_hold_are_refused_by_name() -> None:
         assert info.value.param == param
     assert validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                                             "seed": -(1 << 63)})
+
+
+def test_every_token_limit_is_at_least_one() -> None:
+    """``max_tokens: 0`` made the engine generate one token: every protocol's token limit
+    is refused below 1, naming its field (OpenAI's and Anthropic's own minimum); Ollama's
+    ``num_predict`` keeps its meanings (0, -1 and -2: until the context is full)."""
+    user = [{"role": "user", "content": "x"}]
+    for schema, body, param in (
+            (ChatCompletionRequest, {"messages": user, "max_tokens": 0}, "max_tokens"),
+            (ChatCompletionRequest, {"messages": user, "max_completion_tokens": 0},
+             "max_completion_tokens"),
+            (CompletionRequest, {"prompt": "hi", "max_tokens": 0}, "max_tokens")):
+        with pytest.raises(InvalidRequest) as info:
+            validate(schema, body)
+        assert info.value.param == param
+    for convert, body, param in (
+            (anthropic.to_chat, {"messages": user, "max_tokens": 0}, "max_tokens"),
+            (lambda b: responses.to_chat(b, [], []), {"input": "x", "max_output_tokens": 0},
+             "max_output_tokens")):
+        with pytest.raises(InvalidRequest) as info:
+            convert(body)
+        assert info.value.param == param
+    for predict in (0, -1, -2):
+        out = ollama.chat_request({"model": "m", "messages": user,
+                                   "options": {"num_predict": predict}})
+        assert "max_tokens" not in out
+
+
+def test_responses_integers_are_bounded_as_on_chat_completions() -> None:
+    """``top_logprobs`` (0 to 20), ``max_tool_calls`` (not negative) and ``seed`` (64 bits,
+    passed on) are checked, not dropped unread."""
+    for name, value in (("top_logprobs", 1 << 64), ("top_logprobs", 21),
+                        ("max_tool_calls", -1), ("seed", 1 << 64), ("seed", 1.5)):
+        with pytest.raises(InvalidRequest, match=f"{name} must be an integer from") as info:
+            responses.check_request({"input": "x", name: value})
+            responses.to_chat({"input": "x", name: value}, [], [])
+        assert info.value.param == name
+    body = {"input": "x", "top_logprobs": 20, "max_tool_calls": 0, "seed": -1}
+    assert responses.to_chat(body, responses.check_request(body), [])["seed"] == -1
+
+
+def test_one_message_per_field_and_integers_printed_whole() -> None:
+    """Anthropic's ``top_k`` says the same whatever is wrong with it; Ollama's bounds print
+    as integers, not ``-9.22337e+18``."""
+    user = [{"role": "user", "content": "x"}]
+    messages = set()
+    for top_k in (-1, 1 << 64, 1.5):
+        with pytest.raises(InvalidRequest) as info:
+            anthropic.to_chat({"messages": user, "max_tokens": 1, "top_k": top_k})
+        messages.add(info.value.message)
+    assert messages == {"top_k must be an integer from 0 to 2147483647"}
+    for name, value, says in (("seed", 1 << 64, "from -9223372036854775808 to "
+                                                "9223372036854775807"),
+                              ("top_k", 1 << 40, "from 0 to 2147483647"),
+                              ("temperature", 9, "from 0 to 2")):
+        with pytest.raises(InvalidRequest, match=says) as info:
+            ollama.chat_request({"model": "m", "messages": user, "options": {name: value}})
+        assert info.value.param == f"options.{name}"
+
+
+def test_a_refusal_names_the_field_as_the_callers_protocol_does() -> None:
+    """A chat completion field a refusal names (its param and its message) is renamed as
+    Anthropic's and the Responses API call it."""
+    from bunkhouse.api.fields import rename_error
+
+    for rules, renamed in ((anthropic.CHAT_FIELDS, "tools.0.input_schema"),
+                           (responses.CHAT_FIELDS, "tools.0.parameters")):
+        err = InvalidRequest("tools.0.function.parameters would take the engine too long",
+                             param="tools.0.function.parameters")
+        rename_error(err, rules)
+        assert (err.param, err.message) == (renamed, f"{renamed} would take the engine too long")
+    for param, renamed in (("response_format", "format"), ("top_k", "options.top_k"),
+                           ("max_tokens", "options.num_predict")):
+        err = InvalidRequest(f"{param}: wrong", param=param)
+        rename_error(err, ollama.CHAT_FIELDS)
+        assert (err.param, err.message) == (renamed, f"{renamed}: wrong")
+
+
+def test_an_openai_integer_field_has_one_message_whatever_is_wrong() -> None:
+    """``max_tokens: 0`` and ``max_tokens: 1.5`` (and ``n``, ``seed``, ...) are told the same
+    thing: the field's range, not pydantic's words for each way to miss it."""
+    user = [{"role": "user", "content": "x"}]
+    for field, values, says in (("max_tokens", (0, 1.5, "9"), "from 1"),
+                                ("n", (0, 129, True), "from 1 to 128"),
+                                ("top_logprobs", (-1, 21, 2.0), "from 0 to 20")):
+        messages = set()
+        for value in values:
+            with pytest.raises(InvalidRequest) as info:
+                validate(ChatCompletionRequest, {"messages": user, field: value})
+            assert info.value.param == field
+            messages.add(info.value.message)
+        assert messages == {f"{field}: must be an integer {says}"}

@@ -20,7 +20,17 @@ import re
 import uuid
 from typing import Any
 
-from bunkhouse.api.fields import Paths, need, omit_nulls, shown, stream_and_sampling, tools
+from bunkhouse.api.fields import (
+    Paths,
+    Renames,
+    integer,
+    need,
+    omit_nulls,
+    shown,
+    stream_and_sampling,
+    tools,
+)
+from bunkhouse.api.schemas import INT32_MAX
 from bunkhouse.errors import BunkhouseError, InvalidRequest
 
 MAX_MESSAGES = 10_000  # turns in one request
@@ -75,6 +85,14 @@ def error_object(kind: str, message: str) -> dict[str, Any]:
     """An error as Anthropic sends it: ``{"type": "error", "error": {"type", "message"}}``
     (Anthropic's "Errors" page); ``kind`` from :func:`error_type`."""
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+CHAT_FIELDS: Renames = (
+    (r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema"),
+    (r"^stop$", "stop_sequences"),
+    (r"^messages(\..*)?$", "messages"),  # a system prompt is chat's first message
+)
+"""The chat completion fields a refusal may name, as this API names them (api/fields.py)."""
 
 
 def error_envelope(err: BunkhouseError, detail: bool = False) -> dict[str, Any]:
@@ -236,10 +254,8 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         need(isinstance(model, str), "model must be a string", "model")
         out["model"] = model
     stream_and_sampling(body, out, temperature_max=1)  # Anthropic's range
-    top_k = body.get("top_k")
+    top_k = integer(body, "top_k", 0, INT32_MAX)  # as every protocol bounds it
     if top_k is not None:
-        need(isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0,
-             "top_k must be a non-negative integer", "top_k")
         out["top_k"] = top_k
     stops = body.get("stop_sequences")
     if stops is not None:

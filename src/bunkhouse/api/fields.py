@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bunkhouse.api.schemas import parse_json_object
-from bunkhouse.errors import InvalidRequest
+from bunkhouse.errors import BunkhouseError, InvalidRequest
 
 MAX_TOOLS = 512
 """Tools in one request (docs/security.md: each tool's schema may become a grammar)."""
@@ -45,6 +45,17 @@ def number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | Non
     need(isinstance(value, int | float) and not isinstance(value, bool) and lo <= value <= hi,
          f"{name} must be a number from {lo:g} to {hi:g}", name)
     return float(value)
+
+
+def integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    """``body[name]`` as an integer from ``lo`` to ``hi``, or None if absent; one message
+    whatever is wrong with it (a float, a string, a value past either end)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    need(isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi,
+         f"{name} must be an integer from {lo} to {hi}", name)
+    return int(value)
 
 
 def stream_and_sampling(body: dict[str, Any], out: dict[str, Any],
@@ -93,6 +104,15 @@ def renamed(param: str | None, rules: Renames) -> str | None:
         if re.match(pattern, param):
             return re.sub(pattern, replacement, param, count=1)
     return param
+
+
+def rename_error(err: BunkhouseError, rules: Renames) -> None:
+    """``err``, raised for a chat completion request made from another protocol's, naming
+    the field (its ``param`` and where its message quotes it) as that protocol does."""
+    old = err.param
+    err.param = renamed(old, rules)
+    if old and err.param != old:
+        err.message = re.sub(rf"\b{re.escape(old)}\b", err.param or old, err.message)
 
 
 Paths = tuple[tuple[str, ...], ...]

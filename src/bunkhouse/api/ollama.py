@@ -26,13 +26,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bunkhouse.api.fields import Paths, function_tool, need, shown
+from bunkhouse.api.fields import Paths, Renames, function_tool, need, shown
+from bunkhouse.api.schemas import INT32_MAX
 
-_OPTIONS = {"temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int, 0, 1 << 20),
+_OPTIONS = {"temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int, 0, INT32_MAX),
             "seed": (int, -(1 << 63), (1 << 63) - 1), "repeat_penalty": (float, 0, 10),
             "presence_penalty": (float, -2, 2), "frequency_penalty": (float, -2, 2),
             "min_p": (float, 0, 1)}
 """Ollama options passed on under the same name: (type, lowest, highest)."""
+
+CHAT_FIELDS: Renames = (
+    (r"^response_format.*", "format"),
+    (r"^max_tokens$", "options.num_predict"),
+    (r"^(temperature|top_p|top_k|min_p|seed|stop|repeat_penalty|presence_penalty"
+     r"|frequency_penalty)$", r"options.\1"),
+)
+"""The chat completion fields a refusal may name, as this API names them (api/fields.py)."""
 
 FREE_FORM: Paths = (("tools", "*", "function", "parameters"), ("format",),
                     ("messages", "*", "tool_calls", "*", "function", "arguments"))
@@ -104,6 +113,11 @@ def now() -> str:
     return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
 
 
+def _bound(value: float) -> str:
+    """A bound as a message prints it: an integer in full, a fraction as written."""
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
 def _options(body: dict[str, Any], out: dict[str, Any]) -> None:
     given = body.get("options")
     if given is None:
@@ -116,7 +130,7 @@ def _options(body: dict[str, Any], out: dict[str, Any]) -> None:
         ok = isinstance(value, int | float) and not isinstance(value, bool) and lo <= value <= hi
         need(ok and (kind is float or isinstance(value, int)),
              f"options.{name} must be a{'n integer' if kind is int else ' number'} from "
-             f"{lo:g} to {hi:g}", f"options.{name}")
+             f"{_bound(lo)} to {_bound(hi)}", f"options.{name}")
         out[name] = value
     predict = given.get("num_predict")
     if predict is not None:

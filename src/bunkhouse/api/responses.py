@@ -29,11 +29,13 @@ from bunkhouse.api.fields import (
     Paths,
     Renames,
     function_tool,
+    integer,
     need,
     shown,
     stream_and_sampling,
     tools,
 )
+from bunkhouse.api.schemas import INT32_MAX, INT64
 from bunkhouse.errors import InvalidRequest
 
 MAX_INPUT_ITEMS = 10_000  # items in one request's input
@@ -255,6 +257,8 @@ def check_request(body: dict[str, Any]) -> list[dict[str, Any]]:
          "conversation objects are not supported: chain turns with previous_response_id",
          "conversation")
     check_metadata(body.get("metadata"))
+    integer(body, "top_logprobs", 0, 20)  # bounded as on chat completions, not returned
+    integer(body, "max_tool_calls", 0, INT32_MAX)  # no built-in tools run here
     return items
 
 
@@ -278,6 +282,9 @@ def to_chat(body: dict[str, Any], items: list[dict[str, Any]],
              "max_output_tokens must be a positive integer", "max_output_tokens")
         out["max_tokens"] = limit
     stream_and_sampling(body, out, temperature_max=2)  # OpenAI's range
+    seed = integer(body, "seed", *INT64)  # as chat completions take it
+    if seed is not None:
+        out["seed"] = seed
     tools(body, out, _tool, _tool_choice)
     if body.get("parallel_tool_calls") is not None:
         out["parallel_tool_calls"] = body["parallel_tool_calls"]

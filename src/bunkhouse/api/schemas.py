@@ -10,6 +10,7 @@ import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
+import annotated_types
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -69,7 +70,7 @@ class _Request(BaseModel):
     model: Annotated[StrictStr, Field(max_length=256)] | None = None  # ids: at most 128
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)  # OpenAI: >= 1 (0 made 1)
     temperature: Number(0, 2) | None = None  # type: ignore[valid-type]
     top_p: Number(0, 1) | None = None  # type: ignore[valid-type]
     n: StrictInt | None = Field(default=None, ge=1, le=128)
@@ -153,7 +154,7 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
@@ -375,12 +376,28 @@ def validate(schema: type[T], data: dict[str, Any]) -> T:
         param = _param(data, first["loc"], missing=first["type"] == "missing")
         message = first["msg"]
         key = "content" if param and param.endswith(".content") else param
+        bounded = _integer_bounds(schema, key) if len(first["loc"]) == 1 else None
         if key in _UNION_MESSAGES and first["type"] != "missing":
             message = _UNION_MESSAGES[key]
+        elif bounded and first["type"] != "missing":
+            message = bounded  # one message whatever is wrong with the integer
         elif first["type"] == "value_error":
             message = str(first["ctx"]["error"]) if "ctx" in first else message
         message = message[:300]
         raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from e
+
+
+def _integer_bounds(schema: type[BaseModel], key: str | None) -> str | None:
+    """What the top-level integer field ``key`` of ``schema`` must be (``must be an integer
+    from 1 to 128``), from its bounds; None for another field."""
+    field = schema.model_fields.get(key or "")
+    if field is None or "int" not in str(field.annotation):
+        return None
+    lo = next((m.ge for m in field.metadata if isinstance(m, annotated_types.Ge)), None)
+    hi = next((m.le for m in field.metadata if isinstance(m, annotated_types.Le)), None)
+    if lo is None:
+        return None
+    return f"must be an integer from {lo}" + (f" to {hi}" if hi is not None else "")
 
 
 def _param(data: Any, loc: tuple[int | str, ...], *, missing: bool) -> str | None:

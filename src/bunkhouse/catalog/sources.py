@@ -482,7 +482,7 @@ def ollama_params(params: dict[str, Any], where: str = "an Ollama params layer"
         given["stop"] = ([stop] if isinstance(stop, str) else
                          stop[:4] if isinstance(stop, list) else stop)
     predict = params.get("num_predict")
-    if predict is not None and predict != -1:  # -1: until the context is full
+    if predict not in (None, -2, -1, 0):  # these: until the context is full (as Ollama)
         given["max_tokens"] = predict
     out: dict[str, Any] = {}
     for name, value in given.items():

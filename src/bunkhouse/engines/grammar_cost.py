@@ -58,6 +58,28 @@ class TooCostly(ValueError):
     pass
 
 
+class Unholdable(ValueError):
+    """A JSON schema's number the engine cannot hold (it read ``minimum: -2**64`` as no
+    bound and failed)."""
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_INT32_MAX = (1 << 31) - 1
+_NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
+def check_numbers(schema: dict[str, Any]) -> None:
+    """Raise Unholdable for a bound of ``schema`` past the engine's integers: a number's
+    bound past 64 bits, a length or count past 32 (C ``int``)."""
+    for keys, (lo, hi) in ((_NUMBER_BOUNDS, _INT64), (_COUNTS, (0, _INT32_MAX))):
+        for key in keys:
+            value = schema.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) \
+                    and not lo <= value <= hi:
+                raise Unholdable(f"{key} must be from {lo} to {hi}, not {value}")
+
+
 @dataclass
 class _Operand:
     """What a piece of a grammar can do, as far as the cost rule is concerned."""
@@ -285,7 +307,8 @@ def check_pattern(pattern: str) -> None:
 
 
 def check_schema(schema: Any, depth: int = 0) -> None:
-    """Raise TooCostly for a JSON schema that would stall llama.cpp's grammar from it."""
+    """Raise TooCostly for a JSON schema that would stall llama.cpp's grammar from it,
+    Unholdable for a bound the engine cannot hold."""
     if depth > 64:
         raise TooCostly("a JSON schema nested deeper than 64 levels")
     if isinstance(schema, list):
@@ -294,6 +317,7 @@ def check_schema(schema: Any, depth: int = 0) -> None:
         return
     if not isinstance(schema, dict):
         return
+    check_numbers(schema)
     for key in ("maxItems", "minItems"):
         value = schema.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_SCHEMA_ITEMS:
@@ -339,3 +363,6 @@ def check_request(body: dict[str, Any]) -> None:
         except TooCostly as e:
             raise InvalidRequest(f"{param} would take the engine too long to prepare: {e}; "
                                  "bound it more tightly", param=param) from e
+        except Unholdable as e:
+            raise InvalidRequest(f"{param}: a JSON schema's {e} (the engine's integers)",
+                                 param=param) from e

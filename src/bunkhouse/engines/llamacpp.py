@@ -116,8 +116,9 @@ _EXTENSION_TYPES: dict[str, tuple[type, ...]] = {
                     (int, float)),
     **dict.fromkeys(("grammar", "input_prefix", "input_suffix", "reasoning_format"), (str,)),
     **dict.fromkeys(("json_schema", "chat_template_kwargs"), (dict,)),
-    **dict.fromkeys(("samplers", "dry_sequence_breakers", "response_fields", "lora",
-                     "input_extra"), (list, str)),
+    **dict.fromkeys(("samplers", "dry_sequence_breakers", "response_fields", "input_extra"),
+                    (list, str)),
+    "lora": (list,),
 }
 
 
@@ -130,16 +131,36 @@ def check_extensions(body: dict[str, Any]) -> None:
         if value is None:
             continue
         wrong = isinstance(value, bool) and bool not in types
-        if wrong or not isinstance(value, types):
+        if types == (int,):  # one message whatever is wrong (a float, past either end)
+            check_integer(name, -(1 << 64) if wrong or not isinstance(value, int) else value)
+        elif wrong or not isinstance(value, types):
             kinds = " or ".join(_JSON_NAMES[t] for t in types)
             raise InvalidRequest(f"{name} must be {kinds}", param=name)
-        bounds = EXTENSION_BOUNDS.get(name, INT32)
-        if isinstance(value, int) and not bounds[0] <= value <= bounds[1]:
-            raise InvalidRequest(f"{name} must be from {bounds[0]} to {bounds[1]}", param=name)
         choices = EXTENSION_CHOICES.get(name)
         if choices is not None and value not in choices:
             raise InvalidRequest(f"{name} must be one of {', '.join(sorted(choices))}",
                                  param=name)
+
+
+def check_integer(name: str, value: int) -> None:
+    """InvalidRequest naming the integer extension field ``name`` if ``value`` is outside
+    its bound (:data:`EXTENSION_BOUNDS`, else :data:`INT32`) or a refused 0
+    (:data:`NOT_ZERO`)."""
+    lo, hi = EXTENSION_BOUNDS.get(name, INT32)
+    instead = NOT_ZERO.get(name)
+    if not lo <= value <= hi or (instead is not None and value == 0):
+        allowed = f"{instead} or from 1" if instead else f"an integer from {lo}"
+        raise InvalidRequest(f"{name} must be {allowed} to {hi}", param=name)
+
+
+def check_lora(body: dict[str, Any]) -> None:
+    """InvalidRequest naming ``lora`` unless it is absent or empty: bunkhouse loads no LoRA
+    adapters, and the engine ignores the ids it does not hold (so an adapter asked for
+    would silently not apply)."""
+    lora = body.get("lora")
+    if lora is not None and lora != []:
+        raise InvalidRequest("lora: this server loads no LoRA adapters; leave lora out",
+                             param="lora")
 
 
 # Extension fields with a fixed set of values (llama.cpp's common_reasoning_format_from_name).
@@ -152,13 +173,20 @@ INT32 = (-(1 << 31), (1 << 31) - 1)
 """The range of the engine's integer fields (C ``int``): a larger JSON integer would wrap
 (``n_predict: 4294967301`` read as 5), so an extension field past it is refused."""
 
-# Extension fields that multiply work or output, bounded: n_probs as OpenAI bounds
-# top_logprobs (each token's answer carries that many alternatives), n_cmpl as the schema
-# bounds n; and the fields with a range of their own (llama.cpp's server README).
+# The engine's own ranges (its request schema refuses a value outside them with a 500; tried
+# against a worker: tests/integration/test_llamacpp_params.py), and the fields that multiply
+# work or output, bounded: n_probs as OpenAI bounds top_logprobs (each token's answer carries
+# that many alternatives), n_cmpl as the schema bounds n. top_k as every protocol bounds it.
 EXTENSION_BOUNDS: dict[str, tuple[int, int]] = {
     "n_probs": (0, 20), "n_cmpl": (1, 128), "mirostat": (0, 2), "n_predict": (-1, INT32[1]),
     "n_keep": (-1, INT32[1]), "id_slot": (-1, INT32[1]), "n_indent": (0, INT32[1]),
-    "min_keep": (0, INT32[1]), "t_max_predict_ms": (0, INT32[1])}
+    "min_keep": (0, INT32[1]), "t_max_predict_ms": (-1, INT32[1]), "top_k": (0, INT32[1]),
+    "repeat_last_n": (0, INT32[1]), "dry_allowed_length": (0, INT32[1]),
+    "dry_penalty_last_n": (0, INT32[1])}
+
+NOT_ZERO = {"n_predict": "-1 (until the slot is full)"}
+"""Integer fields whose 0 is refused, and what to send instead: the engine generates one
+token for ``n_predict: 0`` (as for ``max_tokens: 0``, which OpenAI refuses too)."""
 
 SEED_BITS = 32
 """llama.cpp's sampler seed is 32 bits; ``0xFFFFFFFF`` picks a random one."""
@@ -194,7 +222,8 @@ _FIELD = re.compile(r"Field '([A-Za-z_][A-Za-z0-9_.]*)'")
 _FIELD_HINTS: list[tuple[re.Pattern[str], dict[str, str]]] = [
     (re.compile(r"grammar", re.IGNORECASE), {"": "grammar"}),
     (re.compile(r"reasoning format", re.IGNORECASE), {"": "reasoning_format"}),
-    (re.compile(r"json.?schema|\$ref", re.IGNORECASE), {"": "response_format"}),
+    (re.compile(r"json.?schema|\$ref|min_value|max_value", re.IGNORECASE),
+     {"": "response_format"}),
     (re.compile(r"invalid tokens?", re.IGNORECASE),
      {"": "prompt", "/v1/embeddings": "input", "/v1/chat/completions": "messages"}),
 ]
@@ -615,6 +644,7 @@ class LlamaCpp:
 
     def check_request(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         check_extensions(body)
+        check_lora(body)
         grammar_cost.check_request(body)
         return fold_seed(body)
 

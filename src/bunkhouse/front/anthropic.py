@@ -11,9 +11,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api import anthropic
-from bunkhouse.api.fields import skipped_tools
+from bunkhouse.api.fields import rename_error, skipped_tools
 from bunkhouse.api.schemas import ChatCompletionRequest, parse_json_object, validate
 from bunkhouse.api.tool_calls import check_tool_choice
+from bunkhouse.errors import BunkhouseError
 from bunkhouse.front.admission import model_pair_table, refuse_before_load, trained_limit
 from bunkhouse.front.edge import note_skipped_tools, prepare
 from bunkhouse.front.pipeline import Pipeline
@@ -31,20 +32,23 @@ class AnthropicRoutes:
         meaning), lowered to what the slot holds after the prompt."""
         bodies = self.pipeline.bodies
 
-        def parse(body: bytes) -> tuple[Any, dict[str, Any], list[str]]:
+        def parse(body: bytes) -> tuple[dict[str, Any], list[str]]:
             given = parse_json_object(body)
-            data = anthropic.to_chat(given)
-            return (validate(ChatCompletionRequest, data), data,
-                    skipped_tools(given, anthropic.served))
+            return anthropic.to_chat(given), skipped_tools(given, anthropic.served)
 
         body = await bodies.read(request)
-        parsed, data, skipped = await bodies.cpu(len(body), parse, body)
+        data, skipped = await bodies.cpu(len(body), parse, body)
         note_skipped_tools(request, skipped)
         stops = list(data.get("stop") or [])
-        return await self.pipeline.generate(request, CHAT, ChatCompletionRequest, parsed, data,
-                                            len(body),
-                                            lambda model_id: AnthropicShape(model_id, stops),
-                                            cap=True, count_prompt=bool(parsed.stream))
+        try:  # refused as a chat request: the field named as this API names it
+            parsed = await bodies.cpu(len(body), validate, ChatCompletionRequest, data)
+            return await self.pipeline.generate(
+                request, CHAT, ChatCompletionRequest, parsed, data, len(body),
+                lambda model_id: AnthropicShape(model_id, stops), cap=True,
+                count_prompt=bool(parsed.stream))
+        except BunkhouseError as e:
+            rename_error(e, anthropic.CHAT_FIELDS)
+            raise
 
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: the prompt's tokens, as the model's worker
@@ -53,21 +57,26 @@ class AnthropicRoutes:
         bodies = self.pipeline.bodies
         body = await bodies.read(request)
 
-        def parse(raw: bytes) -> tuple[Any, dict[str, Any], list[str]]:
+        def parse(raw: bytes) -> tuple[dict[str, Any], list[str]]:
             given = parse_json_object(raw)
-            data = anthropic.to_chat({**given, "max_tokens": 1, "stream": False})
-            return (validate(ChatCompletionRequest, data), data,
+            return (anthropic.to_chat({**given, "max_tokens": 1, "stream": False}),
                     skipped_tools(given, anthropic.served))
 
-        parsed, data, skipped = await bodies.cpu(len(body), parse, body)
+        data, skipped = await bodies.cpu(len(body), parse, body)
         note_skipped_tools(request, skipped)  # left out of the count, as of an answer
-        check_tool_choice(data)
-        model = self.pipeline.catalog.get(parsed.model)
-        data = await bodies.cpu(len(body), prepare, CHAT, ChatCompletionRequest, model, data)
-        # counted even past one slot (agents count to decide when to compact), but not past
-        # what the model was trained for: megabytes of text took the worker gigabytes
-        await refuse_before_load(model, CHAT, data, functools.partial(model_pair_table, model),
-                                 cap=True, limit=trained_limit(model))
+        try:  # refused as a chat request: the field named as this API names it
+            parsed = await bodies.cpu(len(body), validate, ChatCompletionRequest, data)
+            check_tool_choice(data)
+            model = self.pipeline.catalog.get(parsed.model)
+            data = await bodies.cpu(len(body), prepare, CHAT, ChatCompletionRequest, model, data)
+            # counted even past one slot (agents count to decide when to compact), but not
+            # past what the model was trained for: megabytes of text took the worker gigabytes
+            await refuse_before_load(model, CHAT, data,
+                                     functools.partial(model_pair_table, model), cap=True,
+                                     limit=trained_limit(model))
+        except BunkhouseError as e:
+            rename_error(e, anthropic.CHAT_FIELDS)
+            raise
         async with self.pipeline.worker(model) as engine:
             tokens = await engine.tokenize(data)
         return JSONResponse({"input_tokens": len(tokens)})

@@ -10,6 +10,7 @@ import asyncio
 import datetime as dt
 import hashlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from bunkhouse import __version__
 from bunkhouse.api import ollama
-from bunkhouse.api.fields import function_tool, read_object, skipped_tools
+from bunkhouse.api.fields import function_tool, read_object, rename_error, skipped_tools
 from bunkhouse.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -115,13 +116,24 @@ class OllamaRoutes:
         data = await front.bodies.cpu(len(body), ollama.chat_request, given)
         note_skipped_tools(request, skipped_tools(given, function_tool))
         data["model"] = model.id
-        parsed = await front.bodies.cpu(len(body), validate, ChatCompletionRequest, data)
-        front.residency.keep_alive(model.id, keep)
-        return await front.generate(request, "/v1/chat/completions", ChatCompletionRequest,
-                                    parsed, data, len(body),
-                                    lambda model_id: OllamaShape(
-                                        ollama.tagged(model_id), True, _timing(request)),
-                                    cap=True)
+        return await self._serve(request, "/v1/chat/completions", ChatCompletionRequest, data,
+                                 len(body), keep, lambda model_id: OllamaShape(
+                                     ollama.tagged(model_id), True, _timing(request)))
+
+    async def _serve(self, request: Request, path: str, schema: type[BaseModel],
+                     data: dict[str, Any], size: int, keep: float | None,
+                     shape: Callable[[str], Shape]) -> Response:
+        """``data`` (Ollama's request as one of ``path``) checked, its model kept ``keep``
+        seconds once idle, and answered in ``shape``; a refusal names the field as Ollama's
+        API does (``format``, ``options.top_k``)."""
+        try:
+            parsed = await self.front.bodies.cpu(size, validate, schema, data)
+            self.front.residency.keep_alive(data["model"], keep)
+            return await self.front.generate(request, path, schema, parsed, data, size, shape,
+                                             cap=True)
+        except BunkhouseError as e:
+            rename_error(e, ollama.CHAT_FIELDS)
+            raise
 
     async def generate(self, request: Request) -> Response:
         front = self.front
@@ -133,15 +145,12 @@ class OllamaRoutes:
         data["model"] = model.id
         schema: type[BaseModel] = (ChatCompletionRequest if path == "/v1/chat/completions"
                           else InfillRequest if path == "/infill" else CompletionRequest)
-        parsed = await front.bodies.cpu(len(body), validate, schema, data)
-        front.residency.keep_alive(model.id, keep)
 
         def shape(model_id: str) -> Shape:
             answer = OllamaShape(ollama.tagged(model_id), False, _timing(request))
             return InfillShape(model_id, answer) if path == "/infill" else answer
 
-        return await front.generate(request, path, schema, parsed, data, len(body), shape,
-                                    cap=True)
+        return await self._serve(request, path, schema, data, len(body), keep, shape)
 
     async def embed(self, request: Request) -> Response:
         """``POST /api/embed`` and the older ``/api/embeddings``: the embeddings path."""

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from bunkhouse.api import responses
-from bunkhouse.api.fields import function_tool, read_object, renamed, shown, skipped_tools
+from bunkhouse.api.fields import function_tool, read_object, rename_error, shown, skipped_tools
 from bunkhouse.api.schemas import ChatCompletionRequest, validate
 from bunkhouse.errors import BunkhouseError, InvalidRequest, NotFound
 from bunkhouse.front.edge import note_skipped_tools
@@ -62,7 +62,11 @@ class ResponsesRoutes:
             history = found
             history_bytes = len(await front.bodies.cpu(len(body), _encoded, history))
         data = await front.bodies.cpu(len(body), responses.to_chat, given, items, history)
-        parsed = await front.bodies.cpu(len(body), validate, ChatCompletionRequest, data)
+        try:
+            parsed = await front.bodies.cpu(len(body), validate, ChatCompletionRequest, data)
+        except BunkhouseError as e:
+            rename_error(e, responses.CHAT_FIELDS)
+            raise
         store = self.store if given.get("store", True) is not False else None
         if store is not None:
             # an answer asked to be stored, that cannot be, is a 503; one that can never fit
@@ -83,7 +87,7 @@ class ResponsesRoutes:
                                           ChatCompletionRequest, parsed, data, len(body),
                                           shape, cap=True)
         except BunkhouseError as e:  # refused as a chat request: named as this API names it
-            e.param = renamed(e.param, responses.CHAT_FIELDS)
+            rename_error(e, responses.CHAT_FIELDS)
             raise
         # a stream its client leaves is kept as far as it went (ResponsesShape.sent)
         return _Sent(answer, made[0].sent) if parsed.stream and made else answer
