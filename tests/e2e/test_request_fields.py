@@ -210,7 +210,7 @@ def test_bounds_are_the_engines_and_every_refusal_names_its_field(
             claude.messages.create(model=QWEN, max_tokens=2, extra_body=extra, messages=user)
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         claude.messages.create(model=QWEN, max_tokens=0, messages=user)
-    with pytest.raises(anthropic.BadRequestError, match="tools.0.input_schema would take"):
+    with pytest.raises(anthropic.BadRequestError, match=r"tools\.0\.input_schema would take"):
         claude.messages.count_tokens(model=QWEN, messages=user,
                                      tools=[{"name": "f", "input_schema": costly}])
     bound = httpx.post(server.url + "/api/chat", timeout=300, json={
