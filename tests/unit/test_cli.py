@@ -342,3 +342,31 @@ def test_model_controls_say_what_changed_and_the_model_now() -> None:
     assert "memory is free" in control_line("unload", "q", 204, None)
     assert "draining" in control_line("unload", "q", 202, None)
     assert control_line("pin", "\x1b[2J", 200, ready).startswith("\\x1b[2J: pinned")
+
+
+
+def test_a_reader_that_leaves_ends_a_command_waiting_on_the_server() -> None:
+    """``bunkhouse events --since 0 | head -2``: head left while the command waited for the
+    server's next line, not while it wrote: the watch on stdout ends it at once (``ps
+    --watch`` and ``transcribe`` run under the same watch; e2e: test_operator.py)."""
+    import os
+    import sys
+    import threading
+
+    from bunkhouse.cli.reader import ends_with_its_reader
+
+    read_end, write_end = os.pipe()
+    ended = threading.Event()
+    out = open(write_end, "w", closefd=False)  # noqa: SIM115
+    saved, sys.stdout = sys.stdout, out
+    try:
+        with ends_with_its_reader(ended.set):
+            assert not ended.is_set()  # a reader that stays: nothing
+            os.close(read_end)  # head has had its lines
+            assert ended.wait(60)
+        with ends_with_its_reader(ended.clear):
+            pass  # a body that ends first: the watch ends with it
+    finally:
+        sys.stdout = saved
+        out.close()
+        os.close(write_end)
