@@ -349,6 +349,29 @@ def test_a_failed_load_logs_its_output_once_and_each_refusal_a_short_line(
     assert len(loud) == 2 and all("load failed" in r.getMessage() for r in loud)
 
 
+def test_unload_and_pin_answer_whether_anything_changed() -> None:
+    """``bunkhouse unload`` of an absent or failed model changes nothing and says so (None,
+    at once); a second pin or unpin answers False; a failure stays failed."""
+    async def go() -> None:
+        h = Host([model("a"), model("b")])
+        assert await h.manager.unload("a", "operator") is None  # absent: nothing held
+        h.fail.add("b")
+        with pytest.raises(WorkerLoadFailed):
+            await h.use("b")
+        for _ in range(2):
+            assert await h.manager.unload("b", "operator") is None
+            assert h.state("b") == "failed" and h.manager.status("b").last_error
+        await h.use("a")
+        assert await h.manager.unload("a", "operator") is True
+        assert await h.manager.set_pinned("a", True) is True
+        assert await h.manager.set_pinned("a", True) is False
+        assert await h.manager.set_pinned("a", False) is True
+        assert await h.manager.set_pinned("a", False) is False
+        assert h.starts == ["b", "a"]
+
+    run(go())
+
+
 def test_a_model_too_large_is_refused_at_once_even_while_paused() -> None:
     async def go() -> None:
         h = Host([model("a", 1), model("huge", 12)], budget_gib=10, admission_wait_s=30)
