@@ -250,8 +250,9 @@ class EngineUnavailable(BunkhouseError):
     code = "engine_unavailable"
 
 
-def log_line(err: BunkhouseError) -> tuple[int, str] | None:
-    """How a request answered with ``err`` is logged at the HTTP edge, once: (level, text),
+def log_line(err: BunkhouseError) -> tuple[int, str, str | None] | None:
+    """How a request answered with ``err`` is logged at the HTTP edge, once: (level, text,
+    output: the detail, logged as indented lines under the text, ``extra={"output": ...}``),
     or None for not at all. A fault of the server (5xx) at ERROR with its detail; one whose
     fault was logged where it happened (``logged``: a failed load's output, once per
     failure) and a refusal by the host's state (a full budget, a failed model, a model too
@@ -260,11 +261,11 @@ def log_line(err: BunkhouseError) -> tuple[int, str] | None:
     if isinstance(err, ShuttingDown | Paused):
         return None
     if err.logged or (err.refusal and err.status >= 500):
-        return logging.WARNING, err.message
+        return logging.WARNING, err.message, None
     if err.status >= 500:
-        return logging.ERROR, err.full_message()
+        return logging.ERROR, err.message, err.detail
     if err.detail:
-        return logging.INFO, err.full_message()
+        return logging.INFO, err.message, err.detail
     return None
 
 

@@ -120,15 +120,23 @@ def _cli(*args: str, url: str | None = None) -> subprocess.CompletedProcess[str]
 def test_cli_controls_a_catalog_model(host: Server) -> None:
     key = ("--url", host.url, "--admin-key", "admin-e2e")
     loaded = _cli("load", GEMMA, *key).stdout.strip()
-    assert loaded.startswith(f"{GEMMA}: ready (pid ") and "MiB measured" in loaded, loaded
+    assert loaded.startswith(f"{GEMMA}: loaded: ready (pid ") and "MiB measured" in loaded, \
+        loaded
+    again = _cli("load", GEMMA, *key).stdout  # what changed, from the server's answer
+    assert again.startswith(f"{GEMMA}: already loaded: nothing changed; ready (pid "), again
     pinned = _cli("pin", GEMMA, *key)  # what changed, and the model as it is now
     assert pinned.returncode == 0 and pinned.stdout.startswith(
         f"{GEMMA}: pinned: never evicted; ready (pid "), pinned.stdout
+    again = _cli("pin", GEMMA, *key).stdout
+    assert again.startswith(f"{GEMMA}: already pinned: nothing changed; ready"), again
     assert httpx.get(f"{host.url}/v1/models/{GEMMA}").json()["pinned"] is True
     unpinned = _cli("unpin", GEMMA, "--admin-key", "admin-e2e", url=host.url)
     assert unpinned.stdout.startswith(f"{GEMMA}: unpinned: "), unpinned  # $BUNKHOUSE_URL
     assert _cli("unload", GEMMA, *key).stdout.strip() == \
         f"{GEMMA}: unloaded: its worker stopped and its memory is free"
     assert httpx.get(f"{host.url}/v1/models/{GEMMA}").json()["state"] == "absent"
+    again = _cli("unload", GEMMA, *key)  # absent already: nothing to unload
+    assert again.returncode == 0 and again.stdout.startswith(
+        f"{GEMMA}: nothing to unload: it holds no worker and no memory; not loaded"), again
     refused = _cli("pin", GEMMA, "--url", host.url)
     assert refused.returncode == 1 and "401" in refused.stderr

@@ -63,7 +63,10 @@ def test_a_crash_loop_ends_in_failed_after_the_budget(faulty: tuple[Server, Path
     assert _kinds(server, "crashy").count("loading") == 4  # 1 + 3 restarts: no storm
     last = _ask(server, "crashy")
     assert last.status_code == 503 and int(last.headers["retry-after"]) > 0
-    assert "failed to load" in last.json()["error"]["message"]
+    said = last.json()["error"]["message"]  # once, with one figure and what to do
+    assert said.count("failed to load") == 1 and "is failed" not in said, said
+    assert f"tried again in {last.headers['retry-after']} s" in said, said
+    assert "bunkhouse load crashy" in said, said
     assert server.model("crashy")["state"] == "failed"
     with anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0) as claude, \
             pytest.raises(anthropic.InternalServerError) as refused:
@@ -79,11 +82,15 @@ def test_a_crash_loop_ends_in_failed_after_the_budget(faulty: tuple[Server, Path
     assert len(failures) == 4 and all(" ERROR " in line for line in failures), failures
     outputs = log.count("Last lines of its output")
     assert outputs == 4, outputs  # once per failure, never per request
+    assert "\\x0a" not in log  # the output's lines, indented under their ERROR line
+    after = log.split("crashy: load failed:")[1].split("\n")
+    assert len(after) > 2 and after[1].startswith("    ") and after[2].startswith("    "), after
 
 
 def _refusals(log: str, count: int) -> str | None:
     """The log once it has ``count`` short lines of requests refused in the cool-down."""
-    lines = [line for line in log.splitlines() if "is failed:" in line]
+    lines = [line for line in log.splitlines() if "crashy" in line and "tried again in" in line
+             and "failed to load" in line]
     if len(lines) < count:
         return None
     assert all(" WARNING " in line and "tried again in" in line for line in lines), lines

@@ -2,7 +2,7 @@
 eviction and a crash, resumed by ``Last-Event-ID``; ``GET /metrics`` moving as requests,
 loads and evictions happen; polling that never loads a model or counts as use; the server
 stopping cleanly with a stream open; a stream open at once; ``bunkhouse events``, also
-piped into ``head``."""
+piped into ``head`` (ending as head does, also between events)."""
 
 from __future__ import annotations
 
@@ -228,6 +228,22 @@ def test_an_event_stream_opens_at_once(qwen_server: Server) -> None:
         assert next(resp.iter_lines()) == ": connected"
 
 
+def _ends_with_head_before_the_next_event(server: Server, follower: Follower) -> None:
+    """``bunkhouse events --since N | head -2`` with exactly two events held after N and no
+    new one: both lines are written before head leaves, so no write meets the closed pipe;
+    the command ends as head does (its watch on stdout), quietly, status 1."""
+    since = max(m["id"] for m in follower.messages if "id" in m) - 2
+    piped = subprocess.Popen([sys.executable, "-m", "bunkhouse", "events", "--since",
+                              str(since), "--url", server.url], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    head = subprocess.Popen(["head", "-2"], stdin=piped.stdout, stdout=subprocess.PIPE)
+    assert piped.stdout is not None
+    piped.stdout.close()
+    assert len(head.communicate(timeout=60)[0].splitlines()) == 2
+    _, err = piped.communicate(timeout=60)  # no event comes meanwhile
+    assert piped.returncode == 1 and err == b"", err
+
+
 def test_streams_end_when_the_server_stops_and_bunkhouse_events_prints(tmp_path: Path
                                                                        ) -> None:
     with serve(tmp_path, "--context", "8192") as server:
@@ -246,6 +262,7 @@ def test_streams_end_when_the_server_stops_and_bunkhouse_events_prints(tmp_path:
         try:
             _chat(server, GEMMA)
             wait_for(lambda: follower.has(GEMMA, "ready"), 120, "gemma ready on the stream")
+            _ends_with_head_before_the_next_event(server, follower)
             server.proc.send_signal(signal.SIGHUP)  # a 3rd event at least: head has its lines
             wait_for(lambda: follower.has("*", "config reloaded"), 120, "the reload's event")
         finally:

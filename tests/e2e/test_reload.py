@@ -109,7 +109,7 @@ def test_sighup_adds_removes_mid_stream_and_refuses_a_broken_file(
         reloaded = subprocess.run(
             [sys.executable, "-m", "bunkhouse", "reload", "--url", server.url,
              "--admin-key", "adm"], capture_output=True, text=True, timeout=120)
-        assert reloaded.returncode == 0 and "added: none" in reloaded.stdout
+        assert reloaded.returncode == 0 and "nothing changed" in reloaded.stdout
         assert httpx.get(f"{server.url}/v1/models/g").json()["default"] is True  # kept
 
 

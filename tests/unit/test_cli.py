@@ -338,7 +338,71 @@ def test_model_controls_say_what_changed_and_the_model_now() -> None:
                      "450 MiB estimated)"
     assert "not loaded" in control_line("pin", "q", 200, {"state": "absent"})
     assert control_line("unpin", "q", 200, ready).startswith("q: unpinned: evicted when")
-    assert control_line("load", "q", 200, ready).startswith("q: ready (pid 42, 400 MiB")
+    assert control_line("load", "q", 200, ready).startswith("q: loaded: ready (pid 42, 400")
     assert "memory is free" in control_line("unload", "q", 204, None)
     assert "draining" in control_line("unload", "q", 202, None)
     assert control_line("pin", "\x1b[2J", 200, ready).startswith("\\x1b[2J: pinned")
+
+
+
+def test_a_reader_that_leaves_ends_a_command_waiting_on_the_server() -> None:
+    """``bunkhouse events --since 0 | head -2``: head left while the command waited for the
+    server's next line, not while it wrote: the watch on stdout ends it at once (``ps
+    --watch`` and ``transcribe`` run under the same watch; e2e: test_operator.py)."""
+    import os
+    import sys
+    import threading
+
+    from bunkhouse.cli.reader import ends_with_its_reader
+
+    read_end, write_end = os.pipe()
+    ended = threading.Event()
+    out = open(write_end, "w", closefd=False)  # noqa: SIM115
+    saved, sys.stdout = sys.stdout, out
+    try:
+        with ends_with_its_reader(ended.set):
+            assert not ended.is_set()  # a reader that stays: nothing
+            os.close(read_end)  # head has had its lines
+            assert ended.wait(60)
+        with ends_with_its_reader(ended.clear):
+            pass  # a body that ends first: the watch ends with it
+    finally:
+        sys.stdout = saved
+        out.close()
+        os.close(write_end)
+
+
+def test_model_controls_say_when_nothing_changed() -> None:
+    """``bunkhouse unload`` of an absent or failed model, ``pin`` twice, ``load`` of a ready
+    one: the server's ``changed`` false is said as such, never as a change."""
+    from bunkhouse.cli.output import control_line
+
+    ready = {"state": "ready", "pid": 42, "measured_bytes": 1, "estimated_bytes": 1,
+             "changed": False}
+    absent = {"state": "absent", "changed": False}
+    failed = {"state": "failed", "last_error": "model 'broken' failed to load: bad magic",
+              "changed": False}
+    assert control_line("unload", "coder", 200, absent) == (
+        "coder: nothing to unload: it holds no worker and no memory; not loaded (it loads "
+        "on its next request, or with bunkhouse load)")
+    line = control_line("unload", "broken", 200, failed)
+    assert line.startswith("broken: nothing to unload") and "bad magic" in line
+    assert "unloaded" not in line and "memory is free" not in line
+    assert control_line("pin", "q", 200, ready).startswith("q: already pinned: nothing changed;")
+    assert control_line("unpin", "q", 200, ready).startswith("q: already unpinned: nothing")
+    assert control_line("load", "q", 200, ready).startswith("q: already loaded: nothing")
+
+
+def test_server_controls_say_what_changed() -> None:
+    from bunkhouse.cli.output import server_line
+
+    assert server_line("default", {"id": "q", "changed": True}) == "default model: q"
+    assert "already: nothing changed" in server_line("default", {"id": "q", "changed": False})
+    assert server_line("resume", {"resumed": False}) == "no pause was held: nothing changed"
+    pause = {"paused": True, "resumes_at": 0, "in_flight": 0}
+    assert server_line("pause", {**pause, "extended": False}).startswith("paused: ")
+    assert server_line("pause", {**pause, "extended": True}).startswith("still paused")
+    assert "nothing changed" in server_line("reload", {"added": [], "removed": [],
+                                                       "changed": []})
+    assert server_line("reload", {"added": ["a"], "removed": [], "changed": []}) == (
+        "added: a\nremoved: none\nchanged: none")

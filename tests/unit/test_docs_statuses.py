@@ -20,7 +20,7 @@ from bunkhouse.errors import BunkhouseError
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in (
-    "architecture", "configuration", "operating", "security"))]
+    "architecture", "configuration", "operating", "protocols", "security"))]
 """The pages that state statuses (benchmarks.md and memory-estimate.md hold figures)."""
 SOURCES = sorted((ROOT / "src" / "bunkhouse").rglob("*.py"))
 ERROR_MODULES = ("bunkhouse.errors", "bunkhouse.engines.contract", "bunkhouse.front.responses",
@@ -170,3 +170,55 @@ def test_the_statuses_an_endpoint_table_gives_a_route_are_declared_for_it() -> N
                     wrong.append(f"{_where(doc, text, m.start())}: {m.group(1).strip()} "
                                  f"{status}, not in its OpenAPI responses {sorted(declared)}")
     assert rows >= 20 and not wrong, "\n".join(wrong)
+
+
+NOT_ANSWERED = {"client_closed_request"}
+"""Codes no client reads: the client that would have had it is gone (the access log has it)."""
+
+
+def _error_table(text: str) -> list[tuple[set[int], set[str], set[str]]]:
+    """docs/protocols.md's error table: each row's statuses, the words of its OpenAI
+    column (types and codes) and of its Anthropic column."""
+    part = text.split("| cause | status |", 1)[1]
+    rows = []
+    for line in part.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.append(({int(s) for s in re.findall(r"\b[1-5]\d\d\b", cells[1])},
+                     set(re.findall(r"`(\w+)`", cells[2])),
+                     set(re.findall(r"`(\w+)`", cells[3]))))
+    return rows
+
+
+def _untabled(rows: list[tuple[set[int], set[str], set[str]]]) -> list[str]:
+    """Every error a client can be answered that no row of the table gives as it is
+    rendered (status, OpenAI type and code, Anthropic type)."""
+    from bunkhouse.api.anthropic import error_type
+
+    missing = []
+    for cls in _classes():
+        if cls.code in NOT_ANSWERED:
+            continue
+        kind = error_type(cls.status, {"error": {"code": cls.code, "type": cls.type}})
+        if not any(cls.status in st and {cls.type, cls.code} <= oa and kind in an
+                   for st, oa, an in rows):
+            missing.append(f"{cls.__name__}: {cls.status} {cls.type} / {cls.code} "
+                           f"(Anthropic {kind})")
+    return missing
+
+
+def test_the_protocols_error_table_gives_every_error_a_client_can_be_answered() -> None:
+    rows = _error_table((ROOT / "docs" / "protocols.md").read_text())
+    assert rows and not _untabled(rows), "\n".join(_untabled(rows))
+
+
+def test_the_error_table_check_finds_a_code_the_table_omits() -> None:
+    table = ("| cause | status | OpenAI `type` / `code` | Anthropic `type` |\n| --- |\n"
+             "| a conflict | 409 | `invalid_request_error` / `conflict` | "
+             "`invalid_request_error` |\n")
+    missing = _untabled(_error_table(table))
+    assert "Conflict: 409 invalid_request_error / conflict (Anthropic invalid_request_error)" \
+        not in missing
+    assert any(m.startswith("MethodNotAllowed: 405") for m in missing)
+    assert any(m.startswith("ResponseStoreError: 503") for m in missing)

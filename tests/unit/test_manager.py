@@ -11,6 +11,7 @@ import pytest
 
 from bunkhouse import defaults
 from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.cli.logs import TextLogFormatter
 from bunkhouse.errors import (
     BunkhouseError,
     InsufficientMemory,
@@ -341,12 +342,45 @@ def test_a_failed_load_logs_its_output_once_and_each_refusal_a_short_line(
         cooling = [e for e in errors if isinstance(e, ModelFailed)]
         assert cooling and "tried again in" in cooling[-1].message
         assert cooling[-1].detail == output  # admins still read it
+        for e in cooling:  # said once, one figure in the message and in Retry-After
+            assert e.message.count("failed to load") == 1 and "is failed" not in e.message
+            assert f"tried again in {e.headers()['Retry-After']} s" in e.message, e.message
+            assert "bunkhouse load a" in e.message
 
     with caplog.at_level(logging.INFO):
         run(go())
-    assert caplog.text.count("tensor 'blk.0' is corrupt") == 2 * 20  # once per failure
+    outputs = [getattr(r, "output", None) or "" for r in caplog.records]
+    assert "".join(outputs).count("tensor 'blk.0' is corrupt") == 2 * 20  # once a failure
     loud = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(loud) == 2 and all("load failed" in r.getMessage() for r in loud)
+    text = TextLogFormatter("%(levelname)s %(message)s").format(loud[0])
+    first, *rest = text.split("\n")  # the output indented under one ERROR line
+    assert first.startswith("ERROR model a: load failed") and len(rest) >= 20
+    assert all(line.startswith("    ") for line in rest) and "\\x0a" not in text
+    assert rest[0] == "    llama_model_load: error loading model: tensor 'blk.0' is corrupt"
+
+
+def test_unload_and_pin_answer_whether_anything_changed() -> None:
+    """``bunkhouse unload`` of an absent or failed model changes nothing and says so (None,
+    at once); a second pin or unpin answers False; a failure stays failed."""
+    async def go() -> None:
+        h = Host([model("a"), model("b")])
+        assert await h.manager.unload("a", "operator") is None  # absent: nothing held
+        h.fail.add("b")
+        with pytest.raises(WorkerLoadFailed):
+            await h.use("b")
+        for _ in range(2):
+            assert await h.manager.unload("b", "operator") is None
+            assert h.state("b") == "failed" and h.manager.status("b").last_error
+        await h.use("a")
+        assert await h.manager.unload("a", "operator") is True
+        assert await h.manager.set_pinned("a", True) is True
+        assert await h.manager.set_pinned("a", True) is False
+        assert await h.manager.set_pinned("a", False) is True
+        assert await h.manager.set_pinned("a", False) is False
+        assert h.starts == ["b", "a"]
+
+    run(go())
 
 
 def test_a_model_too_large_is_refused_at_once_even_while_paused() -> None:

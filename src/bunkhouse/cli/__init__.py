@@ -7,7 +7,8 @@
   starts the server; ``prestart.py``, what it checks first; ``server.py``, uvicorn's server
   with bunkhouse's stop; ``logs.py``, the server's log;
 - ``remote.py``: the commands that talk to a running server (``ps``, ``events``, ``load``,
-  ``pause``, ``transcribe``...); ``cache.py``, the KV snapshot directory; ``output.py``, the
+  ``pause``, ``transcribe``...); ``reader.py``, their end when the reader of their output
+  leaves while they wait; ``cache.py``, the KV snapshot directory; ``output.py``, the
   tables and lines they print.
 """
 
@@ -24,6 +25,7 @@ from bunkhouse.cli.compose import catalog_of, reread, serve
 from bunkhouse.cli.logs import setup_logging
 from bunkhouse.cli.output import print_catalog
 from bunkhouse.cli.parser import parser
+from bunkhouse.cli.reader import ends_with_its_reader
 from bunkhouse.cli.settings import settings_from
 from bunkhouse.errors import BunkhouseError
 
@@ -66,16 +68,12 @@ def _command(argv: list[str] | None) -> int:
 def _client_command(args: argparse.Namespace) -> int | None:
     """Run a command that serves nothing (a running server's client, ``cache``); None for
     ``serve`` and ``models``."""
-    if args.command == "ps":
-        return remote.ps(args.url, args.api_key, args.watch)
-    if args.command == "events":
-        return remote.follow_events(args.url, args.api_key, args.since, args.json)
+    if args.command in ("ps", "events", "transcribe"):
+        with ends_with_its_reader():  # each may wait long with nothing to print
+            return _following(args)
     if args.command in ("reload", "default", "pause", "resume"):
         return remote.server_call(args.command, getattr(args, "model", None), args.url,
                                   args.admin_key, getattr(args, "max", None))
-    if args.command == "transcribe":
-        return remote.transcribe(args.file, args.url, args.api_key, args.model,
-                                 args.language, args.format)
     if args.command in ("load", "unload", "pin", "unpin"):
         return remote.control(args.command, args.model, args.url, args.admin_key,
                               getattr(args, "path", None))
@@ -85,6 +83,17 @@ def _client_command(args: argparse.Namespace) -> int | None:
             return 2
         return cache(args.action, args.model, args.kv_cache_dir)
     return None
+
+
+def _following(args: argparse.Namespace) -> int:
+    """``ps``, ``events`` and ``transcribe``: the commands that wait on a server between
+    lines."""
+    if args.command == "ps":
+        return remote.ps(args.url, args.api_key, args.watch)
+    if args.command == "events":
+        return remote.follow_events(args.url, args.api_key, args.since, args.json)
+    return remote.transcribe(args.file, args.url, args.api_key, args.model, args.language,
+                             args.format)
 
 
 def _serve_or_list(args: argparse.Namespace) -> int:

@@ -23,8 +23,9 @@ def setup_logging(level: str, fmt: str) -> None:
 
 
 class JsonLogFormatter(logging.Formatter):
-    """One JSON object a line: time (ISO 8601, UTC), level, logger, message, and the
-    exception's traceback if any (``--log-format json``)."""
+    """One JSON object a line: time (ISO 8601, UTC), level, logger, message, the record's
+    ``output`` (a failed load's last lines) and the exception's traceback if any
+    (``--log-format json``)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -34,6 +35,9 @@ class JsonLogFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        output = getattr(record, "output", None)  # a failed load's last lines, say
+        if isinstance(output, str) and output.strip():
+            out["output"] = output
         fields = getattr(record, "fields", None)  # an access line's figures, one by one
         if isinstance(fields, dict):
             out.update(fields)
@@ -43,9 +47,15 @@ class JsonLogFormatter(logging.Formatter):
 
 
 class TextLogFormatter(logging.Formatter):
-    """The text log: one line a message, its control characters escaped (a traceback
-    keeps its lines)."""
+    """The text log: one line a message, its control characters escaped; a record's
+    ``output`` (``extra={"output": text}``: a failed load's last lines) follows it, each
+    line indented under it, escaped too, so that none reads as a line of its own (a
+    traceback keeps its lines)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = printable(record.message)
+        output = getattr(record, "output", None)
+        if isinstance(output, str) and output.strip():
+            record.message += "".join(f"\n    {printable(line.rstrip())}"
+                                      for line in output.strip("\n").split("\n"))
         return super().formatMessage(record)

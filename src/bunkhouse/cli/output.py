@@ -1,5 +1,6 @@
 """What the commands print: the catalog table (``models``), the ``ps`` table, ``events``
-lines and the answers of ``load``/``pin``..., each with control characters escaped."""
+lines and the answers of ``load``/``pin``... and ``pause``/``reload``..., each with control
+characters escaped."""
 
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def _memory_lines(stats: dict[str, Any]) -> list[str]:
 
 def control_line(verb: str, model_id: str, status: int, body: Any) -> str:
     """What ``bunkhouse load|unload|pin|unpin ID`` prints of the server's answer: what
-    changed, and the model as it is now (state, memory) when the answer holds it."""
+    changed (or that nothing did: ``changed`` false), and the model as it is now (state,
+    memory) when the answer holds it."""
     name = printable(model_id)
     if status == 202:
         return (f"{name}: draining: it takes no new request and is freed when its running "
@@ -119,9 +121,17 @@ def control_line(verb: str, model_id: str, status: int, body: Any) -> str:
     if status == 204:
         return f"{name}: unloaded: its worker stopped and its memory is free"
     model = body if isinstance(body, dict) else {}
-    what = {"load": "", "pin": "pinned: never evicted; ",
+    if model.get("changed") is False:
+        return f"{name}: {_UNCHANGED.get(verb, 'nothing changed')}; {_model_now(model)}"
+    what = {"load": "loaded: ", "pin": "pinned: never evicted; ",
             "unpin": "unpinned: evicted when room is needed or once idle past its ttl; "}
     return f"{name}: {what.get(verb, '')}{_model_now(model)}"
+
+
+_UNCHANGED = {"load": "already loaded: nothing changed",
+              "unload": "nothing to unload: it holds no worker and no memory",
+              "pin": "already pinned: nothing changed",
+              "unpin": "already unpinned: nothing changed"}
 
 
 def _model_now(model: dict[str, Any]) -> str:
@@ -133,7 +143,33 @@ def _model_now(model: dict[str, Any]) -> str:
                 f"{mib(model.get('estimated_bytes'))} estimated)")
     if state == "absent":
         return "not loaded (it loads on its next request, or with bunkhouse load)"
+    if state == "failed":
+        error = printable(str(model.get("last_error") or "its load failed"))
+        return f"failed: {error} (bunkhouse load tries again at once)"
     return state
+
+
+def server_line(verb: str, data: dict[str, Any]) -> str:
+    """What ``bunkhouse default|pause|resume|reload`` prints of the server's answer."""
+    if verb == "default":
+        name = printable(str(data["id"]))
+        return (f"default model: {name}" if data.get("changed", True) else
+                f"default model: {name} already: nothing changed")
+    if verb == "pause":
+        if not data["paused"]:
+            return "the pause ended before the requests in flight finished"
+        until = time.strftime("%H:%M:%S", time.localtime(data["resumes_at"]))
+        held = "still paused (it was already): its end moved; " if data.get("extended") \
+            else "paused: "
+        return (f"{held}no request in flight; resumes by itself at {until} "
+                "(bunkhouse resume ends it)")
+    if verb == "resume":
+        return ("resumed: waiting requests go on" if data["resumed"] else
+                "no pause was held: nothing changed")
+    changes = [(c, data[c]) for c in ("added", "removed", "changed")]
+    if not any(ids for _, ids in changes):
+        return "the configuration and the model folders are as they were: nothing changed"
+    return "\n".join(f"{c}: {printable(', '.join(ids)) or 'none'}" for c, ids in changes)
 
 
 def event_line(data: str, as_json: bool) -> str:

@@ -14,7 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bunkhouse.cli.output import control_line, event_line, format_ps, printable
+from bunkhouse.cli.output import (
+    control_line,
+    event_line,
+    format_ps,
+    printable,
+    server_line,
+)
 
 _UNREACHABLE = 3  # bunkhouse ps: no server answered (--watch tries again)
 
@@ -140,7 +146,7 @@ def control(verb: str, model: str, url: str, key: str | None, path: str | None) 
 def server_call(verb: str, model: str | None, url: str, key: str | None,
                 max_s: float | None = None) -> int:
     """``bunkhouse reload``, ``default ID``, ``pause`` and ``resume`` against a running
-    server."""
+    server: each prints what changed, from the server's answer (or that nothing did)."""
     body: dict[str, Any] = {"model": model} if verb == "default" else {}
     if verb == "pause" and max_s is not None:
         body["max_s"] = max_s
@@ -148,22 +154,8 @@ def server_call(verb: str, model: str | None, url: str, key: str | None,
     if resp is None:
         return 1
     data = resp.json()
-    if verb == "default":
-        print(f"default model: {data['id']}")
-    elif verb == "pause":
-        if not data["paused"]:
-            print("the pause ended before the requests in flight finished")
-            return 1
-        until = time.strftime("%H:%M:%S", time.localtime(data["resumes_at"]))
-        print(f"paused: no request in flight; resumes by itself at {until} "
-              "(bunkhouse resume ends it)")
-    elif verb == "resume":
-        print("resumed: waiting requests go on" if data["resumed"] else
-              "no pause was held: nothing changed")
-    else:
-        for change in ("added", "removed", "changed"):
-            print(f"{change}: {', '.join(data[change]) or 'none'}")
-    return 0
+    print(server_line(verb, data))
+    return 1 if verb == "pause" and not data["paused"] else 0
 
 
 def transcribe(path: Path, url: str, key: str | None, model: str, language: str | None,

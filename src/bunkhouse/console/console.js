@@ -192,7 +192,12 @@ async function act(modelId, action) {
     return;
   }
   if (resp.ok) {
-    note.textContent = action + " " + modelId + ": done";
+    // what changed, from the answer: 202 draining; a model object's "changed" false: it
+    // was so already (an unload of a model that holds nothing, a second pin)
+    const body = resp.status === 200 ? await resp.json().catch(() => ({})) : {};
+    note.textContent = action + " " + modelId + ": " + (
+      resp.status === 202 ? "draining: freed when its running requests end" :
+      body.changed === false ? "nothing changed (it was so already)" : "done");
   } else {
     note.textContent = action + " " + modelId + ": " + await errorText(resp);
     note.className = "note bad";

@@ -9,10 +9,12 @@ one of the allowed roots. Changes live in memory: the config file stays the sour
            200 model object once ready; 409 id taken; 403 disabled or outside the roots;
            400 not a loadable local model (with the engine's reason)
     DELETE /v1/models/{id}            204 freed; 202 still draining; 404; 409 pinned by config
-    POST   /v1/models/{id}/load       200 model object once ready
-    POST   /v1/models/{id}/unload     204 freed; 202 still draining
-    POST   /v1/models/{id}/pin        200 model object
-    POST   /v1/models/{id}/unpin      200 model object
+    POST   /v1/models/{id}/load       200 model object once ready, with "changed" (false:
+                                      it was ready already)
+    POST   /v1/models/{id}/unload     204 freed; 202 still draining; 200 model object with
+                                      "changed": false when it held nothing (absent, failed)
+    POST   /v1/models/{id}/pin        200 model object, with "changed" (false: it was so)
+    POST   /v1/models/{id}/unpin      200 model object, with "changed" (false: it was so)
     POST   /admin/pause               {"max_s"?}: 200 once the requests in flight finished
     POST   /admin/resume              200 {"resumed": bool}
 """
@@ -110,21 +112,24 @@ class Admin:
 
     async def set_default(self, request: Request) -> Response:
         """``{"model": ID}``: requests that name no model go to it from now on (until a
-        restart)."""
+        restart). Answers its model object with ``changed`` (false: it was the default)."""
         data = parse_json_object(await read_body(request, 64 * 1024))
         name = data.get("model")
         if not isinstance(name, str) or not name:
             raise InvalidRequest("needs a string field 'model': the model to make the "
                                  "default", param="model")
+        before = self.catalog.default_id
         model = self.catalog.set_default(name)
-        log.info("default model switched to %s by an operator", model.id)
-        return JSONResponse(self.describe(model))
+        if model.id != before:
+            log.info("default model switched to %s by an operator", model.id)
+        return JSONResponse({**self.describe(model), "changed": model.id != before})
 
     async def pause(self, request: Request) -> Response:
         """``{"max_s": N}`` (optional, seconds, default :data:`PAUSE_MAX_S`): hold every
         model paused until ``POST /admin/resume`` or ``max_s`` seconds. Answers once the
         requests in flight have finished (or the pause ended meanwhile: ``paused`` false);
-        a client that leaves before that leaves the pause held."""
+        a client that leaves before that leaves the pause held. ``extended``: a pause was
+        held already, and only its end moved."""
         body = await read_body(request, 64 * 1024)
         data = parse_json_object(body) if body.strip() else {}
         max_s = data.get("max_s", PAUSE_MAX_S)
@@ -132,11 +137,13 @@ class Admin:
                 or not 1 <= max_s <= PAUSE_LIMIT_S:
             raise InvalidRequest(f"max_s must be a number of seconds from 1 to "
                                  f"{PAUSE_LIMIT_S}", param="max_s")
+        already = bool(self.residency.pause_status()["paused"])
         ends = await self.residency.operator_pause(float(max_s))
-        log.info("every model paused by an operator (for %.0f s at most)", max_s)
+        log.info("every model paused by an operator (for %.0f s at most)%s", max_s,
+                 "; it was paused already: its end moved" if already else "")
         held = await self.residency.paused_quiet()
         return JSONResponse({"paused": held, "in_flight": self.residency.in_flight(),
-                             "resumes_at": ends if held else None})
+                             "resumes_at": ends if held else None, "extended": already})
 
     async def resume(self, request: Request) -> Response:
         """End the pause: every waiting request goes on. ``resumed`` false when no pause was
@@ -254,23 +261,31 @@ class Admin:
             raise Conflict(f"model {model.id!r} is pinned; unpin it first "
                            f"(POST /v1/models/{model.id}/unpin)")
         reason, grace = "deleted by an operator", self.options.drain_grace_s
+        freed: bool | None  # None: it held nothing (a configured model stays, absent)
         if model.source == "runtime":  # gone from the catalog: its id is free once absent
             freed = await self.residency.delete(model.id, reason, grace)
         else:  # a configured model stays listed: unloaded
             freed = await self.residency.unload(model.id, reason, grace)
-        return Response(status_code=204 if freed else 202)
+        return Response(status_code=202 if freed is False else 204)
 
     async def action(self, request: Request) -> Response:
+        """load, unload, pin or unpin: the model object with ``changed`` (false: it was so
+        already), or for an unload that stopped a worker 204 (freed) or 202 (draining)."""
         model = self._known(request)
         action = request.path_params["action"]
         if action == "load":
+            before = self.residency.status(model.id)
             await self.residency.load(model.id, reset=True)
+            changed = before.state != "ready" or before.pid != \
+                self.residency.status(model.id).pid
         elif action == "unload":
             freed = await self.residency.unload(model.id, "unloaded by an operator",
                                                 self.options.drain_grace_s)
-            return Response(status_code=204 if freed else 202)
+            if freed is not None:
+                return Response(status_code=204 if freed else 202)
+            changed = False  # it held nothing
         elif action in ("pin", "unpin"):
-            await self.residency.set_pinned(model.id, action == "pin")
+            changed = await self.residency.set_pinned(model.id, action == "pin")
         else:
             raise NotFound(f"no action {action!r}; use load, unload, pin or unpin")
-        return JSONResponse(self.describe(model))
+        return JSONResponse({**self.describe(model), "changed": changed})

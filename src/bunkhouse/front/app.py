@@ -299,7 +299,8 @@ def _error_handlers(keys: Keys) -> dict[Any, ErrorHandler]:
         assert isinstance(exc, BunkhouseError)
         line = log_line(exc)  # once: a fault logged where it happened, a short line here
         if line is not None:
-            log.log(line[0], "%s %s: %s", request.method, request.url.path[:200], line[1])
+            log.log(line[0], "%s %s: %s", request.method, request.url.path[:200], line[1],
+                    extra={"output": line[2]})
         detail = keys.level_of(request) is Level.ADMIN
         return JSONResponse(error_envelope(request.url.path, exc, detail),
                             status_code=exc.status, headers=exc.headers())

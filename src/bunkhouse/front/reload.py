@@ -45,7 +45,7 @@ class Reloader:
                 catalog, keys = await asyncio.to_thread(self._rebuild)
             except BunkhouseError as e:
                 log.error("configuration not reloaded (%s): %s; the running configuration "
-                          "stays", why, e.full_message())  # the detail, logged once
+                          "stays", why, e.message, extra={"output": e.detail})  # once
                 # every client key reads events: the error (paths) is the detail, for the
                 # log and admins; the admin's reload call answers it in full
                 self._residency.events.emit(

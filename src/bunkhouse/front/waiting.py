@@ -97,7 +97,7 @@ class WaitingStream(Response):
             line = log_line(e)  # once: a fault logged where it happened, a short line here
             if line is not None:
                 log.log(line[0], "model %s: a streamed request failed after waiting: %s",
-                        self.model_id, line[1])
+                        self.model_id, line[1], extra={"output": line[2]})
             await self._end(send, self.shaper.error(error_body(e)))
             return
         except Exception as e:  # rendered once, here, as the error handler would

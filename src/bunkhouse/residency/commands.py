@@ -46,6 +46,10 @@ def unload(s: State, e: msg.Unload, now: float, fx: Fx) -> State:
         fx.append(msg.Resolve(e.reply, ModelNotFound(f"model {e.model!r} not found",
                                                      param="model")))
         return s
+    if not e.forget and m.phase in (Phase.ABSENT, Phase.FAILED) and not m.respawn \
+            and not m.waiters and not m.unloads:
+        fx.append(msg.Resolve(e.reply, None))  # it holds nothing: nothing changes
+        return s
     wait = UnloadWait(e.reply, e.reason, frozenset(w.id for w in m.waiters),
                       now + e.grace_s)
     m = replace(m, unloads=(*m.unloads, wait), respawn=False)
@@ -112,10 +116,11 @@ def reload(s: State, e: msg.Reload, now: float, fx: Fx) -> State:
 
 def pin(s: State, e: msg.Pin, now: float, fx: Fx) -> State:
     m = s.models.get(e.model)
-    if m is not None and m.pinned != e.pinned:
+    changed = m is not None and m.pinned != e.pinned
+    if m is not None and changed:
         fx.append(msg.Publish(m.id, "pinned" if e.pinned else "unpinned", "operator"))
         s = put(s, replace(m, pinned=e.pinned))
-    fx.append(msg.Resolve(e.reply, None))
+    fx.append(msg.Resolve(e.reply, changed))  # whether it changed
     return s
 
 

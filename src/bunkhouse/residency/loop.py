@@ -197,7 +197,8 @@ class Executor:
         except BunkhouseError as error:
             # once per failure, with the worker's output; each request it refuses (now, or
             # during the cool-down that may follow) logs one short line (errors.log_line)
-            log.error("model %s: load failed: %s", e.model, error.full_message())
+            log.error("model %s: load failed: %s", e.model, error.message,
+                      extra={"output": error.detail})  # its lines indented under this one
             error.logged = True
             self.post(msg.LoadFailed(e.model, e.worker, error))
             return

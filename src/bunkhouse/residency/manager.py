@@ -213,12 +213,15 @@ class ResidencyManager:
 
     # -- operators -----------------------------------------------------------------------
 
-    async def unload(self, model_id: str, reason: str, grace_s: float | None = None) -> bool:
+    async def unload(self, model_id: str, reason: str, grace_s: float | None = None
+                     ) -> bool | None:
         """Drain and stop the model (requests waiting for it when asked are served first).
         True once it is absent; False if requests still ran after ``grace_s``: it accepts
-        nothing new and is freed when they end."""
+        nothing new and is freed when they end; None if it held nothing (absent or failed,
+        nothing waiting for it): nothing changed."""
         grace = self.options.drain_grace_s if grace_s is None else grace_s
-        return bool(await self._ask(lambda r: msg.Unload(model_id, r, reason, grace)))
+        freed = await self._ask(lambda r: msg.Unload(model_id, r, reason, grace))
+        return None if freed is None else bool(freed)
 
     async def delete(self, model_id: str, reason: str, grace_s: float | None = None) -> bool:
         """Remove the model: requests waiting for it get 404, a load under way is
@@ -241,8 +244,9 @@ class ResidencyManager:
         change: dict[str, list[str]] = await self._ask(lambda r: msg.Reload(specs, new, r))
         return change
 
-    async def set_pinned(self, model_id: str, pinned: bool) -> None:
-        await self._ask(lambda r: msg.Pin(model_id, pinned, r))
+    async def set_pinned(self, model_id: str, pinned: bool) -> bool:
+        """Pin (never evicted) or unpin the model; whether that changed it."""
+        return bool(await self._ask(lambda r: msg.Pin(model_id, pinned, r)))
 
     async def operator_pause(self, max_s: float, reason: str = "operator") -> float:
         """Hold every model paused until :meth:`operator_resume` or for ``max_s`` seconds,

@@ -12,6 +12,7 @@ process: it returns the effects for residency/loop.py to carry out.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -92,15 +93,23 @@ def _refusal(s: State, m: Model | None, model_id: str, now: float) -> Exception 
     if m.phase is Phase.FAILED:
         left = supervision.cooling_s(s.health[m.id], now)
         if left is not None:
-            return ModelFailed(
-                f"model {model_id!r} is failed: {m.last_error}; it will be tried again in "
-                f"{left:.0f} s", retry_after_s=max(1, int(left)), detail=m.last_error_detail,
-                logged=True)
+            return cooling(m, max(1, math.ceil(left)))
     if m.phase in (Phase.ABSENT, Phase.FAILED):  # not even a pause or a backoff can help
         _, decision, _ = place(s, m)
         if isinstance(decision, NeverFits):
             return too_large(m, decision)
     return None
+
+
+def cooling(m: Model, left_s: int) -> ModelFailed:
+    """A failed model's refusal in its cool-down: why once, when it is tried again (the
+    same whole seconds in the message and in Retry-After) and what an admin can do."""
+    why = m.last_error or "its load failed"
+    if not why.startswith(f"model {m.id!r}"):
+        why = f"model {m.id!r} is failed: {why}"
+    return ModelFailed(f"{why}; it is tried again in {left_s} s (an admin's POST "
+                       f"/v1/models/{m.id}/load, or bunkhouse load {m.id}, tries at once)",
+                       retry_after_s=left_s, detail=m.last_error_detail, logged=True)
 
 
 def _cancel(s: State, e: msg.Cancel, now: float, fx: Fx) -> State:

@@ -66,12 +66,13 @@ def _expire_waits(s: State, m: Model, now: float, fx: Fx) -> Model:
 def paused_error(s: State, model_id: str, now: float) -> Paused:
     assert s.pause is not None
     left = None if s.pause.until is None else max(0.0, s.pause.until - now)
-    ends = f"; it ends by itself in {left:.0f} s unless resumed sooner" if left else ""
+    secs = max(1, math.ceil(left)) if left else None  # one figure: message and header
+    ends = f"; it ends by itself in {secs} s unless resumed sooner" if secs else ""
     return Paused(
         f"model {model_id!r}: every model is paused by an operator (POST /admin/pause)"
         f"{ends}; this request waited {s.options.admission_wait_s:g} s "
         "(--admission-wait); retry later",
-        retry_after_s=max(1, math.ceil(left)) if left else s.options.retry_after_s)
+        retry_after_s=secs or s.options.retry_after_s)
 
 
 def _expire_unloads(m: Model, now: float, fx: Fx) -> Model:
