@@ -177,10 +177,20 @@ class ClientGone(BunkhouseError):
 
 
 class WorkerLoadFailed(BunkhouseError):
-    """A worker did not become ready; the detail quotes the last lines of its output."""
+    """A worker did not become ready; the detail quotes the last lines of its output.
+    ``retry_after_s``: whole seconds until the model is tried again (its crash-loop backoff
+    or cool-down), sent as ``Retry-After`` when known."""
 
     status = 503
     code = "model_load_failed"
+
+    def __init__(self, message: str, *, param: str | None = None, detail: str | None = None,
+                 logged: bool = False, retry_after_s: int | None = None) -> None:
+        super().__init__(message, param=param, detail=detail, logged=logged)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
 
 class InsufficientMemory(BunkhouseError):

@@ -346,13 +346,17 @@ def test_a_failed_load_logs_its_output_once_and_each_refusal_a_short_line(
             assert e.message.count("failed to load") == 1 and "is failed" not in e.message
             assert f"tried again in {e.headers()['Retry-After']} s" in e.message, e.message
             assert "bunkhouse load a" in e.message
+        for e in errors:  # a load's own failures say when it is tried again too
+            assert f"tried again in {e.headers()['Retry-After']} s" in e.message, e.message
 
     with caplog.at_level(logging.INFO):
         run(go())
     outputs = [getattr(r, "output", None) or "" for r in caplog.records]
-    assert "".join(outputs).count("tensor 'blk.0' is corrupt") == 2 * 20  # once a failure
+    # logged at its first failure; the retry's same output is not repeated
+    assert "".join(outputs).count("tensor 'blk.0' is corrupt") == 20
     loud = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(loud) == 2 and all("load failed" in r.getMessage() for r in loud)
+    assert "load failed again" in loud[1].getMessage()
     text = TextLogFormatter("%(levelname)s %(message)s").format(loud[0])
     first, *rest = text.split("\n")  # the output indented under one ERROR line
     assert first.startswith("ERROR model a: load failed") and len(rest) >= 20

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -36,6 +37,9 @@ from bunkhouse.residency.slots import SlotGate
 from bunkhouse.residency.state import State
 from bunkhouse.residency.step import step, wake_at
 from bunkhouse.supervisor.handle import SparePool, WorkerHandle
+
+_UNSTAMPED = re.compile(r"^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[,.]\d+ ", re.M)
+"""A log line's time stamp, which a failure's output is compared without."""
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,7 @@ class Executor:
         self.futures: dict[int, asyncio.Future[Any]] = {}
         self._gates: dict[str, tuple[int, SlotGate]] = {}
         self._spawns: dict[int, asyncio.Task[None]] = {}
+        self._failed_output: dict[str, str | None] = {}  # each model's last failed load's
         self._fills: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -195,10 +200,9 @@ class Executor:
             self.post(msg.LoadFailed(e.model, e.worker, None))
             return
         except BunkhouseError as error:
-            # once per failure, with the worker's output; each request it refuses (now, or
+            # once per failure, with the worker's output when new; each request it refuses (now, or
             # during the cool-down that may follow) logs one short line (errors.log_line)
-            log.error("model %s: load failed: %s", e.model, error.message,
-                      extra={"output": error.detail})  # its lines indented under this one
+            self._log_failure(e.model, error)
             error.logged = True
             self.post(msg.LoadFailed(e.model, e.worker, error))
             return
@@ -217,6 +221,18 @@ class Executor:
         self.post(msg.WorkerReady(e.model, e.worker, worker.placement.pid,
                                   str(worker.placement), memory.peak if memory else None,
                                   worker.alive))
+
+    def _log_failure(self, model: str, error: BunkhouseError) -> None:
+        """A failed load, logged at ERROR with the worker's output indented under it; the
+        same output as the model's last failure (a crash loop's retries) is not repeated."""
+        output = None if error.detail is None else _UNSTAMPED.sub("", error.detail)
+        if output is not None and self._failed_output.get(model) == output:
+            log.error("model %s: load failed again: %s (its output is the same as its last "
+                      "failure's, logged above)", model, error.message)
+            return
+        self._failed_output[model] = output
+        log.error("model %s: load failed: %s", model, error.message,
+                  extra={"output": error.detail})  # its lines indented under this one
 
     async def _with_progress(self, e: msg.Spawn, start: Awaitable[WorkerHandle]
                              ) -> WorkerHandle:

@@ -22,6 +22,7 @@ from bunkhouse.errors import (
     ModelFailed,
     ModelNotFound,
     ShuttingDown,
+    WorkerLoadFailed,
 )
 from bunkhouse.residency import commands, timers
 from bunkhouse.residency import messages as msg
@@ -203,10 +204,27 @@ def _load_failed(s: State, e: msg.LoadFailed, now: float, fx: Fx) -> State:
         message, detail = f"model {m.id!r} failed to load", str(e.error)
     s = _count_failure(s, m, message, detail, now, fx)
     m = replace(s.models[m.id], worker=None, respawn=False)
-    m = refuse(set_phase(m, Phase.FAILED, message, fx, detail), e.error, fx)
+    m = refuse(set_phase(m, Phase.FAILED, message, fx, detail),
+               _with_retry(s, m, e.error, now), fx)
     if m.retired:
         return forget(s, m, fx)
     return put(s, m)
+
+
+def _with_retry(s: State, m: Model, error: Exception, now: float) -> Exception:
+    """A failed load's refusal saying when the model is tried again (its backoff, or the
+    cool-down a crash loop began: the same whole seconds in the message and in
+    Retry-After), as a refusal during the cool-down says it (:func:`cooling`)."""
+    if not isinstance(error, WorkerLoadFailed):
+        return error
+    left = supervision.cooling_s(s.health[m.id], now)
+    if left is None:
+        left = m.not_before - now
+    left_s = max(1, math.ceil(left))
+    return WorkerLoadFailed(
+        f"{error.message}; it is tried again in {left_s} s (an admin's POST "
+        f"/v1/models/{m.id}/load, or bunkhouse load {m.id}, tries at once)",
+        param=error.param, detail=error.detail, logged=error.logged, retry_after_s=left_s)
 
 
 def _count_failure(s: State, m: Model, cause: str, detail: str | None, now: float, fx: Fx,
