@@ -131,6 +131,10 @@ def test_tools_the_model_cannot_run_are_skipped_and_named(
         "messages": [{"role": "user", "content": "Hi"}],
         "tools": [{"type": "web_search"}, function]})
     assert skipped.status_code == 200 and skipped.headers[SKIPPED] == "web_search"
+    only = httpx.post(server.url + "/v1/responses", timeout=300, json={
+        "model": QWEN, "input": "Hi", "tool_choice": "required",
+        "tools": [{"type": "web_search"}]})  # a refusal says which tools it was left without
+    assert only.status_code == 400 and only.headers[SKIPPED] == "web_search", only.text
 
 
 COUNT = "1 2 3 4 5 6 7 8 9 10"
@@ -219,3 +223,9 @@ def test_bounds_are_the_engines_and_every_refusal_names_its_field(
     schema = httpx.post(server.url + "/api/chat", timeout=300, json={
         "model": QWEN, "messages": user, "stream": False, "format": huge})
     assert schema.json()["error"].startswith("format: a JSON schema's minimum"), schema.text
+    for option, value in (("repeat_last_n", -2), ("mirostat", 3), ("num_keep", -5),
+                          ("num_ctx", 1 << 64)):  # the engine's ranges, in Ollama's names
+        refused = httpx.post(server.url + "/api/chat", timeout=300, json={
+            "model": QWEN, "messages": user, "stream": False, "options": {option: value}})
+        assert refused.status_code == 400, (option, refused.text)
+        assert f"options.{option}" in refused.json()["error"], refused.text

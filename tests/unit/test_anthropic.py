@@ -178,3 +178,21 @@ def test_errors_use_anthropics_envelope_and_types() -> None:
     assert error_envelope(InsufficientMemory("x"))["error"]["type"] == "overloaded_error"
     # a model that failed to load is the server's failure, not a lack of capacity
     assert error_envelope(WorkerLoadFailed("x"))["error"]["type"] == "api_error"
+
+
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": -5},
+                                      {"type": "enabled"}, {"type": "sometimes"}, 5,
+                                      {"type": "enabled", "budget_tokens": 2**64}])
+def test_thinking_is_checked_as_anthropic_shapes_it(thinking: Any) -> None:
+    body = {"model": "m", "max_tokens": 4096, "thinking": thinking,
+            "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(InvalidRequest) as e:
+        to_chat(body)
+    assert (e.value.param or "").startswith("thinking"), e.value.message
+
+
+def test_thinking_in_its_shapes_is_taken() -> None:
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"},
+                     {"type": "adaptive"}):
+        to_chat({"model": "m", "max_tokens": 4096, "thinking": thinking,
+                 "messages": [{"role": "user", "content": "hi"}]})

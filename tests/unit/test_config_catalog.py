@@ -420,3 +420,23 @@ def test_config_params_are_bounded_as_the_same_request_fields() -> None:
         if name in EXTENSION_BOUNDS:
             assert (lo, hi) == EXTENSION_BOUNDS[name], name
     assert REQUEST_PARAMS["seed"][1:] == (-(1 << 63), (1 << 63) - 1)
+
+
+def test_the_default_is_the_first_models_entry_even_one_without_a_path(tmp_path: Path
+                                                                     ) -> None:
+    """The first [[models]] entry is the default whether it has a path or configures a model
+    of another source (a models folder's here, as the packaged Qwen's in a user's file)."""
+    write_tiny_gguf(tmp_path / "models" / "found.gguf")
+    write_tiny_gguf(tmp_path / "own.gguf")
+    path = _config(tmp_path, """
+[[models]]
+id = "found"
+context = 1024
+[[models]]
+id = "own"
+path = "own.gguf"
+""")
+    settings = load_config_file(path, _settings(models_dirs=(tmp_path / "models",)))
+    catalog = build_catalog(settings, engines=ENGINES)
+    assert catalog.default_id == "found"
+    assert catalog.get(None).id == "found"

@@ -33,6 +33,20 @@ def test_a_chat_request_with_options_format_and_tools() -> None:
                                   "tool_call_id": call["id"]}
 
 
+def test_sampling_options_the_engine_takes_are_passed_on_and_num_ctx_is_bounded() -> None:
+    """Ollama's sampling options llama.cpp takes reach its adapter (which holds them to the
+    engine's ranges, naming the Ollama option); its load options are the server's."""
+    out = ollama.chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                               "options": {"repeat_last_n": -2, "mirostat": 3, "num_keep": 5,
+                                           "typical_p": 0.5, "num_batch": -1}})
+    assert (out["repeat_last_n"], out["mirostat"], out["n_keep"], out["typical_p"]) == (
+        -2, 3, 5, 0.5)
+    assert "num_batch" not in out and "num_keep" not in out
+    with pytest.raises(InvalidRequest) as e:
+        ollama.chat_request({"model": "m", "messages": [], "options": {"num_ctx": 2**64}})
+    assert e.value.param == "options.num_ctx" and "2147483647" in e.value.message
+
+
 def test_generate_goes_through_the_template_unless_raw_or_there_is_none() -> None:
     route, out = ollama.generate_request({"model": "m", "prompt": "hi", "system": "S",
                                           "stream": False}, templated=True)

@@ -269,7 +269,24 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     metadata = body.get("metadata")
     need(metadata is None or isinstance(metadata, dict), "metadata must be an object",
          "metadata")
+    _thinking(body.get("thinking"))
     return out
+
+
+def _thinking(given: Any) -> None:
+    """Checks ``thinking`` as Anthropic's reference shapes it (``{"type": "enabled",
+    "budget_tokens": >= 1024}``, ``{"type": "disabled"}`` or ``{"type": "adaptive"}``);
+    it is not passed on: a local model thinks as its template has it."""
+    if given is None:
+        return
+    need(isinstance(given, dict) and given.get("type") in ("enabled", "disabled", "adaptive"),
+         'thinking must be an object with type "enabled", "disabled" or "adaptive"',
+         "thinking")
+    budget = given.get("budget_tokens")
+    if given["type"] == "enabled" or budget is not None:
+        need(budget is not None, "thinking.budget_tokens is required: an integer from 1024",
+             "thinking.budget_tokens")
+        integer({"thinking.budget_tokens": budget}, "thinking.budget_tokens", 1024, INT32_MAX)
 
 
 def _stop(finish: str | None, text: str, stops: list[str]) -> tuple[str, str | None]:

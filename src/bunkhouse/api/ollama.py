@@ -35,11 +35,21 @@ _OPTIONS = {"temperature": (float, 0, 2), "top_p": (float, 0, 1), "top_k": (int,
             "min_p": (float, 0, 1)}
 """Ollama options passed on under the same name: (type, lowest, highest)."""
 
+_ENGINE_OPTIONS = {"typical_p": "typical_p", "repeat_last_n": "repeat_last_n",
+                   "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
+                   "mirostat_eta": "mirostat_eta", "num_keep": "n_keep"}
+"""Ollama sampling options llama.cpp's server takes too (Ollama's name: the engine's), passed
+on for its adapter to check against the engine's own ranges (a refusal names the Ollama
+option: :data:`CHAT_FIELDS`). Ollama's load options (``num_batch``, ``num_gpu``,
+``num_thread``, ``use_mmap``, ...) are the server's to set and are not read."""
+
 CHAT_FIELDS: Renames = (
     (r"^response_format.*", "format"),
     (r"^max_tokens$", "options.num_predict"),
     (r"^(temperature|top_p|top_k|min_p|seed|stop|repeat_penalty|presence_penalty"
-     r"|frequency_penalty)$", r"options.\1"),
+     r"|frequency_penalty|typical_p|repeat_last_n|mirostat|mirostat_tau|mirostat_eta)$",
+     r"options.\1"),
+    (r"^n_keep$", "options.num_keep"),
 )
 """The chat completion fields a refusal may name, as this API names them (api/fields.py)."""
 
@@ -132,6 +142,9 @@ def _options(body: dict[str, Any], out: dict[str, Any]) -> None:
              f"options.{name} must be a{'n integer' if kind is int else ' number'} from "
              f"{_bound(lo)} to {_bound(hi)}", f"options.{name}")
         out[name] = value
+    for name, engine_name in _ENGINE_OPTIONS.items():
+        if given.get(name) is not None:
+            out[engine_name] = given[name]
     predict = given.get("num_predict")
     if predict is not None:
         need(isinstance(predict, int) and not isinstance(predict, bool) and predict >= -2,
@@ -146,8 +159,9 @@ def _options(body: dict[str, Any], out: dict[str, Any]) -> None:
         if stop:
             out["stop"] = stop
     ctx = given.get("num_ctx")  # the model's slot size is the server's to set
-    need(ctx is None or (isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0),
-         "options.num_ctx must be a positive integer", "options.num_ctx")
+    need(ctx is None or (isinstance(ctx, int) and not isinstance(ctx, bool)
+                         and 0 < ctx <= INT32_MAX),
+         f"options.num_ctx must be an integer from 1 to {INT32_MAX}", "options.num_ctx")
 
 
 def _format(body: dict[str, Any], out: dict[str, Any]) -> None:

@@ -461,7 +461,8 @@ def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
         if entry.overlay:
             _overlay(models, entry, settings)
     _name_transcription(models)
-    return Catalog(models.values(), settings.default_model or _first_default(models))
+    return Catalog(models.values(),
+                   settings.default_model or _first_default(models, settings.entries))
 
 
 def _check_engines(settings: Settings, engines: Collection[str]) -> None:
@@ -520,8 +521,14 @@ def _overlay(models: dict[str, CatalogModel], entry: ModelEntry, settings: Setti
         request=entry.params if entry.params != RequestParams() else model.request)
 
 
-def _first_default(models: dict[str, CatalogModel]) -> str | None:
-    """The first model that generates (never a transcription model), by source."""
+def _first_default(models: dict[str, CatalogModel], entries: Iterable[ModelEntry] = ()
+                   ) -> str | None:
+    """The first model that generates (never a transcription model): the first [[models]]
+    entry's, with a path or configuring a model of another source, else by source."""
+    for entry in entries:
+        named = _resolve(models, entry.id)
+        if named is not None and not models[named].transcribes:
+            return named
     for source in ("config", "package", "models_dir", "hf_cache", "ollama", "lmstudio"):
         for model in models.values():
             if model.source == source and not model.transcribes:

@@ -138,12 +138,17 @@ def _guarded(keys: Keys, method: str, path: str, handler: Handler) -> Handler:
         request.state.route = path  # a bounded label for /metrics
         request.state.received_ns = time.monotonic_ns()
         response = await guarded(request)
-        skipped = getattr(request.state, "skipped_tools", None)
-        if skipped:  # tools the model cannot run, left out (api/fields.py)
-            response.headers[SKIPPED_TOOLS_HEADER] = skipped
+        response.headers.update(_skipped_header(request))
         return response
 
     return noted
+
+
+def _skipped_header(request: Request) -> dict[str, str]:
+    """The tools the model cannot run that the request's were left without (api/fields.py),
+    for its answer, an error's too (a ``tool_choice`` naming one of them)."""
+    skipped = getattr(request.state, "skipped_tools", None)
+    return {SKIPPED_TOOLS_HEADER: skipped} if skipped else {}
 
 
 def _generation_routes(pipeline: Pipeline, options: FrontOptions) -> list[RouteSpec]:
@@ -303,7 +308,8 @@ def _error_handlers(keys: Keys) -> dict[Any, ErrorHandler]:
                     extra={"output": line[2]})
         detail = keys.level_of(request) is Level.ADMIN
         return JSONResponse(error_envelope(request.url.path, exc, detail),
-                            status_code=exc.status, headers=exc.headers())
+                            status_code=exc.status,
+                            headers={**exc.headers(), **_skipped_header(request)})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
