@@ -68,9 +68,15 @@ class BunkhouseError(Exception):
         """The message with its detail: for the log and for admin-key callers."""
         return f"{self.message}\n{self.detail}" if self.detail else self.message
 
+    retry_after_s: float | None = None
+    """Seconds a client should wait before trying again, sent as ``Retry-After`` (whole
+    seconds, at least 1); None: no such header."""
+
     def headers(self) -> dict[str, str]:
-        """Extra HTTP headers that go with this error (e.g. ``Retry-After``)."""
-        return {}
+        """Extra HTTP headers that go with this error: ``Retry-After`` when it has one."""
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, int(self.retry_after_s + 0.999)))}
 
 
 class ConfigError(BunkhouseError):
@@ -107,9 +113,7 @@ class QueueFull(BunkhouseError):
     status = 429
     type = "resource_admission"
     code = "queue_full"
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": "1"}
+    retry_after_s = 1
 
 
 class StalledTooOften(BunkhouseError):
@@ -123,9 +127,6 @@ class StalledTooOften(BunkhouseError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, int(self.retry_after_s + 0.999)))}
 
 
 class Unauthorized(BunkhouseError):
@@ -189,9 +190,6 @@ class WorkerLoadFailed(BunkhouseError):
         super().__init__(message, param=param, detail=detail, logged=logged)
         self.retry_after_s = retry_after_s
 
-    def headers(self) -> dict[str, str]:
-        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
-
 
 class InsufficientMemory(BunkhouseError):
     """The model would fit once leased models let go, but they did not within the wait."""
@@ -205,9 +203,6 @@ class InsufficientMemory(BunkhouseError):
                  detail: str | None = None, logged: bool = False) -> None:
         super().__init__(message, detail=detail, logged=logged)
         self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
 
 
 class Paused(InsufficientMemory):
@@ -248,9 +243,7 @@ class ServerBusy(BunkhouseError):
 
     status = 503
     code = "server_busy"
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": "1"}
+    retry_after_s = 1
 
 
 class EngineUnavailable(BunkhouseError):

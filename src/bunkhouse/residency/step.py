@@ -108,9 +108,14 @@ def cooling(m: Model, left_s: int) -> ModelFailed:
     why = m.last_error or "its load failed"
     if not why.startswith(f"model {m.id!r}"):
         why = f"model {m.id!r} is failed: {why}"
-    return ModelFailed(f"{why}; it is tried again in {left_s} s (an admin's POST "
-                       f"/v1/models/{m.id}/load, or bunkhouse load {m.id}, tries at once)",
+    return ModelFailed(f"{why}; {_tried_again(m.id, left_s)}",
                        retry_after_s=left_s, detail=m.last_error_detail, logged=True)
+
+
+def _tried_again(model_id: str, left_s: int) -> str:
+    """When a failed model is tried again, and what an admin can do meanwhile."""
+    return (f"it is tried again in {left_s} s (an admin's POST /v1/models/{model_id}/load, "
+            f"or bunkhouse load {model_id}, tries at once)")
 
 
 def _cancel(s: State, e: msg.Cancel, now: float, fx: Fx) -> State:
@@ -221,10 +226,9 @@ def _with_retry(s: State, m: Model, error: Exception, now: float) -> Exception:
     if left is None:
         left = m.not_before - now
     left_s = max(1, math.ceil(left))
-    return WorkerLoadFailed(
-        f"{error.message}; it is tried again in {left_s} s (an admin's POST "
-        f"/v1/models/{m.id}/load, or bunkhouse load {m.id}, tries at once)",
-        param=error.param, detail=error.detail, logged=error.logged, retry_after_s=left_s)
+    return WorkerLoadFailed(f"{error.message}; {_tried_again(m.id, left_s)}",
+                            param=error.param, detail=error.detail, logged=error.logged,
+                            retry_after_s=left_s)
 
 
 def _count_failure(s: State, m: Model, cause: str, detail: str | None, now: float, fx: Fx,
