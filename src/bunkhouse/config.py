@@ -113,6 +113,29 @@ class ModelEntry:
     # no path: it configures a model of another source (packaged, a model folder) by its id
     overlay: bool = False
     engine_keys: tuple[tuple[str, Any], ...] = ()  # its keys for its engine, as written
+    adapter_of: str | None = None  # a LoRA adapter of this base model (id or alias)
+    scale: float = 1.0  # an adapter's: the scale its requests run it at
+    default_adapter: str | None = None  # a base's: the adapter its own id's requests run
+    refused: str | None = None  # an adapter's entry in error: logged, not served (the rest is)
+
+
+ADAPTER_KEYS = frozenset({"id", "path", "adapter_of", "scale", "aliases"})
+"""The keys an adapter's [[models]] entry may have: its model's options are its base's."""
+
+MAX_ADAPTER_SCALE = 10.0
+"""The largest adapter scale taken: llama.cpp takes any float; past a few the adapter's
+weights swamp the base's and the model answers noise (the adapters bunkhouse tests with
+answer noise at 4)."""
+
+
+def check_scale(value: object, where: str) -> float:
+    """An adapter's ``scale``: a finite number from 0 to :data:`MAX_ADAPTER_SCALE`; else
+    ConfigError naming the key."""
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not 0 <= value <= MAX_ADAPTER_SCALE:  # NaN fails too
+        raise ConfigError(f"{where}: scale must be a number from 0 to "
+                          f"{MAX_ADAPTER_SCALE:g}, not {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,13 +358,22 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: must be a table")
     entry_keys = frozenset({"id", "path", "pinned", "chat_template", "engine", "aliases",
-                            "params", "fixed_params", "strip_params"})
+                            "params", "fixed_params", "strip_params", "default_adapter"})
     options = _options(table, where)
     model_id, path = table.get("id"), table.get("path", "")
     if not isinstance(model_id, str) or not isinstance(path, str):
         raise ConfigError(f"{where}: needs a string key 'id' (and 'path', a GGUF file, unless "
                           "it configures a model found elsewhere)")
     check_model_id(model_id, where)
+    if "adapter_of" in table:  # an adapter in error is left out; the other models serve
+        try:
+            return _adapter_entry(table, where, model_id, path, base_dir)
+        except ConfigError as e:
+            return ModelEntry(model_id, Path(path), {}, adapter_of=str(table["adapter_of"]),
+                              refused=e.message)
+    default_adapter = table.get("default_adapter")
+    if default_adapter is not None and not isinstance(default_adapter, str):
+        raise ConfigError(f"{where}: default_adapter must be the id of one of its adapters")
     engine_options(defaults, options, f"model {model_id!r}")
     resolved = Path(path).expanduser()
     if path and not resolved.is_absolute():
@@ -359,7 +391,34 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
         check_model_id(alias, f"{where} aliases", "alias")
     return ModelEntry(model_id, resolved, options, pinned, ttl, template, engine,
                       tuple(dict.fromkeys(aliases)), _params(table, where), overlay=not path,
-                      engine_keys=_engine_keys(table, entry_keys))
+                      engine_keys=_engine_keys(table, entry_keys),
+                      default_adapter=default_adapter)
+
+
+def _adapter_entry(table: dict[str, Any], where: str, model_id: str, path: str,
+                   base_dir: Path) -> ModelEntry:
+    """A LoRA adapter's entry: ``adapter_of`` a base model, ``path`` its GGUF, ``scale``. What
+    depends on the base (that it exists, is no adapter, has the adapter's architecture) is
+    the catalog's to check."""
+    where = f"{where} (adapter {model_id!r})"
+    unknown = sorted(set(table) - ADAPTER_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: an adapter takes only {', '.join(sorted(ADAPTER_KEYS))} "
+                          f"(it is served with its base's settings), not {', '.join(unknown)}")
+    base = table["adapter_of"]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{where}: adapter_of must be the id of the base model")
+    if not path:
+        raise ConfigError(f"{where}: needs 'path', the adapter's LoRA GGUF file")
+    resolved = Path(path).expanduser()
+    resolved = resolved if resolved.is_absolute() else base_dir / resolved
+    aliases = table.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise ConfigError(f"{where}: aliases must be an array of strings")
+    for alias in aliases:
+        check_model_id(alias, f"{where} aliases", "alias")
+    return ModelEntry(model_id, resolved, {}, aliases=tuple(dict.fromkeys(aliases)),
+                      adapter_of=base, scale=check_scale(table.get("scale", 1.0), where))
 
 
 def _params(table: dict[str, Any], where: str) -> RequestParams:

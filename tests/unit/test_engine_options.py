@@ -96,8 +96,8 @@ def test_integers_past_the_engines_width_are_refused_by_name_and_seeds_fold() ->
 def test_extension_bounds_are_the_engines_own() -> None:
     """The ranges the engine's request schema holds (tried against a worker), one message
     per field: ``repeat_last_n`` and ``dry_penalty_last_n`` from 0 (the engine refuses -1),
-    ``n_predict`` -1 or from 1 (its 0 generates a token); a ``lora`` list is refused (no
-    adapters are loaded: the engine would ignore any id)."""
+    ``n_predict`` -1 or from 1 (its 0 generates a token); a ``lora`` field is refused, empty
+    too (adapters are chosen by model id; the front sets every scale itself)."""
     from bunkhouse.engines.llamacpp import LlamaCpp, check_extensions
     from bunkhouse.errors import InvalidRequest
 
@@ -117,8 +117,8 @@ def test_extension_bounds_are_the_engines_own() -> None:
             check_extensions({"top_k": wrong})
     check_extensions({"repeat_last_n": 0, "dry_penalty_last_n": 0, "n_predict": 1, "top_k": 0,
                       "min_p": 1 << 40})
-    for lora in ([{"id": 1 << 64, "scale": 1}], [{"id": 0, "scale": 1}], "x"):
+    for lora in ([{"id": 1 << 64, "scale": 1}], [{"id": 0, "scale": 1}], "x", []):
         with pytest.raises(InvalidRequest) as info:
             LlamaCpp().check_request("/v1/chat/completions", {"lora": lora})
         assert info.value.param == "lora"
-    assert LlamaCpp().check_request("/completion", {"lora": []}) == {"lora": []}
+        assert "model id" in info.value.message or not isinstance(lora, list)

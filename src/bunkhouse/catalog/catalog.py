@@ -33,6 +33,7 @@ from bunkhouse.config import (
 )
 from bunkhouse.defaults import DEFAULT_SLOT_TOKENS
 from bunkhouse.engines import ENGINES
+from bunkhouse.engines.contract import Adapter
 from bunkhouse.errors import (
     ConfigError,
     GGUFError,
@@ -67,6 +68,17 @@ class CatalogModel:
     # the real path of each file when catalogued, where ``path`` is a link by design (the
     # hub cache's snapshot links to blobs); empty: ``path`` and its parts are real paths
     resolved: tuple[Path, ...] = ()
+    adapter_of: str | None = None  # a LoRA adapter: the id of the base model it runs on
+    scale: float = 1.0  # an adapter's scale
+    adapters: tuple[Adapter, ...] = ()  # a base's adapters, mounted with it
+    default_adapter: str | None = None  # a base's: the adapter requests for its id run
+
+    @property
+    def adapter(self) -> Adapter | None:
+        """This adapter as its base's worker mounts it; None for a model."""
+        if self.adapter_of is None:
+            return None
+        return Adapter(self.id, self.path, self.size_bytes, self.scale)
 
     @property
     def kind(self) -> str:
@@ -124,6 +136,29 @@ class Catalog:
 
     def __iter__(self) -> Iterator[CatalogModel]:
         return iter(list(self._models.values()))
+
+    def bases(self) -> list[CatalogModel]:
+        """The models that run workers: every model but the adapters."""
+        return [m for m in self._models.values() if m.adapter_of is None]
+
+    def adapters_of(self, base_id: str) -> list[CatalogModel]:
+        """The adapters registered on ``base_id`` (the catalog's view: the base's worker
+        mounts them once it is re-mounted)."""
+        return [m for m in self._models.values() if m.adapter_of == base_id]
+
+    def served(self, model: CatalogModel) -> tuple[CatalogModel, CatalogModel | None]:
+        """What a request naming ``model`` runs on: its base (``model`` itself if it is no
+        adapter) and the adapter, if any: the adapter named, or the base's default adapter.
+        ModelNotFound if an adapter's base is gone."""
+        if model.adapter_of is None:
+            default = self._models.get(model.default_adapter or "")
+            return model, default if default is not None and default.adapter_of == model.id \
+                else None
+        base = self._models.get(model.adapter_of)
+        if base is None:
+            raise ModelNotFound(f"adapter {model.id!r}: its base model {model.adapter_of!r} "
+                                "is gone", param="model")
+        return base, model
 
     def __contains__(self, model_id: object) -> bool:
         return model_id in self._models
@@ -338,7 +373,7 @@ def _transcription_options(base: EngineOptions, entry: ModelEntry | None,
 
 def _from_config(settings: Settings) -> Iterator[CatalogModel]:
     for entry in settings.entries:
-        if entry.overlay:
+        if entry.overlay or entry.adapter_of is not None:
             continue
         directory = entry.engine in whisper.ENGINES
         if not (entry.path.is_dir() if directory else entry.path.is_file()):
@@ -461,8 +496,84 @@ def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
         if entry.overlay:
             _overlay(models, entry, settings)
     _name_transcription(models)
+    _add_adapters(models, settings)
     return Catalog(models.values(),
                    settings.default_model or _first_default(models, settings.entries))
+
+
+def make_adapter(model_id: str, path: Path, base: CatalogModel, scale: float, source: str,
+                 aliases: tuple[str, ...] = ()) -> CatalogModel:
+    """The catalog entry of a LoRA adapter of ``base``: ConfigError naming the key
+    (``adapter_of``, ``path``) if ``base`` is an adapter or cannot mount one, or if the file
+    is no LoRA GGUF of ``base``'s architecture."""
+    if base.adapter_of is not None:
+        raise ConfigError(f"adapter_of: {base.id!r} is an adapter itself (of "
+                          f"{base.adapter_of!r}); name the base model")
+    refused = ENGINES[base.engine].adapters_refused(base)
+    if refused:
+        raise ConfigError(f"adapter_of: model {base.id!r} cannot mount adapters: {refused}")
+    try:
+        info = read_gguf_info(path)
+        st = path.stat()
+    except GGUFError as e:
+        raise ConfigError(f"path: not a GGUF file: {e.message}") from e
+    except OSError as e:
+        raise ConfigError(f"path: {path} cannot be read: {e.strerror}") from e
+    if info.general_type != "adapter" or info.adapter_type != "lora":
+        raise ConfigError(f"path: {path.name} is not a LoRA adapter (its general.type is "
+                          f"{info.general_type!r}, adapter.type {info.adapter_type!r}; a LoRA "
+                          'GGUF says "adapter" and "lora")')
+    if info.architecture != base.info.architecture:
+        raise ConfigError(f"adapter_of: the adapter {path.name} is for {info.architecture!r} "
+                          f"models and {base.id!r} is a {base.info.architecture!r} model")
+    return CatalogModel(model_id, path, source, info, base.options, st.st_size,
+                        modified=int(st.st_mtime), engine=base.engine, aliases=aliases,
+                        adapter_of=base.id, scale=scale)
+
+
+def _add_adapters(models: dict[str, CatalogModel], settings: Settings) -> None:
+    """The [[models]] entries with ``adapter_of``, added as models and mounted on their
+    bases; one in error is logged and left out (the other models serve), as is a base's
+    ``default_adapter`` that names no adapter of it."""
+    for entry in settings.entries:
+        if entry.adapter_of is None:
+            continue
+        where = f"adapter {entry.id!r}"
+        try:
+            if entry.refused:
+                raise ConfigError(entry.refused)
+            named = _resolve(models, entry.adapter_of)
+            if named is None:
+                raise ConfigError(f"adapter_of: no model {entry.adapter_of!r}; known: "
+                                  f"{', '.join(sorted(models)) or '(none)'}")
+            if _resolve(models, entry.id) is not None:
+                raise ConfigError(f"id: {entry.id!r} already names a model")
+            if not entry.path.is_file():
+                raise ConfigError(f"path: no file at {entry.path}")
+            adapter = make_adapter(entry.id, entry.path.resolve(), models[named],
+                                   entry.scale, "config", entry.aliases)
+        except ConfigError as e:
+            message = e.message if e.message.startswith(("[[models]]", where)) \
+                else f"{where}: {e.message}"
+            log.error("%s; it is not served (the other models are)", message)
+            continue
+        models[adapter.id] = adapter
+        mount = adapter.adapter
+        assert mount is not None
+        base = models[named]
+        models[named] = replace(base, adapters=(*base.adapters, mount))
+    for entry in settings.entries:
+        if entry.adapter_of is not None or entry.default_adapter is None:
+            continue
+        owner = models.get(_resolve(models, entry.id) or "")
+        default = _resolve(models, entry.default_adapter)
+        if owner is None:
+            continue
+        if default is None or models[default].adapter_of != owner.id:
+            log.error("model %r: default_adapter %r is not an adapter of it; its requests "
+                      "run without one", entry.id, entry.default_adapter)
+            continue
+        models[owner.id] = replace(owner, default_adapter=default)
 
 
 def _check_engines(settings: Settings, engines: Collection[str]) -> None:
@@ -527,10 +638,11 @@ def _first_default(models: dict[str, CatalogModel], entries: Iterable[ModelEntry
     entry's, with a path or configuring a model of another source, else by source."""
     for entry in entries:
         named = _resolve(models, entry.id)
-        if named is not None and not models[named].transcribes:
+        if named is not None and not models[named].transcribes \
+                and models[named].adapter_of is None:
             return named
     for source in ("config", "package", "models_dir", "hf_cache", "ollama", "lmstudio"):
         for model in models.values():
-            if model.source == source and not model.transcribes:
+            if model.source == source and not model.transcribes and model.adapter_of is None:
                 return model.id
     return None

@@ -28,7 +28,7 @@ def print_catalog(catalog: Catalog) -> None:
     """``bunkhouse models``: a row a model, then what the columns mean."""
     header = ("ID", "SIZE", "ARCH", "CONTEXT", "KIND", "SOURCE", "PATH")
     rows = [header]
-    for m in catalog:
+    for m in catalog.bases():
         marker = " *" if m.id == catalog.default_id else ""
         rows.append(
             (
@@ -43,6 +43,11 @@ def print_catalog(catalog: Catalog) -> None:
                 str(m.path),
             )
         )
+        for a in catalog.adapters_of(m.id):  # under its base, whose worker mounts it
+            default = " (default)" if a.id == m.default_adapter else ""
+            rows.append((f"  + {a.id}{' *' if a.id == catalog.default_id else ''}",
+                         f"{a.size_bytes / 2**20:.0f} MiB", a.info.architecture, "-",
+                         f"adapter x{a.scale:g}{default}", a.source, str(a.path)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
@@ -59,7 +64,8 @@ def print_catalog(catalog: Catalog) -> None:
 def _print_catalog_notes(catalog: Catalog) -> None:
     print("\n* default model; CONTEXT is slots x tokens a slot / trained tokens; KIND: "
           "chat (has a chat template), completion (raw prompts), embedding, "
-          "transcription (POST /v1/audio/transcriptions)")
+          "transcription (POST /v1/audio/transcriptions); + a LoRA adapter of the model "
+          "above, at its scale, served under its own id")
     for m in catalog:
         if m.projector is not None:
             print(f"{m.id}: a vision projector beside it, {m.projector} (noted; images "
@@ -78,14 +84,18 @@ def format_ps(stats: dict[str, Any]) -> str:
     header = ("ID", "STATE", "PINNED", "LEASES", "RUN/QUEUE/WAIT", "ESTIMATED", "MEASURED",
               "IDLE", "PID")
     now = time.time()
-    rows = [header] + [
-        (printable(str(m["id"])), printable(str(m["state"])), "yes" if m["pinned"] else "no",
-         str(m["leases"]),
-         f"{m.get('running', 0)}/{m.get('queued', 0)}/{m.get('waiting', 0)}",
-         mib(m["estimated_bytes"]), mib(m["measured_bytes"]),
-         _idle(m, now), str(m["pid"] or "-"))
-        for m in stats["models"]
-    ]
+    rows = [header]
+    models = stats["models"]
+    for m in models:
+        if m.get("parent"):
+            continue
+        rows.append((printable(str(m["id"])), printable(str(m["state"])),
+                     "yes" if m["pinned"] else "no", str(m["leases"]),
+                     f"{m.get('running', 0)}/{m.get('queued', 0)}/{m.get('waiting', 0)}",
+                     mib(m["estimated_bytes"]), mib(m["measured_bytes"]),
+                     _idle(m, now), str(m["pid"] or "-")))
+        rows += [(f"  + {printable(str(a['id']))}", "adapter", "", "", "", "", "", "", "")
+                 for a in models if a.get("parent") == m["id"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
              for r in rows]

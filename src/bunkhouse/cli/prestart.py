@@ -110,7 +110,7 @@ def warn_never_fit(catalog: Catalog, budget: int) -> None:
         log.warning("the memory budget of %d MiB is more than this machine's %d MiB of RAM: "
                     "models may be loaded until the system runs out of memory",
                     budget // 2**20, ram // 2**20)
-    for model in catalog:
+    for model in catalog.bases():  # an adapter counts in its base's estimate
         need = estimate(model).total
         if need > budget:
             log.warning("model %s needs about %d MiB, more than the whole memory budget of %d "

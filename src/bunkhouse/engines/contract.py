@@ -83,6 +83,19 @@ class Capabilities:
     infills: bool  # fill-in-the-middle (/infill, a completion's ``suffix``)
     transcribes: bool  # /v1/audio/transcriptions
     saves_kv: bool  # a slot's KV state saved to a file and restored (kvcache/)
+    adapters: bool = False  # LoRA adapters mounted with the model, chosen per request
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter mounted with its base model's worker: the adapter's model id, its file,
+    the file's bytes (its tensors, counted in the base's memory estimate) and the scale a
+    request for it runs at (every other adapter of the worker runs at 0)."""
+
+    id: str
+    path: Path
+    bytes: int
+    scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +208,19 @@ class EngineClient(Protocol):
     async def restore_slot(self, slot_id: int, filename: str) -> SlotSnapshot:
         """Load a slot's KV state from ``filename`` in the worker's snapshot directory."""
 
+    async def adapter_fields(self, adapters: tuple[Adapter, ...],
+                             chosen: Adapter | None) -> dict[str, Any]:
+        """The request fields that run a generation with exactly ``chosen`` (None: the base
+        alone) at its scale and every other adapter of the worker at 0, set explicitly.
+        WorkerLoadFailed (503) naming the adapter when the worker could not mount its file
+        (the base and its other adapters serve on)."""
+
+    async def prime_slot(self, slot_id: int, fields: dict[str, Any], token: int) -> None:
+        """Run one token in the slot with ``fields`` (:meth:`adapter_fields`), so that the
+        engine's slot runs under that adapter setting before KV state is restored into it:
+        an engine that drops a slot's KV when the setting changes then drops it now, not
+        after the restore."""
+
     async def aclose(self) -> None:
         """Close every connection to the worker: streams running end at once."""
 
@@ -223,6 +249,10 @@ class EngineAdapter(Protocol):
     def pinnable(self, route: str, body: dict[str, Any]) -> bool:
         """Whether a request runs in exactly one slot the front may choose (and so restore
         KV state into): one prompt, one answer, no slot asked for by the client."""
+
+    def adapters_refused(self, model: ServedModel) -> str | None:
+        """Why ``model`` cannot mount LoRA adapters under its options (what to change, where
+        something can); None: it can."""
 
     def check_request(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         """Refuse (InvalidRequest naming the field) an engine option given wrongly or past
@@ -323,3 +353,7 @@ class ServedModel(Protocol):
     @property
     def size_bytes(self) -> int:
         """Its files' bytes together."""
+
+    @property
+    def adapters(self) -> tuple[Adapter, ...]:
+        """The LoRA adapters mounted with it (each also served as a model id of its own)."""

@@ -34,6 +34,7 @@ from bunkhouse.engines import grammar_cost
 from bunkhouse.engines import options as opts
 from bunkhouse.engines.contract import (
     GENERATION_ROUTES,
+    Adapter,
     Capabilities,
     ConstraintCheck,
     EngineRefused,
@@ -46,7 +47,7 @@ from bunkhouse.engines.contract import (
     TokenPiece,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
-from bunkhouse.errors import EngineUnavailable, InvalidRequest, envelope
+from bunkhouse.errors import EngineUnavailable, InvalidRequest, WorkerLoadFailed, envelope
 from bunkhouse.gguf.meta import GGUFInfo
 
 NAME = "llama.cpp"
@@ -154,12 +155,14 @@ def check_integer(name: str, value: int) -> None:
 
 
 def check_lora(body: dict[str, Any]) -> None:
-    """InvalidRequest naming ``lora`` unless it is absent or empty: bunkhouse loads no LoRA
-    adapters, and the engine ignores the ids it does not hold (so an adapter asked for
-    would silently not apply)."""
-    lora = body.get("lora")
-    if lora is not None and lora != []:
-        raise InvalidRequest("lora: this server loads no LoRA adapters; leave lora out",
+    """InvalidRequest naming ``lora`` when a request sets it: adapters are chosen by model id
+    (an adapter is a model of its own, ``adapter_of`` its base), and the front sets the
+    engine's ``lora`` itself, every adapter's scale explicitly (:meth:`LlamaCppClient.
+    adapter_fields`)."""
+    if body.get("lora") is not None:
+        raise InvalidRequest("lora: adapters are chosen by model id, not per request: "
+                             "register the LoRA as a model with adapter_of (the config file "
+                             "or POST /v1/models) and send its id as model; leave lora out",
                              param="lora")
 
 
@@ -277,6 +280,8 @@ def error_object(status: int, body: bytes, route: str) -> tuple[int, dict[str, A
 class LlamaCppClient(WorkerHTTP):
     """The worker contract (engines/contract.py) over llama.cpp's server API."""
 
+    _adapters: dict[str, int] | None = None  # mounted LoRA adapters: engine id by path
+
     async def _post(self, path: str, payload: dict[str, Any],
                     timeout_s: float | None = None) -> Any:
         """POST JSON and return the parsed answer; a refusal is EngineRefused."""
@@ -346,6 +351,36 @@ class LlamaCppClient(WorkerHTTP):
             raise EngineUnavailable(f"model {self._model_id!r}: /apply-template answered "
                                     "no prompt")
         return text
+
+    async def adapter_fields(self, adapters: tuple[Adapter, ...],
+                             chosen: Adapter | None) -> dict[str, Any]:
+        if not adapters:
+            return {}
+        mounted = await self._mounted()
+        if chosen is not None and str(chosen.path) not in mounted:
+            raise WorkerLoadFailed(
+                f"adapter {chosen.id!r} of model {self._model_id!r} is not mounted: its "
+                "worker could not load the file (its log says why); the base and its other "
+                "adapters serve on. Fix or replace the file, then register the adapter again",
+                param="model")
+        return {"lora": [{"id": engine_id, "scale": chosen.scale
+                          if chosen is not None and path == str(chosen.path) else 0.0}
+                         for path, engine_id in mounted.items()]}
+
+    async def _mounted(self) -> dict[str, int]:
+        """The adapters the worker mounted, engine id by path (asked once per worker)."""
+        if self._adapters is None:
+            resp = await self._get("/lora-adapters", None)
+            try:
+                self._adapters = {str(a["path"]): int(a["id"]) for a in resp.json()}
+            except (ValueError, TypeError, KeyError) as e:
+                raise EngineUnavailable(f"model {self._model_id!r}: /lora-adapters answered "
+                                        f"{resp.text[:200]!r}") from e
+        return self._adapters
+
+    async def prime_slot(self, slot_id: int, fields: dict[str, Any], token: int) -> None:
+        await self._post("/completion", {"prompt": [token], "n_predict": 1,
+                                         "id_slot": slot_id, **fields})
 
     async def generate(self, route: str, body: dict[str, Any] | bytes,
                        slot: int | None = None) -> httpx.Response:
@@ -623,6 +658,7 @@ class LlamaCpp:
     def worker_args(self, model: ServedModel) -> list[str]:
         o = model.options
         return ["--context", str(o.context), "--parallel", str(o.parallel),
+                *[arg for a in model.adapters for arg in ("--adapter", str(a.path))],
                 *(["--embeddings"] if model.embeddings else []),
                 *(["--pooling", "model"] if model.info.pooling else []),
                 *(["--chat-template", model.chat_template] if model.chat_template else []),
@@ -637,10 +673,19 @@ class LlamaCpp:
     def capabilities(self, model: ServedModel) -> Capabilities:
         return Capabilities(generates=True, embeds=self.embedding_limit(model) > 0,
                             infills=True, transcribes=False,
-                            saves_kv=self.snapshot_layout(model) is not None)
+                            saves_kv=self.snapshot_layout(model) is not None,
+                            adapters=self.adapters_refused(model) is None)
 
     def pinnable(self, route: str, body: dict[str, Any]) -> bool:
         return pinnable(route, body)
+
+    def adapters_refused(self, model: ServedModel) -> str | None:
+        cache = model_options(model).cache_ram_mib
+        if cache:
+            return (f"its cache_ram_mib is {cache}: llama.cpp's RAM prompt cache finds a "
+                    "prompt by its tokens alone and would hand one adapter's KV state to "
+                    "another; set cache_ram_mib = 0 for it")
+        return None
 
     def check_request(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         check_extensions(body)
@@ -767,7 +812,7 @@ def estimate(model: ServedModel) -> MemoryEstimate:
     """The worker's worst case under ``model``'s options, bytes by part."""
     o, own = model.options, model_options(model)
     return MemoryEstimate(
-        weights=model.size_bytes,
+        weights=model.size_bytes + sum(a.bytes for a in model.adapters),  # LoRA: copied in
         kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, own.swa_full),
         prompt_cache=own.cache_ram_mib * MIB,
         runtime=RUNTIME_BYTES,

@@ -26,6 +26,7 @@ import httpx
 
 from bunkhouse.engines import options as opts
 from bunkhouse.engines.contract import (
+    Adapter,
     Capabilities,
     ConstraintCheck,
     EngineRefused,
@@ -131,6 +132,13 @@ class WhisperClient(WorkerHTTP):
     async def restore_slot(self, slot_id: int, filename: str) -> SlotSnapshot:
         raise wrong_kind(self._model_id)
 
+    async def adapter_fields(self, adapters: tuple[Adapter, ...],
+                             chosen: Adapter | None) -> dict[str, Any]:
+        raise wrong_kind(self._model_id)
+
+    async def prime_slot(self, slot_id: int, fields: dict[str, Any], token: int) -> None:
+        raise wrong_kind(self._model_id)
+
     async def transcribe(self, audio: AsyncIterator[bytes], size: int,
                          options: dict[str, Any]) -> httpx.Response:
         """Send ``size`` bytes of an upload; the open NDJSON answer (the caller reads and
@@ -208,6 +216,9 @@ class Whisper:
 
     def pinnable(self, route: str, body: dict[str, Any]) -> bool:
         return False
+
+    def adapters_refused(self, model: ServedModel) -> str | None:
+        return "a transcription model takes no LoRA adapters"
 
     def check_request(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         return body

@@ -8,7 +8,11 @@ one of the allowed roots. Changes live in memory: the config file stays the sour
                                        embeddings?}
            200 model object once ready; 409 id taken; 403 disabled or outside the roots;
            400 not a loadable local model (with the engine's reason)
-    DELETE /v1/models/{id}            204 freed; 202 still draining; 404; 409 pinned by config
+           {"id", "path", "adapter_of", scale?}: a LoRA adapter of a served model, 200 its
+           model object at once (its base re-mounted with it when next used or now, if
+           resident); 400 naming adapter_of, path or scale for one that cannot be
+    DELETE /v1/models/{id}            204 freed; 202 still draining; 404; 409 pinned by config;
+                                      an adapter: 204 gone, 409 held by a request or configured
     POST   /v1/models/{id}/load       200 model object once ready, with "changed" (false:
                                       it was ready already)
     POST   /v1/models/{id}/unload     204 freed; 202 still draining; 200 model object with
@@ -35,8 +39,8 @@ from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api.schemas import parse_json_object, read_body, validate
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.catalog.catalog import effective_options, files_size, model_files
-from bunkhouse.config import EngineOptions, check_model_id
+from bunkhouse.catalog.catalog import effective_options, files_size, make_adapter, model_files
+from bunkhouse.config import EngineOptions, check_model_id, check_scale
 from bunkhouse.defaults import DRAIN_GRACE_S
 from bunkhouse.errors import (
     ConfigError,
@@ -44,6 +48,7 @@ from bunkhouse.errors import (
     Forbidden,
     GGUFError,
     InvalidRequest,
+    ModelNotFound,
     NotFound,
     WorkerLoadFailed,
 )
@@ -80,6 +85,14 @@ class RegisterRequest(BaseModel):
     ttl: float | None = Field(default=None, ge=0)
     pinned: StrictBool = False
     embeddings: StrictBool | None = None  # None: on for embedding models only
+    adapter_of: StrictStr | None = None  # a LoRA adapter of this base model
+    scale: float | None = None  # an adapter's scale (config.check_scale)
+
+    @property
+    def model_fields_given(self) -> list[str]:
+        """The fields of a model (not an adapter) given in this request."""
+        return [name for name in ("context", "parallel", "queue", "ttl", "embeddings")
+                if getattr(self, name) is not None] + (["pinned"] if self.pinned else [])
 
 
 def inside_roots(path: str, roots: tuple[Path, ...]) -> Path | None:
@@ -195,6 +208,10 @@ class Admin:
             raise InvalidRequest(e.message, param="id") from e
         if self.catalog.taken(body.id):
             raise Conflict(f"model id {body.id!r} is already in use", param="id")
+        if body.adapter_of is not None:
+            return await self._register_adapter(body)
+        if body.scale is not None:
+            raise InvalidRequest("scale is an adapter's: give adapter_of too", param="scale")
         model = await self._model(body)
         await self.residency.register(model)  # 409 if the id was taken meanwhile
         try:
@@ -208,6 +225,55 @@ class Admin:
             raise
         log.info("model %s: registered at runtime from %s", model.id, model.path)
         return JSONResponse(self.describe(model))
+
+    async def _register_adapter(self, body: RegisterRequest) -> Response:
+        """A LoRA adapter of a served base model (``adapter_of``): checked, added to the
+        catalog and mounted on its base (a resident base is re-mounted once its requests
+        end, its conversations' KV state kept). 400 naming the field for what cannot be."""
+        given = body.model_fields_given
+        if given:
+            raise InvalidRequest(f"{given[0]}: an adapter is served with its base's settings; "
+                                 "give only id, path, adapter_of and scale", param=given[0])
+        assert body.adapter_of is not None
+        try:
+            scale = check_scale(1.0 if body.scale is None else body.scale, "scale")
+        except ConfigError as e:
+            raise InvalidRequest(e.message, param="scale") from e
+        try:
+            base = self.catalog.get(body.adapter_of)
+        except ModelNotFound as e:
+            raise InvalidRequest(f"adapter_of: {e.message}", param="adapter_of") from e
+        real = self._checked_path(body.path)
+        try:
+            adapter = await asyncio.to_thread(make_adapter, body.id, real, base, scale,
+                                              "runtime")
+        except ConfigError as e:
+            param = e.message.split(":", 1)[0]
+            raise InvalidRequest(e.message, param=param if param in ("adapter_of", "path")
+                                 else None) from e
+        await self.residency.mount(base.id, added=adapter)  # 409 if the id was taken
+        log.info("adapter %s of %s: registered at runtime from %s", adapter.id, base.id, real)
+        return JSONResponse(self.describe(adapter))
+
+    def _checked_path(self, path: str) -> Path:
+        """A runtime model's path as its real path, inside the allowed roots and a file;
+        InvalidRequest or Forbidden naming ``path``."""
+        if "\0" in path:
+            raise InvalidRequest("path contains a NUL byte", param="path")
+        try:
+            real = inside_roots(path, self.options.roots)
+        except (OSError, ValueError) as e:
+            raise InvalidRequest(f"path cannot be resolved: {e}", param="path") from e
+        if real is None:
+            log.warning("refused a runtime model path outside the allowed roots: %r",
+                        path[:300])
+            raise Forbidden("path is outside the allowed model roots", param="path")
+        try:
+            if not real.is_file():
+                raise InvalidRequest("path is not a file", param="path")
+        except OSError as e:
+            raise InvalidRequest(f"path cannot be read: {e.strerror}", param="path") from e
+        return real
 
     async def _model(self, body: RegisterRequest) -> CatalogModel:
         if "\0" in body.path:
@@ -257,6 +323,8 @@ class Admin:
 
     async def delete(self, request: Request) -> Response:
         model = self._known(request)
+        if model.adapter_of is not None:
+            return await self._delete_adapter(model)
         if self.residency.status(model.id).pinned and model.source != "runtime":
             raise Conflict(f"model {model.id!r} is pinned; unpin it first "
                            f"(POST /v1/models/{model.id}/unpin)")
@@ -268,11 +336,26 @@ class Admin:
             freed = await self.residency.unload(model.id, reason, grace)
         return Response(status_code=202 if freed is False else 204)
 
+    async def _delete_adapter(self, adapter: CatalogModel) -> Response:
+        """204 once a runtime adapter left the catalog (its base re-mounted without it);
+        409 while a request holds it, or for one the config file names."""
+        if adapter.source != "runtime":
+            raise Conflict(f"adapter {adapter.id!r} is configured in the config file; remove "
+                           "its [[models]] entry there and reload (POST /admin/reload)")
+        assert adapter.adapter_of is not None
+        await self.residency.mount(adapter.adapter_of, removed=adapter.id)
+        log.info("adapter %s of %s: deleted by an operator", adapter.id, adapter.adapter_of)
+        return Response(status_code=204)
+
     async def action(self, request: Request) -> Response:
         """load, unload, pin or unpin: the model object with ``changed`` (false: it was so
         already), or for an unload that stopped a worker 204 (freed) or 202 (draining)."""
-        model = self._known(request)
+        named = self._known(request)
         action = request.path_params["action"]
+        if named.adapter_of is not None and action in ("pin", "unpin"):
+            raise InvalidRequest(f"{named.id!r} is an adapter of {named.adapter_of!r}: "
+                                 f"{action} its base model", param="model")
+        model = self.catalog.served(named)[0]  # an adapter loads with its base
         if action == "load":
             before = self.residency.status(model.id)
             await self.residency.load(model.id, reset=True)
@@ -288,4 +371,4 @@ class Admin:
             changed = await self.residency.set_pinned(model.id, action == "pin")
         else:
             raise NotFound(f"no action {action!r}; use load, unload, pin or unpin")
-        return JSONResponse({**self.describe(model), "changed": changed})
+        return JSONResponse({**self.describe(named), "changed": changed})

@@ -79,6 +79,10 @@ class Admitted:
     slot: Slot | None = None
     keeper: SnapshotKeeper | None = None  # KV snapshots, when on for its model
     pinned: bool = False  # it runs in ``slot``, chosen by the front
+    # on a worker with adapters: the fields that choose its adapter, and that setting
+    # (residency/slots.py Slot.setting); None: the worker mounts none
+    adapter_fields: dict[str, Any] | None = None
+    setting: str = ""
     constrained: bool = False  # it carries a constraint (front/constraints.py)
 
     @property

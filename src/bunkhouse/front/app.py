@@ -247,7 +247,7 @@ async def _lifespan(pipeline: Pipeline, parts: Parts, app: Starlette) -> AsyncIt
     try:
         for model_id in parts.preload:
             try:
-                await residency.load(catalog.get(model_id).id)
+                await residency.load(catalog.served(catalog.get(model_id))[0].id)
             except BunkhouseError as e:  # serve the others; requests get the error
                 log.error("could not preload model %s: %s", model_id, e.message)
         residency.keep_spare_for(catalog.default_id)  # even the first load finds one

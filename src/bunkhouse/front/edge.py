@@ -57,12 +57,13 @@ def note_skipped_tools(request: Request, skipped: list[str]) -> None:
 
 
 def prepare(path: str, schema: type[BaseModel], model: CatalogModel,
-            data: dict[str, Any]) -> dict[str, Any]:
+            data: dict[str, Any], name: str | None = None) -> dict[str, Any]:
     """The body to send to ``model``'s worker, or InvalidRequest (400) naming the field. It
-    names the model by its id, whatever alias the client used (or none): an answer that
-    echoes ``model`` echoes the id, on every route."""
+    names the model by its id (``name``: the id of the adapter of ``model`` asked for),
+    whatever alias the client used (or none): an answer that echoes ``model`` echoes the
+    id, on every route."""
     check_generates(model)
-    body = {**model.request.apply(_merge_token_limits(data)), "model": model.id}
+    body = {**model.request.apply(_merge_token_limits(data)), "model": name or model.id}
     _check_choices(model, body)
     if path == "/v1/chat/completions":
         _check_template(model)

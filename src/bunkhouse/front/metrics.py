@@ -138,7 +138,7 @@ class StateCollector(Collector):
         yield events
         evictions = CounterMetricFamily(
             "bunkhouse_evictions", "models drained, by cause (room, idle, keep_alive, operator, "
-            "removed, crashed, shutdown, other)", labels=["model", "cause"])
+            "removed, crashed, shutdown, remount, other)", labels=["model", "cause"])
         for (model, cause), count in sorted(r.events.drains.items()):
             evictions.add_metric([model, cause], count)
         yield evictions

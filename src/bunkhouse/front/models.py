@@ -27,7 +27,8 @@ class ModelViews:
     def model_object(self, model: CatalogModel, *, detail: bool = False) -> dict[str, Any]:
         """The model as ``GET /v1/models/{id}`` shows it; ``detail`` (admin-key callers only)
         adds ``last_error_detail``, the failed worker's last output."""
-        status = self.residency.status(model.id)
+        base = self.catalog.served(model)[0] if model.adapter_of else model
+        status = self.residency.status(base.id)  # an adapter is in its base's worker
         described = {
             "id": model.id,
             "object": "model",
@@ -35,7 +36,7 @@ class ModelViews:
             "owned_by": "bunkhouse",
             "state": status.state,
             "source": model.source,
-            "kind": model.kind,  # chat, completion, embedding or transcription
+            "kind": base.kind,  # chat, completion, embedding or transcription
             "architecture": model.info.architecture,
             "size_bytes": model.size_bytes,
             "aliases": list(model.aliases),
@@ -44,14 +45,14 @@ class ModelViews:
             "slot_context": None if model.transcribes else
             model.options.context // model.options.parallel,
             "trained_context": model.info.context_length,
-            "chat_template": model.has_chat_template,
+            "chat_template": base.has_chat_template,
             "engine": model.engine,
-            "embeddings": model.embeddings,
+            "embeddings": base.embeddings,
             "default": model.id == self.catalog.default_id,
             "pinned": status.pinned,
             "leases": status.leases,
-            "running": self.residency.slots(model.id).running,
-            "queued": self.residency.slots(model.id).waiting,
+            "running": self.residency.slots(base.id).running,
+            "queued": self.residency.slots(base.id).waiting,
             "waiting": status.waiting,  # for a lease: its load, memory, a pause
             "queue": model.options.queue,
             "last_used": status.last_used,
@@ -60,9 +61,14 @@ class ModelViews:
             "pid": status.pid,
             "last_error": status.last_error,
         }
+        if model.adapter_of is not None:  # vLLM's and Ray Serve's way to show an adapter
+            described.update(parent=model.adapter_of, scale=model.scale)
+        elif model.adapters:
+            described.update(adapters=[a.id for a in model.adapters],
+                             default_adapter=model.default_adapter)
         if model.projector is not None:  # noted; images are not served yet
             described["projector"] = model.projector.name
-        if self.keeper is not None:
+        if self.keeper is not None and model.adapter_of is None:
             described["kv_cache"] = self.keeper.model_report(model.id, detail)
         if detail:
             described["last_error_detail"] = status.last_error_detail

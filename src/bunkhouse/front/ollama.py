@@ -85,11 +85,12 @@ class OllamaRoutes:
         """An empty request loads the model (Ollama's way to preload), or with
         ``keep_alive: 0`` unloads it (Ollama's way to unload)."""
         residency = self.front.residency
-        residency.keep_alive(model.id, keep)  # 0: unloaded once idle; never a pinned model
+        base = self.front.catalog.served(model)[0]  # an adapter loads with its base
+        residency.keep_alive(base.id, keep)  # 0: unloaded once idle; never a pinned model
         if keep == 0:
             reason = "unload"
         else:
-            await residency.load(model.id)
+            await residency.load(base.id)
             reason = "load"
         done: dict[str, Any] = {"model": ollama.tagged(model.id), "created_at": ollama.now(),
                                 "done": True,
@@ -128,7 +129,8 @@ class OllamaRoutes:
         API does (``format``, ``options.top_k``)."""
         try:
             parsed = await self.front.bodies.cpu(size, validate, schema, data)
-            self.front.residency.keep_alive(data["model"], keep)
+            base = self.front.catalog.served(self.front.catalog.get(data["model"]))[0]
+            self.front.residency.keep_alive(base.id, keep)
             return await self.front.generate(request, path, schema, parsed, data, size, shape,
                                              cap=True)
         except BunkhouseError as e:
@@ -141,7 +143,7 @@ class OllamaRoutes:
         if not given.get("prompt") and not given.get("suffix"):
             return await self._load_only(model, False, keep)
         path, data = await front.bodies.cpu(len(body), ollama.generate_request, given,
-                                            model.has_chat_template)
+                                            front.catalog.served(model)[0].has_chat_template)
         data["model"] = model.id
         schema: type[BaseModel] = (ChatCompletionRequest if path == "/v1/chat/completions"
                           else InfillRequest if path == "/infill" else CompletionRequest)
@@ -160,7 +162,7 @@ class OllamaRoutes:
         data = await front.bodies.cpu(len(body), ollama.embed_request, given, legacy)
         data["model"] = model.id
         parsed = await front.bodies.cpu(len(body), validate, EmbeddingRequest, data)
-        front.residency.keep_alive(model.id, keep)
+        front.residency.keep_alive(front.catalog.served(model)[0].id, keep)
         return await front.generate(request, "/v1/embeddings", EmbeddingRequest, parsed, data,
                                     len(body), lambda model_id: OllamaEmbedShape(
                                         ollama.tagged(model_id), legacy))
@@ -181,7 +183,7 @@ class OllamaRoutes:
     async def ps(self, request: Request) -> Response:
         running = []
         residency = self.front.residency
-        for m in self.front.catalog:
+        for m in self.front.catalog.bases():  # an adapter runs in its base's worker
             status = residency.status(m.id)
             if status.state not in ("ready", "loading"):
                 continue
@@ -201,18 +203,19 @@ class OllamaRoutes:
         front = self.front
         body = await front.bodies.read(request)
         given = await front.bodies.cpu(len(body), parse_json_object, body)
-        model = self._model(given.get("model") or given.get("name"))
+        named = self._model(given.get("model") or given.get("name"))
+        model = front.catalog.served(named)[0]  # an adapter shows its base's template
         template = await asyncio.to_thread(_template, model)
         options = ollama.parameters([
             ("num_ctx", model.options.context // max(model.options.parallel, 1)),
             *model.request.defaults, *model.request.fixed])
         return JSONResponse({
-            "modelfile": ollama.modelfile(ollama.tagged(model.id), str(model.path), template,
+            "modelfile": ollama.modelfile(ollama.tagged(named.id), str(model.path), template,
                                           options),
             "parameters": ollama.parameters_text(options), "template": template,
             "details": _details(model), "model_info": _model_info(model),
             "capabilities": _capabilities(model),
-            "modified_at": _time(model.modified)})
+            "modified_at": _time(named.modified)})
 
     async def not_served(self, request: Request) -> Response:
         raise NotServed(ollama.not_served(request.url.path.rsplit("/", 1)[-1]))

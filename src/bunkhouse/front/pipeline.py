@@ -118,9 +118,10 @@ class Pipeline:
         prompt's tokens are counted before it is sent, for a protocol whose stream says
         them first (Anthropic's ``message_start``)."""
         cap = cap or not self.strict_context
-        model = self.catalog.get(parsed.model)
-        request.state.model = model.id  # for the access log
-        data = await self.bodies.cpu(size, prepare, route, schema, model, data)
+        named = self.catalog.get(parsed.model)
+        request.state.model = named.id  # for the access log and /metrics: an adapter's own
+        model, adapter = self.catalog.served(named)  # an adapter runs on its base's worker
+        data = await self.bodies.cpu(size, prepare, route, schema, model, data, named.id)
         reader = None
         if route == "/v1/chat/completions":  # after prepare: it checks the tools as given
             data, reader = _tool_reader(data)
@@ -128,10 +129,10 @@ class Pipeline:
                                  cap=cap)
         self.constraints.refuse_known(model, route, data, self.keys.client_of(request))
         request.state.stream = bool(parsed.stream)
-        shaped = _shape(model.id, shape, reader)
+        shaped = _shape(named.id, shape, reader)
         serve = functools.partial(self._serve, request, model, route, bool(parsed.stream),
                                   shaped)
-        admit = self.admit(request, model, route, data, cap, count_prompt)
+        admit = self.admit(request, model, route, data, cap, count_prompt, adapter)
         if not parsed.stream:  # a client that leaves while it waits gives its place up
             return await serve(await self.unless_gone(request, admit))
         task = asyncio.ensure_future(admit)
@@ -145,7 +146,7 @@ class Pipeline:
         # it waits for a load or a slot: headers now, then pings until it is admitted
         return WaitingStream(
             task, serve, shaped, self.waiting, functools.partial(self._waiting_for, model.id)
-            if route == "/v1/chat/completions" and shape is None else None, model.id)
+            if route == "/v1/chat/completions" and shape is None else None, named.id)
 
     def _waiting_for(self, model_id: str) -> str | None:
         """What a waiting request waits for, as a client may be told it (--send-loading-state)."""
@@ -160,16 +161,18 @@ class Pipeline:
 
     async def admit(self, request: Request, model: CatalogModel, route: str,
                     data: dict[str, Any] | None = None, cap: bool = True,
-                    count_prompt: bool = False) -> Admitted:
+                    count_prompt: bool = False, adapter: CatalogModel | None = None
+                    ) -> Admitted:
         """Everything a request waits for before its engine sees it: the lease (loading the
-        model if need be), for a generation (``data``) its constraint, tokens and fit (and
+        model if need be; with ``adapter``, an adapter of ``model``, a lease on that too),
+        for a generation (``data``) the adapters' fields, its constraint, tokens and fit (and
         its prompt's count if ``count_prompt``), then a slot and a compute turn. ClientGone
         if the client left meanwhile. On an error or a cancel, what was taken is given
         back."""
         queued = time.monotonic()
         place = self._join(model)  # a full line refuses now, whatever the model is doing
         try:
-            lease = await self.residency.acquire(model)
+            lease = await self.residency.acquire(model, adapter.id if adapter else None)
         except BaseException:
             if place is not None:
                 place.leave()
@@ -180,12 +183,14 @@ class Pipeline:
             held.push(place.leave)  # until it takes a slot (again is harmless)
         with self._releasing(lease, held, model.id):
             admitted = Admitted(held, lease.worker.engine, data or {})
+            if data is not None and lease.adapters:
+                await _choose_adapter(admitted, adapter)
             if data is not None:
                 admitted = await self._tokens_and_fit(request, model, route, admitted, cap)
                 if count_prompt:
                     admitted.prompt_tokens = await _prompt_count(admitted)
             slots = lease.slots
-            slot = await slots.enter(admitted.tokens, place)
+            slot = await slots.enter(admitted.tokens, place, admitted.setting)
             admitted.slot = slot
             held.push(functools.partial(self._leave, model, admitted.engine, slots, slot))
             await self.compute.enter(model.id)
@@ -290,10 +295,19 @@ class Pipeline:
         prompt; the check of the restore by the engine's figures, and the slot the request
         is pinned to (None: the engine chooses)."""
         keeper, slot = admitted.keeper, admitted.slot
+        if admitted.adapter_fields is not None and slot is not None and not admitted.pinned:
+            admitted.lease.slots.unknown()  # the engine chooses its slot: any may change
+            slot.held, slot.setting = None, None
+            return None, None
         if keeper is None or slot is None:
             return None, None
         check = None
-        restore = await keeper.prepare(model, admitted.engine, slot, admitted.tokens)
+        prime = None
+        if admitted.adapter_fields is not None and slot.id >= 0:
+            prime = functools.partial(admitted.engine.prime_slot, slot.id,
+                                      admitted.adapter_fields)
+        restore = await keeper.prepare(model, admitted.engine, slot, admitted.tokens,
+                                       admitted.setting, prime)
         if restore is not None:
             check = functools.partial(keeper.check, model, restore)
         return check, slot.id if admitted.pinned and slot.id >= 0 else None
@@ -353,14 +367,26 @@ class Pipeline:
 
     @contextlib.asynccontextmanager
     async def worker(self, model: CatalogModel) -> AsyncIterator[EngineClient]:
-        """The engine of ``model``'s worker for one call (tokens, a template), under a lease
-        taken for it (loading the model if need be) and given back after."""
-        lease = await self.residency.acquire(model)
+        """The engine of ``model``'s worker (its base's, for an adapter) for one call
+        (tokens, a template), under a lease taken for it (loading the model if need be) and
+        given back after."""
+        lease = await self.residency.acquire(self.catalog.served(model)[0])
         try:
             yield lease.worker.engine
             lease.report(True)  # it answered
         finally:
             lease.release()
+
+
+async def _choose_adapter(admitted: Admitted, adapter: CatalogModel | None) -> None:
+    """The request runs with exactly ``adapter`` (None: the base alone) on a worker that
+    mounts adapters: every adapter's scale set in its body, and its adapter setting noted
+    for its slot and its KV snapshots (a LoRA's file and scale; "" the base)."""
+    chosen = adapter.adapter if adapter is not None else None
+    fields = await admitted.engine.adapter_fields(admitted.lease.adapters, chosen)
+    admitted.data = {**admitted.data, **fields}
+    admitted.adapter_fields = fields
+    admitted.setting = "" if chosen is None else f"{chosen.path}|{chosen.bytes}|{chosen.scale}"
 
 
 def _tool_reader(data: dict[str, Any]) -> tuple[dict[str, Any], ToolCallReader | None]:

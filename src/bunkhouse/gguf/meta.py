@@ -110,6 +110,8 @@ class GGUFInfo:
     pooling: bool = False  # an embedding model: it declares how it pools
     split_count: int = 1  # files the model is split into (the engine finds them by name)
     parameters: int | None = None  # weights in all its tensors (None: unknown)
+    general_type: str | None = None  # general.type: "model", or "adapter" for a LoRA file
+    adapter_type: str | None = None  # adapter.type of an adapter file: "lora"
 
     @property
     def has_chat_template(self) -> bool:
@@ -391,7 +393,8 @@ def _int(fields: dict[str, Any], key: str) -> int | None:
     return int(value)
 
 
-_INFO_STRINGS = frozenset({"general.architecture", "general.name", "tokenizer.chat_template"})
+_INFO_STRINGS = frozenset({"general.architecture", "general.name", "tokenizer.chat_template",
+                           "general.type", "adapter.type"})
 
 
 def read_gguf_info(path: Path) -> GGUFInfo:
@@ -426,4 +429,11 @@ def read_gguf_info(path: Path) -> GGUFInfo:
         feed_forward_length=_int(fields, f"{arch}.feed_forward_length"),
         split_count=max(1, _int(fields, "split.count") or 1),
         parameters=_int(fields, PARAMETER_COUNT),
+        general_type=_text(fields, "general.type"),
+        adapter_type=_text(fields, "adapter.type"),
     )
+
+
+def _text(fields: dict[str, Any], key: str) -> str | None:
+    value = fields.get(key)
+    return value if isinstance(value, str) else None

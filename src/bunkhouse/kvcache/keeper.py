@@ -31,7 +31,7 @@ import logging
 import shutil
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,10 @@ class KeeperOptions:
     flush_timeout_s: float = defaults.KV_FLUSH_TIMEOUT_S
 
 
+Prime = Callable[[int], Awaitable[None]]
+"""Runs one token (a prompt's first) in a slot under a request's adapter setting."""
+
+
 @dataclass(frozen=True, slots=True)
 class Restore:
     """A snapshot restored into a request's slot: ``shared`` tokens of the prompt it holds."""
@@ -71,6 +75,7 @@ class Restore:
     snapshot: Snapshot
     shared: int
     prompt: int  # the request's prompt tokens
+    key: SnapshotKey | None = None  # the key it was found under
 
 
 @dataclass
@@ -135,13 +140,17 @@ class SnapshotKeeper:
 
     # -- keys ---------------------------------------------------------------------------
 
-    def key(self, model: CatalogModel) -> SnapshotKey | None:
+    def key(self, model: CatalogModel, setting: str = "") -> SnapshotKey | None:
         """What a snapshot of ``model`` must match to be restored; None: its engine cannot
-        save slots, or the model file cannot be read."""
+        save slots, or the model file cannot be read. ``setting``: the LoRA adapter setting
+        the slot's KV state was computed under (residency/slots.py ``Slot.setting``; "" the
+        base alone): KV state computed under one adapter is never another's."""
         engine = engine_for(model)
         layout = engine.snapshot_layout(model)
         if layout is None:
             return None
+        if setting:
+            layout = {**layout, "adapter": setting}
         try:
             st = model.path.stat()
         except OSError:
@@ -189,26 +198,42 @@ class SnapshotKeeper:
         return tokens if len(tokens) >= self.options.min_tokens else None
 
     async def prepare(self, model: CatalogModel, engine: EngineClient, slot: Slot,
-                      tokens: Sequence[int] | None) -> Restore | None:
+                      tokens: Sequence[int] | None, setting: str = "",
+                      prime: Prime | None = None) -> Restore | None:
         """Make ``slot`` (taken by a request) hold as much of ``tokens`` as can be had: save
         what the request would overwrite, restore the best snapshot. Returns the restore to
-        :meth:`check` once the request ends; None if nothing was restored."""
-        key = self.key(model)
+        :meth:`check` once the request ends; None if nothing was restored. ``setting``: the
+        request's adapter setting; ``prime(token)``: runs one token in the slot under it,
+        before a restore into a slot last run under another (an engine drops a slot's KV
+        state when the setting changes: it must do so before the restore, not after)."""
+        key = self.key(model, setting)
         if key is None or slot.id < 0:
             return None
         restore = None
         async with slot.lock:
-            live = common_prefix(slot.held, tokens) if slot.held and tokens else 0
-            if slot.dirty and slot.held is not None \
+            live = common_prefix(slot.held, tokens) \
+                if slot.held and tokens and slot.setting == setting else 0
+            displaced = self._slot_key(model, slot)
+            if slot.dirty and slot.held is not None and displaced is not None \
                     and len(slot.held) - live >= self.options.min_tokens:
-                await self._save(model, engine, slot, key, slot.version, "displaced")
+                await self._save(model, engine, slot, displaced, slot.version, "displaced")
             if tokens and key not in self._disabled and self.store.has(model.id):
-                restore = await self._restore(model, engine, slot, key, tokens, live)
+                restore = await self._restore(model, engine, slot, key, tokens, live,
+                                              prime if slot.setting != setting else None)
             slot.held = tuple(tokens) if tokens else None
+            slot.setting = setting
         return restore
 
+    def _slot_key(self, model: CatalogModel, slot: Slot) -> SnapshotKey | None:
+        """The key of what ``slot`` holds: under its adapter setting (None for a model with
+        adapters whose slot's setting is not known: it is not saved under a guess)."""
+        if not model.adapters:
+            return self.key(model)
+        return None if slot.setting is None else self.key(model, slot.setting)
+
     async def _restore(self, model: CatalogModel, engine: EngineClient, slot: Slot,
-                       key: SnapshotKey, tokens: Sequence[int], live: int) -> Restore | None:
+                       key: SnapshotKey, tokens: Sequence[int], live: int,
+                       prime: Prime | None = None) -> Restore | None:
         least = max(self.options.min_tokens, live + self.options.min_tokens)
         try:
             snapshot = await asyncio.to_thread(self.store.find, model.id, key, tokens, least)
@@ -220,6 +245,8 @@ class SnapshotKeeper:
             return None
         started = time.monotonic()
         try:
+            if prime is not None:
+                await prime(tokens[0])
             restored = await engine.restore_slot(slot.id, snapshot.filename)
         except BunkhouseError as e:
             self.counts(model.id).failed += 1
@@ -238,7 +265,7 @@ class SnapshotKeeper:
                          f"{shared} of {len(tokens)} prompt tokens into slot {slot.id} "
                          f"({snapshot.bytes // MIB} MiB in "
                          f"{(time.monotonic() - started) * 1000:.0f} ms)")
-        return Restore(snapshot, shared, len(tokens))
+        return Restore(snapshot, shared, len(tokens), key)
 
     def check(self, model: CatalogModel, restore: Restore, timings: Timings) -> None:
         """Whether the restore saved the prefill, by the engine's own counts."""
@@ -251,7 +278,7 @@ class SnapshotKeeper:
         reason = (f"the engine reused {reused} of {restore.shared} restored tokens and "
                   f"prefilled {prefilled}")
         counts.missed[reason] += 1
-        key = self.key(model)
+        key = restore.key or self.key(model)
         if key is not None:
             self._disabled[key] = reason
         hint = engine_for(model).restore_hint(model)
@@ -266,7 +293,7 @@ class SnapshotKeeper:
     def slot_idle(self, model: CatalogModel, engine: EngineClient, gate: SlotGate,
                   slot: Slot) -> None:
         """A request left ``slot``: save it if it stays idle for ``idle_flush_s``."""
-        if self.key(model) is None or slot.id < 0:
+        if self._slot_key(model, slot) is None or slot.id < 0:
             return
         version = slot.version
         loop = asyncio.get_running_loop()
@@ -284,7 +311,7 @@ class SnapshotKeeper:
 
     async def _save_idle(self, model: CatalogModel, engine: EngineClient, slot: Slot,
                          version: int) -> None:
-        key = self.key(model)
+        key = self._slot_key(model, slot)
         if key is None:
             return
         async with slot.lock:
@@ -306,11 +333,13 @@ class SnapshotKeeper:
         deadline = started + self.options.flush_timeout_s
         async with self._flushing:
             for slot in list(gate.table):
-                if slot.busy or not slot.dirty:
+                slot_key = self._slot_key(model, slot)
+                if slot.busy or not slot.dirty or slot_key is None:
                     continue
                 try:
                     async with asyncio.timeout_at(_loop_time(deadline)), slot.lock:
-                        await self._save(model, engine, slot, key, slot.version, reason, report)
+                        await self._save(model, engine, slot, slot_key, slot.version, reason,
+                                         report)
                 except TimeoutError:
                     report.failed.append(f"slot {slot.id}: not saved within the flush's "
                                          f"{self.options.flush_timeout_s:.0f} s")

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import replace
 
 from bunkhouse.catalog import CatalogModel
+from bunkhouse.engines.contract import Adapter
 from bunkhouse.errors import (
     Conflict,
     ModelNotFound,
@@ -33,6 +34,7 @@ from bunkhouse.residency.state import (
     Phase,
     Quiet,
     SpareStatus,
+    Spec,
     Stage,
     State,
     UnloadWait,
@@ -72,11 +74,90 @@ def register(s: State, e: msg.Register, now: float, fx: Fx) -> State:
     return put_health(s, model_id, Health())
 
 
+def mount(s: State, e: msg.Mount, now: float, fx: Fx) -> State:
+    """A base's adapters change (one added or removed): the base takes the new set, at once
+    if no worker runs it, else by a re-mount (:func:`remount`). Removing an adapter a
+    request holds is a 409; its waiting requests get 404. Decided here, on the set the
+    base's next worker mounts, so that two changes at once both count."""
+    m = s.models.get(e.base)
+    if m is None or m.retired:
+        fx.append(msg.Resolve(e.reply, ModelNotFound(f"model {e.base!r} not found",
+                                                     param="adapter_of")))
+        return s
+    current = m.pending or m.spec
+    ids = {a.id for a in current.model.adapters}
+    error: Exception | None = None
+    if e.removed is not None and e.removed not in ids:
+        error = ModelNotFound(f"adapter {e.removed!r} not found", param="model")
+    elif e.added is not None and (e.added.id in ids or e.added.id in s.models):
+        error = Conflict(f"model id {e.added.id!r} is already in use", param="id")
+    elif e.removed is not None:
+        held = sum(1 for _, a in m.adapter_leases if a == e.removed)
+        if held:
+            error = Conflict(f"adapter {e.removed!r} is in use by {held} request(s); delete "
+                             "it once they end", param="model")
+    if error is not None:
+        fx.append(msg.Resolve(e.reply, error))
+        return s
+    if e.removed is not None:
+        m = refuse(m, ModelNotFound(f"adapter {e.removed!r} was removed", param="model"), fx,
+                   keep=lambda w: w.adapter != e.removed)
+        fx.append(msg.CatalogRemove(e.removed))
+        spec = with_adapters(current, tuple(a for a in current.model.adapters
+                                            if a.id != e.removed))
+        why = f"adapter {e.removed} removed"
+    else:
+        assert e.added is not None and e.added.adapter is not None
+        fx.append(msg.CatalogAdd(e.added))
+        spec = with_adapters(current, (*current.model.adapters, e.added.adapter))
+        why = f"adapter {e.added.id} added"
+    fx.append(msg.Resolve(e.reply, None))
+    return put(s, advance_drain(s, remount(m, spec, why, fx), fx))
+
+
+def with_adapters(spec: Spec, adapters: tuple[Adapter, ...]) -> Spec:
+    """``spec`` with ``adapters`` mounted (a default adapter kept while it is one of them).
+    The engine's estimate counts an adapter by its file's bytes (engines/llamacpp.py
+    ``estimate``: its tensors are read into memory), so the estimate moves by as much."""
+    model = spec.model
+    default = model.default_adapter if any(a.id == model.default_adapter for a in adapters) \
+        else None
+    moved = sum(a.bytes for a in adapters) - sum(a.bytes for a in model.adapters)
+    return replace(spec, model=replace(model, adapters=adapters, default_adapter=default),
+                   estimate=spec.estimate + moved)
+
+
+def remount(m: Model, spec: Spec, why: str, fx: Fx) -> Model:
+    """``m`` with ``spec`` (its adapters changed): taken at once by a model no worker runs;
+    else its next worker's. A ready worker drains (its requests end, its slots' KV state is
+    saved) and a new one is started at once, whoever waits; a load under way is cancelled and
+    started again."""
+    if m.worker is None and m.phase in (Phase.ABSENT, Phase.FAILED):
+        fx.append(msg.CatalogAdd(spec.model))
+        return replace(m, spec=spec, pending=None)
+    m = replace(m, pending=spec)
+    reason = f"re-mounted: {why}"
+    if m.phase is Phase.LOADING and m.worker is not None and m.drain is None:
+        fx.append(msg.CancelSpawn(m.id, m.worker.id))
+        return replace(m, drain=Drain(reason, Stage.STOP), respawn=True)
+    if m.phase is Phase.READY:
+        fx.append(msg.Publish(m.id, "remounting", why))
+        return replace(begin_drain(m, reason, fx, force=True), respawn=True)
+    return m  # draining: its next load takes the new adapters
+
+
+def _adapters_only(old: CatalogModel, new: CatalogModel) -> bool:
+    """Whether two settings differ in their adapters (and what the front applies) only."""
+    return old.adapters != new.adapters and _front_only(
+        old, dataclasses.replace(new, adapters=old.adapters,
+                                 default_adapter=old.default_adapter))
+
+
 def _front_only(old: CatalogModel, new: CatalogModel) -> bool:
     """Whether two settings differ only in what the front applies (names, request params,
     idle ttl), which a running worker need not be restarted for."""
     return dataclasses.replace(old, aliases=new.aliases, request=new.request,
-                               ttl_s=new.ttl_s) == new
+                               ttl_s=new.ttl_s, default_adapter=new.default_adapter) == new
 
 
 def reload(s: State, e: msg.Reload, now: float, fx: Fx) -> State:
@@ -99,7 +180,10 @@ def reload(s: State, e: msg.Reload, now: float, fx: Fx) -> State:
         s = put_health(put(s, m), k, s.health.get(k, Health()))
     for k in changed:
         m = s.models[k]
-        if _front_only(m.spec.model, fresh[k].model):
+        if _adapters_only(m.spec.model, fresh[k].model):  # a worker runs with the others
+            m = remount(m, fresh[k], "the configuration's adapters changed", fx)
+            s = put(s, advance_drain(s, m, fx))
+        elif _front_only(m.spec.model, fresh[k].model):
             fx.append(msg.CatalogAdd(fresh[k].model))
             s = put(s, replace(m, spec=fresh[k], pending=None))
         else:

@@ -26,14 +26,14 @@ SUBSCRIBER_QUEUE = 1000
 
 # The kinds a drain's reason falls in, for counting evictions by reason (a bounded label).
 DRAIN_CAUSES = ("room", "idle", "keep_alive", "operator", "removed", "crashed", "shutdown",
-                "other")
+                "remount", "other")
 
 
 def drain_cause(reason: str) -> str:
     """The bounded cause of a drain, from its free-text reason."""
     text = reason.lower()
-    for needle, cause in (("making room", "room"), ("keep_alive", "keep_alive"),
-                          ("idle", "idle"), ("operator", "operator"),
+    for needle, cause in (("re-mounted", "remount"), ("making room", "room"),
+                          ("keep_alive", "keep_alive"), ("idle", "idle"), ("operator", "operator"),
                           ("removed", "removed"), ("crash", "crashed"),
                           ("shutting down", "shutdown"), ("shutdown", "shutdown")):
         if needle in text:

@@ -23,12 +23,12 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bunkhouse import defaults
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.engines.contract import EngineClient
+from bunkhouse.engines.contract import Adapter, EngineClient
 from bunkhouse.residency import messages as msg
 from bunkhouse.residency.clock import Clock, RealClock
 from bunkhouse.residency.estimate import estimate
@@ -71,6 +71,7 @@ class Lease:
         self.worker = worker
         self.slots = slots
         self.model_id = granted.model
+        self.adapters: tuple[Adapter, ...] = ()  # the LoRA adapters its worker mounts
         self._released = False
         self._blamed = False  # as it was when released (the release forgets it)
 
@@ -123,7 +124,7 @@ class ResidencyManager:
         self._ids = itertools.count(1)
         executor = Executor(self.catalog, self.events, self._clock, start_worker, flush,
                             spare, options.probe_timeout_s, self._lease)
-        state = initial(options, [self.spec(m) for m in self.catalog],
+        state = initial(options, [self.spec(m) for m in self.catalog.bases()],
                         spares=spare is not None, flush=flush is not None)
         self._loop = RunLoop(state, executor, self._clock)
 
@@ -135,7 +136,11 @@ class ResidencyManager:
                     model.transcribes or model.info.split_count <= 1)
 
     def _lease(self, granted: msg.Granted, worker: WorkerHandle, slots: SlotGate) -> Lease:
-        return Lease(self._loop.post, granted, worker, slots, lambda: self._loop.state)
+        lease = Lease(self._loop.post, granted, worker, slots, lambda: self._loop.state)
+        m = self._loop.state.models.get(granted.model)
+        if m is not None:  # the spec its worker runs (a re-mount's is taken at its spawn)
+            lease.adapters = m.spec.model.adapters
+        return lease
 
     # -- talking to the loop ---------------------------------------------------------------
 
@@ -170,11 +175,13 @@ class ResidencyManager:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def acquire(self, model: CatalogModel) -> Lease:
+    async def acquire(self, model: CatalogModel, adapter: str | None = None) -> Lease:
         """A lease on a ready worker for ``model``, loading it if needed (see the module
-        docstring for the errors)."""
+        docstring for the errors); ``adapter``: the id of the LoRA adapter of ``model`` the
+        request runs with, held as long as the lease (ModelNotFound if it is not, or no
+        longer, registered on ``model``)."""
         while True:
-            lease: Lease = await self._want(model.id, lease=True)
+            lease: Lease = await self._want(model.id, lease=True, adapter=adapter)
             if lease.worker.alive:
                 return lease
             lease.found_dead()
@@ -185,9 +192,10 @@ class ResidencyManager:
         operator's load, which forgets a crash loop's failures first."""
         await self._want(model_id, lease=False, reset=reset)
 
-    async def _want(self, model_id: str, *, lease: bool, reset: bool = False) -> Any:
+    async def _want(self, model_id: str, *, lease: bool, reset: bool = False,
+                    adapter: str | None = None) -> Any:
         ident, future = self._future()
-        self._post(msg.Want(model_id, ident, lease, reset))
+        self._post(msg.Want(model_id, ident, lease, reset, adapter))
         try:
             return await future
         except asyncio.CancelledError:
@@ -237,10 +245,25 @@ class ResidencyManager:
         spec = self.spec(model)
         await self._ask(lambda r: msg.Register(spec, r))
 
+    async def mount(self, base: str, added: CatalogModel | None = None,
+                    removed: str | None = None) -> None:
+        """The model ``base`` mounts the adapter ``added`` (its catalog entry), or no longer
+        the adapter ``removed`` (its id). A resident base is re-mounted once its requests end
+        (residency/commands.py ``remount``). Conflict (409) for an id taken or an adapter a
+        request holds; ModelNotFound if ``base`` or the adapter is gone."""
+        await self._ask(lambda r: msg.Mount(base, r, added, removed))
+
     async def apply_catalog(self, new: Catalog) -> dict[str, list[str]]:
         """A re-read configuration's catalog, applied without cutting anything (see
-        step._reload). Returns the ids by change: added, removed, changed."""
-        specs = tuple(self.spec(m) for m in new)
+        step._reload); adapters registered at runtime stay mounted on their bases. Returns
+        the ids by change: added, removed, changed."""
+        for adapter in self.catalog:
+            if adapter.source == "runtime" and adapter.adapter is not None \
+                    and adapter.adapter_of in new and adapter.id not in new:
+                base = new.get(adapter.adapter_of)
+                new.add(adapter)
+                new.add(replace(base, adapters=(*base.adapters, adapter.adapter)))
+        specs = tuple(self.spec(m) for m in new.bases())
         change: dict[str, list[str]] = await self._ask(lambda r: msg.Reload(specs, new, r))
         return change
 

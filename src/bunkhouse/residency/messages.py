@@ -30,6 +30,7 @@ class Want:
     waiter: int
     lease: bool = True
     reset: bool = False
+    adapter: str | None = None  # the LoRA adapter of the model the request runs with
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +172,19 @@ class Register:
 
 
 @dataclass(frozen=True, slots=True)
+class Mount:
+    """A base model's adapters change: ``added``, an adapter's catalog entry, is mounted on
+    it, or the adapter ``removed`` (its id) leaves it (a 409 while a request holds it). A
+    resident base is re-mounted: its worker replaced once its requests end, its slots' KV
+    state saved on the way."""
+
+    base: str
+    reply: int
+    added: CatalogModel | None = None
+    removed: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Reload:
     """A re-read configuration: its models' specs, and the catalog to adopt."""
 
@@ -246,7 +260,7 @@ class KeepSpare:
 Event = (Want | Cancel | Release | Constrained | Report | WorkerReady | LoadFailed
          | WorkerExited | Probed | Flushed | WorkerStopped | Measured | SpareFilled
          | SpareGone | Suspend | Tick
-         | Unload | Register | Reload | Pin | KeepAlive | PauseHold | OperatorPause
+         | Unload | Register | Mount | Reload | Pin | KeepAlive | PauseHold | OperatorPause
          | OperatorResume | AwaitQuiet | StopLoads | Open | Close | KeepSpare)
 
 # -- effects ------------------------------------------------------------------------------

@@ -101,15 +101,19 @@ def _grant(s: State, m: Model, now: float, fx: Fx) -> State:
     unload waiting on them drains the model right after."""
     assert m.worker is not None
     leases = set(m.leases)
+    adapters = set(m.adapter_leases)
     next_id = s.next_id
     for w in m.waiters:
         if w.lease:
             fx.append(msg.Resolve(w.id, msg.Granted(m.id, next_id, m.worker.id)))
             leases.add(next_id)
+            if w.adapter is not None:
+                adapters.add((next_id, w.adapter))
             next_id += 1
         else:
             fx.append(msg.Resolve(w.id, None))
-    m = replace(m, waiters=(), leases=frozenset(leases), last_used=now)
+    m = replace(m, waiters=(), leases=frozenset(leases), adapter_leases=frozenset(adapters),
+                last_used=now)
     return replace(put(s, m), next_id=next_id)
 
 

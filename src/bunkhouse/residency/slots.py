@@ -37,11 +37,14 @@ class Slot:
     version: int = 0  # one more at every request it runs
     used: float = 0.0  # monotonic seconds of its last request's start or end
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a save or restore under way
+    # the LoRA adapter setting its last request ran under ("": the base alone; None: not
+    # known): KV state computed under one setting is never continued under another
+    setting: str | None = None
 
-    def continues(self, tokens: Sequence[int]) -> int:
+    def continues(self, tokens: Sequence[int], setting: str = "") -> int:
         """How many of ``tokens`` this slot holds already, if the request continues what it
-        holds (keeps at least half of it); else 0."""
-        if not self.held:
+        holds (keeps at least half of it) under the same adapter ``setting``; else 0."""
+        if not self.held or (self.setting or "") != setting:  # None: only ever "" holds
             return 0
         shared = common_prefix(self.held, tokens)
         return shared if shared * 2 >= len(self.held) else 0
@@ -86,10 +89,11 @@ class SlotGate:
         return Place(self)
 
     async def enter(self, tokens: Sequence[int] | None = None,
-                    place: Place | None = None) -> Slot:
+                    place: Place | None = None, setting: str = "") -> Slot:
         """Take a slot, waiting in the queue if every slot is busy: the free slot that holds
-        most of ``tokens`` (the request's prompt, when known), else the one whose loss costs
-        least (empty, then saved, then least recently used). ``place``: the request's place
+        most of ``tokens`` (the request's prompt, when known) under its adapter ``setting``,
+        else the one whose loss costs least (empty, then one last run under the same setting,
+        then saved, then least recently used). ``place``: the request's place
         in the line, taken by :meth:`join` (one of another gate, an old one of the model's,
         is given back and a new one taken).
 
@@ -103,21 +107,28 @@ class SlotGate:
         finally:
             place.leave()
         self.running += 1
-        slot = self._choose(tokens)
+        slot = self._choose(tokens, setting)
         slot.busy = True
         slot.version += 1
         slot.used = time.monotonic()
         return slot
 
-    def _choose(self, tokens: Sequence[int] | None) -> Slot:
+    def _choose(self, tokens: Sequence[int] | None, setting: str) -> Slot:
         free = [s for s in self.table if not s.busy]
         if not free:  # a request of a replaced worker still runs: any slot will do
             return Slot(-1)
         if tokens:
-            best = max(free, key=lambda s: s.continues(tokens))
-            if best.continues(tokens):
+            best = max(free, key=lambda s: s.continues(tokens, setting))
+            if best.continues(tokens, setting):
                 return best
-        return min(free, key=lambda s: (s.held != (), s.dirty, s.used))
+        return min(free, key=lambda s: (s.held != (), s.setting != setting, s.dirty, s.used))
+
+    def unknown(self) -> None:
+        """The engine chose the slot of a request (not pinned) on a model with adapters: what
+        each idle slot holds, and under which setting, is no longer known."""
+        for slot in self.table:
+            if not slot.busy:
+                slot.held, slot.setting = None, None
 
     def leave(self, slot: Slot) -> None:
         self.running -= 1

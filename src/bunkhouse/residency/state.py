@@ -81,6 +81,7 @@ class Waiter:
     id: int
     since: float
     lease: bool = True
+    adapter: str | None = None  # the LoRA adapter its request runs with
 
 
 class Stage(enum.Enum):
@@ -128,6 +129,7 @@ class Model:
     worker: Worker | None = None
     measured: int | None = None  # its worker's peak resident memory so far
     leases: frozenset[int] = frozenset()
+    adapter_leases: frozenset[tuple[int, str]] = frozenset()  # (lease, adapter id) held
     constrained: frozenset[int] = frozenset()  # leases whose request's constraint is running
     blamed: frozenset[int] = frozenset()  # leases whose request stalled its worker
     waiters: tuple[Waiter, ...] = ()

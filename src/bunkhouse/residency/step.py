@@ -78,9 +78,20 @@ def _want(s: State, e: msg.Want, now: float, fx: Fx) -> State:
         return s
     assert m is not None
     h = s.health[m.id]
+    if e.adapter is not None and not _mounts(m, e.adapter):
+        fx.append(msg.Resolve(e.waiter, ModelNotFound(
+            f"adapter {e.adapter!r} is not registered on model {m.id!r} (any more)",
+            param="model")))
+        return s
     if e.reset or (h.failed_until is not None and h.failed_until <= now):
         s = put_health(s, m.id, supervision.forgiven(h))
-    return put(s, replace(m, waiters=(*m.waiters, Waiter(e.waiter, now, e.lease))))
+    waiter = Waiter(e.waiter, now, e.lease, e.adapter)
+    return put(s, replace(m, waiters=(*m.waiters, waiter)))
+
+
+def _mounts(m: Model, adapter: str) -> bool:
+    """Whether the model's worker mounts ``adapter``, or will once re-mounted."""
+    return any(a.id == adapter for a in (m.pending or m.spec).model.adapters)
 
 
 def _refusal(s: State, m: Model | None, model_id: str, now: float) -> Exception | None:
@@ -134,7 +145,8 @@ def _release(s: State, e: msg.Release, now: float, fx: Fx) -> State:
     if m is None or e.lease not in m.leases:
         return s
     m = replace(m, leases=m.leases - {e.lease}, constrained=m.constrained - {e.lease},
-                blamed=m.blamed - {e.lease}, last_used=now)
+                blamed=m.blamed - {e.lease}, last_used=now,
+                adapter_leases=frozenset(p for p in m.adapter_leases if p[0] != e.lease))
     if m.keep_alive_s == 0 and not m.leases:
         m = begin_drain(m, "keep_alive 0: unloaded once idle", fx)
     return put(s, advance_drain(s, m, fx))
@@ -370,7 +382,7 @@ _HANDLERS: Mapping[type, Callable[[State, Any, float, Fx], State]] = {  # one pe
     msg.Probed: _probed, msg.Flushed: _flushed, msg.WorkerStopped: _stopped,
     msg.Measured: _measured, msg.SpareFilled: _spare_filled, msg.SpareGone: _spare_gone,
     msg.Suspend: _suspend, msg.Tick: timers.tick,
-    msg.Unload: commands.unload, msg.Register: commands.register,
+    msg.Unload: commands.unload, msg.Register: commands.register, msg.Mount: commands.mount,
     msg.Reload: commands.reload, msg.Pin: commands.pin, msg.KeepAlive: commands.keep_alive,
     msg.PauseHold: commands.pause_hold, msg.OperatorPause: commands.operator_pause,
     msg.OperatorResume: commands.operator_resume, msg.AwaitQuiet: commands.await_quiet,

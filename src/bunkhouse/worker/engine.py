@@ -31,6 +31,7 @@ class WorkerConfig:
     # the engine's own options: a JSON object its front-side adapter wrote, which the engine
     # decodes with that adapter's parser (bunkhouse.engines.options)
     engine_options: str = "{}"
+    adapters: tuple[Path, ...] = ()  # LoRA adapters mounted with the model, every one at 0
 
 
 class Engine(Protocol):

@@ -55,13 +55,15 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
                    help="module:Class of the engine (its front-side adapter names it)")
     p.add_argument("--engine-options", default="{}", metavar="JSON",
                    help="the engine's own options, a JSON object its adapter wrote")
+    p.add_argument("--adapter", action="append", type=Path, default=[], metavar="PATH",
+                   help="a LoRA adapter to mount (repeatable); requests choose its scale")
     p.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process stops being our parent"
     )
     a = p.parse_args(argv)
     config = WorkerConfig(
         a.model_id, a.model_path, a.socket, a.context, a.parallel, a.chat_template,
-        a.embeddings, a.snapshot_dir, a.pooling, a.engine_options,
+        a.embeddings, a.snapshot_dir, a.pooling, a.engine_options, tuple(a.adapter),
     )
     return config, a.engine, a.parent_pid
 

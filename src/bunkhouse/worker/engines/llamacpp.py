@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -54,6 +55,11 @@ def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:
     params.n_threads_http = max(2, config.parallel + 1)
     if config.chat_template:
         _set_template(params, config.chat_template)
+    if config.adapters:
+        # every adapter at 0 until a request sets the scales (the front always sends them all)
+        params.lora_adapters = [xllamacpp.CommonAdapterLoraInfo(str(p), 0.0)
+                                for p in config.adapters]
+        params.lora_init_without_apply = True
     return params
 
 
@@ -88,10 +94,9 @@ class LlamaCppEngine:
         try:
             self._server = xllamacpp.Server(build_params(self.config, staging))
         except Exception as e:
-            hint = (f" (the configured chat template {self.config.chat_template!r} may be the "
-                    "cause: look for a parser error above)" if self.config.chat_template else "")
-            raise EngineLoadError(
-                f"llama.cpp failed to load {self.config.model_path}: {e}{hint}") from e
+            if not self.config.adapters:
+                raise self._load_error(e) from e
+            self._server = self._without_bad_adapters(staging, e)
         if self.config.chat_template:
             try:
                 self._check_template(self.config.chat_template, staging)
@@ -99,6 +104,42 @@ class LlamaCppEngine:
                 staging.unlink(missing_ok=True)
                 raise
             os.replace(staging, final)
+
+    def _load_error(self, e: Exception) -> EngineLoadError:
+        hint = (f" (the configured chat template {self.config.chat_template!r} may be the "
+                "cause: look for a parser error above)" if self.config.chat_template else "")
+        return EngineLoadError(f"llama.cpp failed to load {self.config.model_path}: {e}{hint}")
+
+    def _without_bad_adapters(self, socket: Path, first: Exception) -> Any:
+        """The engine failed with adapters: the base alone, then each adapter added to those
+        that loaded, so that a bad adapter file costs its own requests and no one else's
+        (the front learns which mounted from ``/lora-adapters``). The base failing alone is
+        the model's own load failure."""
+        base = dataclasses.replace(self.config, adapters=())
+        try:
+            self._try(base, socket)
+        except Exception as e:
+            raise self._load_error(e) from first
+        good: list[Path] = []
+        for path in self.config.adapters:
+            try:
+                self._try(dataclasses.replace(self.config, adapters=(*good, path)), socket)
+                good.append(path)
+            except Exception as e:
+                log.error("model %s: adapter %s not mounted: %s (look for llama.cpp's "
+                          "reason above); its requests fail, the base and its other adapters "
+                          "serve", self.config.model_id, path, e)
+        socket.unlink(missing_ok=True)
+        return xllamacpp.Server(build_params(dataclasses.replace(
+            self.config, adapters=tuple(good)), socket))
+
+    @staticmethod
+    def _try(config: WorkerConfig, socket: Path) -> None:
+        """Load ``config`` once and free it again (raises what the engine raised)."""
+        socket.unlink(missing_ok=True)
+        server = xllamacpp.Server(build_params(config, socket))
+        del server
+        socket.unlink(missing_ok=True)
 
     def _check_template(self, template: str, socket: Path) -> None:
         """Render one message, so that a template name llama.cpp does not know fails the load
