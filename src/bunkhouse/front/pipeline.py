@@ -285,7 +285,8 @@ class Pipeline:
                                      on_done=held.close, on_broken=self._broken(lease, blamed),
                                      on_timings=functools.partial(_noted, request, check),
                                      shape=shaped, started=shaper,
-                                     prompt_tokens=admitted.prompt_tokens)
+                                     prompt_tokens=admitted.prompt_tokens,
+                                     name=request.state.model)
         lease.report(True)  # it answered: whatever it said, it is alive
         return response
 

@@ -139,7 +139,7 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
                   on_broken: Callable[[Exception], BunkhouseError] | None = None,
                   on_timings: OnTimings | None = None, shape: Shape | None = None,
                   started: StreamShaper | None = None,
-                  prompt_tokens: int | None = None) -> Response:
+                  prompt_tokens: int | None = None, name: str | None = None) -> Response:
     """Send ``body`` to the worker behind ``engine`` and relay its answer.
 
     ``path``: a route of :data:`bunkhouse.engines.contract.GENERATION_ROUTES`, or ``/infill``
@@ -158,9 +158,13 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
     answer only). ``started``: a stream whose first bytes ``shape``'s shaper ``started``
     already sent (front/waiting.py): it goes on with that shaper, and an engine's error is
     its error event, not a status. ``prompt_tokens``: the prompt's count, counted before
-    (a stream's shaper that shows it first is told).
+    (a stream's shaper that shows it first is told). ``name``: the model an OpenAI answer
+    names, where it is not ``model_id``, the worker's (an adapter's id: its base's worker
+    answers).
     """
-    assembler, usage = None, None
+    assembler: Assembler | None = None
+    usage: LineRewrite | None = None
+    renamed = name if name is not None and name != model_id else None
     if isinstance(body, dict):
         data = body
         fold = _ASSEMBLERS.get(path) if not stream else None
@@ -169,6 +173,8 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
             body = {**data, "stream": True, "stream_options": {"include_usage": True}}
         if stream and shape is None and path in _ASSEMBLERS and StreamUsage.needed(path, data):
             usage = StreamUsage(path, data)
+        if stream and shape is None and path in _ASSEMBLERS and renamed is not None:
+            usage = Renamed(model_id, renamed, usage)
     send: Upstream = functools.partial(_send, engine, path, body, slot)
     if stream:
         broken = on_broken or functools.partial(stream_broke, model_id)
@@ -178,7 +184,7 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
         return await _forward_stream(engine, send, path, model_id, on_done, broken, on_timings,
                                      shape, shaper, started is not None, usage)
     return await _forward_once(engine, send, path, request, model_id, assembler, on_done,
-                               on_timings, shape)
+                               on_timings, shape, renamed)
 
 
 Upstream = Callable[[], Awaitable[httpx.Response]]
@@ -196,7 +202,7 @@ async def _forward_stream(engine: EngineClient, send: Upstream, path: str, model
                           on_broken: Callable[[Exception], BunkhouseError],
                           on_timings: OnTimings | None, shape: Shape | None,
                           shaper: StreamShaper | None, started: bool,
-                          usage: StreamUsage | None = None) -> Response:
+                          usage: LineRewrite | None = None) -> Response:
     """``shaper``: the stream's, if in another protocol; ``started``: its first bytes were
     sent already (an error is its error event then); ``usage``: the OpenAI stream's lines
     rewritten to its usage rule (api/usage.py), else relayed as bytes."""
@@ -254,7 +260,7 @@ class _Relay(StreamingResponse):
                  on_broken: Callable[[Exception], BunkhouseError] | None,
                  on_timings: OnTimings | None = None,
                  shaper: StreamShaper | None = None, media_type: str | None = None,
-                 usage: StreamUsage | None = None) -> None:
+                 usage: LineRewrite | None = None) -> None:
         """``on_broken`` None: a plain answer, relayed with its length, so that a client
         sees a break as a short body rather than as an event. ``shaper``: the events are
         sent in another protocol. ``usage``: the lines are rewritten by it."""
@@ -308,10 +314,31 @@ async def _relay(resp: httpx.Response, engine: EngineClient, model_id: str,
         await resp.aclose()
 
 
+class LineRewrite(Protocol):
+    def line(self, raw: bytes) -> bytes | None:
+        """What to send instead of one SSE line (bytes, no line end); None: nothing."""
+
+
+class Renamed:
+    """An OpenAI stream's events naming ``name`` where the engine named itself
+    (``engine_name``: the worker answers for the adapter's base), then ``inner``'s rewrite.
+    The engine writes compact JSON (``"model":"ID"``): a byte replace, nothing parsed."""
+
+    def __init__(self, engine_name: str, name: str, inner: LineRewrite | None) -> None:
+        self._old = b'"model":' + json.dumps(engine_name).encode()
+        self._new = b'"model":' + json.dumps(name).encode()
+        self._inner = inner
+
+    def line(self, raw: bytes) -> bytes | None:
+        if raw.startswith(b"data: "):
+            raw = raw.replace(self._old, self._new, 1)
+        return raw if self._inner is None else self._inner.line(raw)
+
+
 async def _rewritten(resp: httpx.Response, engine: EngineClient, model_id: str,
                      on_broken: Callable[[Exception], BunkhouseError] | None,
                      on_timings: OnTimings | None,
-                     usage: StreamUsage) -> AsyncIterator[bytes]:
+                     usage: LineRewrite) -> AsyncIterator[bytes]:
     """The stream's lines as ``usage`` rewrites them (only those carrying usage are parsed),
     each chunk's lines sent as they arrive."""
     lines = LineSplitter()
@@ -407,9 +434,9 @@ Assembler = Callable[[], Assembly]
 async def _forward_once(engine: EngineClient, send: Upstream, path: str, request: Request,
                         model_id: str, assembler: Assembler | None,
                         on_done: Callable[[], None], on_timings: OnTimings | None,
-                        shape: Shape | None = None) -> Response:
+                        shape: Shape | None = None, name: str | None = None) -> Response:
     call = asyncio.create_task(_call(engine, send, path, model_id, assembler, on_done,
-                                     on_timings, shape))
+                                     on_timings, shape, name))
     gone = asyncio.create_task(client_gone(request))
     try:
         done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -425,7 +452,8 @@ async def _forward_once(engine: EngineClient, send: Upstream, path: str, request
 
 async def _call(engine: EngineClient, send: Upstream, path: str, model_id: str,
                 assembler: Assembler | None, on_done: Callable[[], None],
-                on_timings: OnTimings | None = None, shape: Shape | None = None) -> Response:
+                on_timings: OnTimings | None = None, shape: Shape | None = None,
+                name: str | None = None) -> Response:
     """The answer to a plain request. ``on_done`` runs here once the exchange is over, or,
     for an answer relayed as it arrives, when the relay ends."""
     relayed = False
@@ -445,7 +473,8 @@ async def _call(engine: EngineClient, send: Upstream, path: str, model_id: str,
             if assembler is None:
                 relayed = True
                 return _Relay(resp, engine, path, model_id, on_done, None)
-            return await _assemble(engine, path, resp, model_id, assembler(), shape, on_timings)
+            return await _assemble(engine, path, resp, model_id, assembler(), shape, on_timings,
+                                   name)
         finally:
             if not relayed:
                 await resp.aclose()
@@ -456,9 +485,9 @@ async def _call(engine: EngineClient, send: Upstream, path: str, model_id: str,
 
 async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model_id: str,
                     assembly: Assembly, shape: Shape | None = None,
-                    on_timings: OnTimings | None = None) -> Response:
+                    on_timings: OnTimings | None = None, name: str | None = None) -> Response:
     """Fold the engine's stream into one answer as it arrives; its figures, once it is
-    whole, to ``on_timings``."""
+    whole, to ``on_timings``; ``name``: the model it names instead of the engine's."""
     timings = None
     try:
         async for line in _lines(resp):
@@ -478,6 +507,8 @@ async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model
     if on_timings is not None and timings is not None:
         on_timings(timings)
     result = assembly.result()
+    if name is not None:
+        result["model"] = name
     return JSONResponse(shape.answer(result) if shape else result)
 
 
