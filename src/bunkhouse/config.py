@@ -359,18 +359,19 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
         raise ConfigError(f"{where}: must be a table")
     entry_keys = frozenset({"id", "path", "pinned", "chat_template", "engine", "aliases",
                             "params", "fixed_params", "strip_params", "default_adapter"})
-    options = _options(table, where)
     model_id, path = table.get("id"), table.get("path", "")
+    if "adapter_of" in table and isinstance(model_id, str):  # one in error is left out
+        try:
+            check_model_id(model_id, where)
+            return _adapter_entry(table, where, model_id, path, base_dir)
+        except ConfigError as e:
+            return ModelEntry(model_id, Path(), {}, adapter_of=str(table["adapter_of"]),
+                              refused=e.message)
+    options = _options(table, where)
     if not isinstance(model_id, str) or not isinstance(path, str):
         raise ConfigError(f"{where}: needs a string key 'id' (and 'path', a GGUF file, unless "
                           "it configures a model found elsewhere)")
     check_model_id(model_id, where)
-    if "adapter_of" in table:  # an adapter in error is left out; the other models serve
-        try:
-            return _adapter_entry(table, where, model_id, path, base_dir)
-        except ConfigError as e:
-            return ModelEntry(model_id, Path(path), {}, adapter_of=str(table["adapter_of"]),
-                              refused=e.message)
     default_adapter = table.get("default_adapter")
     if default_adapter is not None and not isinstance(default_adapter, str):
         raise ConfigError(f"{where}: default_adapter must be the id of one of its adapters")
@@ -395,7 +396,7 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
                       default_adapter=default_adapter)
 
 
-def _adapter_entry(table: dict[str, Any], where: str, model_id: str, path: str,
+def _adapter_entry(table: dict[str, Any], where: str, model_id: str, path: object,
                    base_dir: Path) -> ModelEntry:
     """A LoRA adapter's entry: ``adapter_of`` a base model, ``path`` its GGUF, ``scale``. What
     depends on the base (that it exists, is no adapter, has the adapter's architecture) is
@@ -408,7 +409,7 @@ def _adapter_entry(table: dict[str, Any], where: str, model_id: str, path: str,
     base = table["adapter_of"]
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{where}: adapter_of must be the id of the base model")
-    if not path:
+    if not isinstance(path, str) or not path:
         raise ConfigError(f"{where}: needs 'path', the adapter's LoRA GGUF file")
     resolved = Path(path).expanduser()
     resolved = resolved if resolved.is_absolute() else base_dir / resolved

@@ -546,8 +546,9 @@ def _add_adapters(models: dict[str, CatalogModel], settings: Settings) -> None:
             if named is None:
                 raise ConfigError(f"adapter_of: no model {entry.adapter_of!r}; known: "
                                   f"{', '.join(sorted(models)) or '(none)'}")
-            if _resolve(models, entry.id) is not None:
-                raise ConfigError(f"id: {entry.id!r} already names a model")
+            for name, key in ((entry.id, "id"), *((a, "aliases") for a in entry.aliases)):
+                if _resolve(models, name) is not None:
+                    raise ConfigError(f"{key}: {name!r} already names a model")
             if not entry.path.is_file():
                 raise ConfigError(f"path: no file at {entry.path}")
             adapter = make_adapter(entry.id, entry.path.resolve(), models[named],
