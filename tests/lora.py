@@ -21,9 +21,10 @@ SPREAD = 0.03  # the weights' standard deviation: enough to change a greedy answ
 
 
 def write_lora(base: Path, out: Path, seed: int, rank: int = RANK,
-               arch: str | None = None) -> Path:
+               arch: str | None = None, broken: bool = False) -> Path:
     """A random LoRA for the model at ``base`` (its architecture and widths from its GGUF;
-    ``arch``: another architecture to write instead, for a refusal's test)."""
+    ``arch``: another architecture to write instead, for a refusal's test; ``broken``: its
+    B matrices of another rank than its A, which only the engine's load finds wrong)."""
     import gguf  # the test extra's
 
     info = read_gguf_info(base)
@@ -36,7 +37,7 @@ def write_lora(base: Path, out: Path, seed: int, rank: int = RANK,
     for layer in range(info.block_count):
         for name, n_out in (("attn_q", n_q), ("attn_v", n_v)):
             a = rng.normal(0, SPREAD, (rank, n_embd)).astype(np.float32)
-            b = rng.normal(0, SPREAD, (n_out, rank)).astype(np.float32)
+            b = rng.normal(0, SPREAD, (n_out, rank + broken)).astype(np.float32)
             writer.add_tensor(f"blk.{layer}.{name}.weight.lora_a", a)
             writer.add_tensor(f"blk.{layer}.{name}.weight.lora_b", b)
     writer.write_header_to_file()

@@ -229,6 +229,26 @@ def test_an_adapter_held_by_a_stream_is_not_deleted_until_it_ends(
     assert _text(_ask(host, QWEN)) == references["base"]
 
 
+def test_an_adapter_the_engine_cannot_mount_fails_alone(
+        host: Server, loras: Path, packaged_catalog: Catalog,
+        references: dict[str, str]) -> None:
+    """An adapter whose file passes the front's checks but fails in the engine (its B
+    matrices of another rank) is registered, then not mounted: its requests are a 503 naming
+    it, while the base and the other adapters answer as their references."""
+    broken = write_lora(packaged_catalog.get(QWEN).path, loras / "broken.gguf", 4, broken=True)
+    resp = httpx.post(f"{host.url}/v1/models", headers=ADMIN, timeout=120, json={
+        "id": "broken", "path": str(broken), "adapter_of": QWEN})
+    assert resp.status_code == 200, resp.text
+    failed = httpx.post(f"{host.url}/v1/chat/completions", timeout=600, json={
+        "model": "broken", "messages": PROMPT, "max_tokens": 2})
+    assert failed.status_code == 503, failed.text
+    assert "'broken'" in failed.json()["error"]["message"]
+    assert _text(_ask(host, "a")) == references["a"]
+    assert _text(_ask(host, QWEN)) == references["base"]
+    assert httpx.delete(f"{host.url}/v1/models/broken", headers=ADMIN,
+                        timeout=60).status_code == 204
+
+
 def test_adapters_refuse_what_cannot_be(host: Server, loras: Path,
                                         packaged_catalog: Catalog) -> None:
     """A request's own ``lora``, and registrations naming an unknown base, an adapter as base,
@@ -271,6 +291,9 @@ def test_every_protocol_serves_an_adapter_by_its_id(host: Server) -> None:
     infill = httpx.post(f"{base}/infill", timeout=120, json={
         "model": "b", "input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 4})
     assert infill.status_code == 200, infill.text
+    metrics = httpx.get(f"{base}/metrics").text  # requests and tokens under the adapter's id
+    assert 'bunkhouse_requests_total{model="b",protocol="anthropic"' in metrics
+    assert 'bunkhouse_generated_tokens_total{model="b"}' in metrics
     qwen = host.model(QWEN)  # after every test here: its worker's high-water mark
     memory = process_memory(qwen["pid"])
     assert memory is not None and memory.peak <= qwen["estimated_bytes"], (memory, qwen)
