@@ -34,6 +34,7 @@ from typing import Any
 import psutil
 
 from benchmarks import (
+    adapters,
     hol,
     kv_restore,
     overhead,
@@ -45,7 +46,8 @@ from benchmarks import (
 )
 from benchmarks.common import PROFILES, Profile
 
-SECTIONS = ("overhead", "throughput", "hol", "swap", "kv", "reliability", "transcribe")
+SECTIONS = ("overhead", "throughput", "hol", "swap", "kv", "reliability", "transcribe",
+            "adapters")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -96,6 +98,7 @@ def run_sections(profile: Profile, sections: list[str], llama_server: str | None
         "kv": lambda: kv_restore.measure(profile, llama_server),
         "reliability": lambda: reliability.measure(profile),
         "transcribe": lambda: transcribe.measure(profile),
+        "adapters": lambda: adapters.measure(profile),
     }
     for name in sections:
         print(f"== {name} ({profile.name})", file=sys.stderr, flush=True)

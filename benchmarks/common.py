@@ -60,6 +60,9 @@ class Profile:
     hol_runs: int = 2  # head-of-line: runs of each configuration
     hol_tokens: int = 1000  # the long stream's tokens
     fuzz_max_tokens: int | None = None  # fuzzed generations' tokens, fixed (None: theirs)
+    adapter_rounds: int = 5  # LoRA adapters: completions on each target, alternating
+    adapter_tokens: int = 64
+    adapter_functions: int = 40  # the re-mounted conversation's size (about 14 tokens each)
 
 
 PROFILES = {
@@ -73,7 +76,7 @@ PROFILES = {
                      chaos_runs=1, chaos_seconds=30, flood_runs=1, flood_requests=1000,
                      flood_concurrency=64, fuzz_examples=10, fuzz_seconds=45,
                      kv_lengths=(1000, 4000), transcribe_rounds=3, marginal_rounds=3,
-                     hol_runs=1, hol_tokens=400),
+                     hol_runs=1, hol_tokens=400, adapter_rounds=3, adapter_tokens=32),
     # Only for the test suite: checks that every section runs end to end, measures nothing.
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
@@ -81,7 +84,8 @@ PROFILES = {
                     flood_concurrency=16, fuzz_examples=2, fuzz_seconds=20,
                     kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0,
                     marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=80,
-                    fuzz_max_tokens=4),
+                    fuzz_max_tokens=4, adapter_rounds=1, adapter_tokens=4,
+                    adapter_functions=18),
 }
 
 

@@ -685,6 +685,49 @@ def _transcribe(t: dict[str, Any], goals: list[list[str]]) -> list[str]:
 # ---------------------------------------------------------------- whole page
 
 
+# ---------------------------------------------------------------- LoRA adapters
+
+
+def _adapters(a: dict[str, Any]) -> list[str]:
+    lines = [
+        "## 10. LoRA adapters: what mounting costs, and a re-mount",
+        "",
+        "One server serves Qwen twice: `plain` (its file, no adapter) and the packaged id with "
+        "two random rank-8 adapters mounted (`attn_q` and `attn_v` of every layer). Greedy "
+        f"completions of {a['tokens']} tokens, streamed, alternating, {a['rounds']} each: on "
+        "`plain`, on the base with its adapters mounted (run at scale 0) and on adapter A. "
+        "Time to first token and decode tokens/s, medians with min-max; the ratio is against "
+        "`plain`.",
+        "",
+    ]
+    plain = a["medians"]["plain"]
+    rows = []
+    for name, label in (("plain", "Qwen, no adapter"), ("mounted", "Qwen, 2 adapters mounted"),
+                        ("adapter", "adapter A")):
+        runs = a["runs"][name]
+        ttft = Spread.of([r["ttft_s"] for r in runs])
+        decode = Spread.of([r["decode_tps"] for r in runs])
+        med = a["medians"][name]
+        rows.append([label, _f(ttft, 0, 1000), _f(decode, 1),
+                     f"{med['ttft_s'] / plain['ttft_s']:.2f}" if plain["ttft_s"] else "-",
+                     f"{med['decode_tps'] / plain['decode_tps']:.2f}"
+                     if plain["decode_tps"] else "-"])
+    lines += _table(["target", "TTFT ms", "decode tokens/s", "TTFT ratio", "decode ratio"],
+                    rows)
+    r = a["remount"]
+    lines += [
+        f"A re-mount with a conversation kept: a chat turn of {r['conversation_tokens']} "
+        "tokens on adapter A, then adapter C registered at run time. The base drained (its "
+        "slot saved), loaded again with three adapters, and C's first token came "
+        f"{r['remount_to_first_token_s']:.2f} s after the registration was sent (the "
+        f"registration itself answered in {r['register_s'] * 1000:.0f} ms). A's follow-up "
+        f"then took {r['follow_up_s']:.2f} s and prefilled {r['follow_up_prompt_n']} tokens "
+        f"({r['follow_up_cache_n']} restored from its snapshot).",
+        "",
+    ]
+    return lines
+
+
 def render(results: dict[str, Any]) -> str:
     env, sec = results["environment"], results["sections"]
     goals: list[list[str]] = []
@@ -707,6 +750,8 @@ def render(results: dict[str, Any]) -> str:
         body += _hol(sec["hol"], goals)
     if "swap" in sec:
         body += _phases(sec["swap"])
+    if "adapters" in sec:
+        body += _adapters(sec["adapters"])
     for name, err in results.get("errors", {}).items():
         body += [f"## Section `{name}` failed", "", "```", err.strip()[-2000:], "```", ""]
     cmd = "python -m benchmarks run" + ("" if results["profile"] == "full"

@@ -25,7 +25,7 @@ def write_lora(base: Path, out: Path, seed: int, rank: int = RANK,
     """A random LoRA for the model at ``base`` (its architecture and widths from its GGUF;
     ``arch``: another architecture to write instead, for a refusal's test; ``broken``: its
     B matrices of another rank than its A, which only the engine's load finds wrong)."""
-    import gguf  # the test extra's
+    import gguf
 
     info = read_gguf_info(base)
     n_embd, n_q, n_v = _widths(info)
@@ -34,7 +34,7 @@ def write_lora(base: Path, out: Path, seed: int, rank: int = RANK,
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", ALPHA)
-    for layer in range(info.block_count):
+    for layer in range(info.block_count or 0):
         for name, n_out in (("attn_q", n_q), ("attn_v", n_v)):
             a = rng.normal(0, SPREAD, (rank, n_embd)).astype(np.float32)
             b = rng.normal(0, SPREAD, (n_out, rank + broken)).astype(np.float32)
@@ -48,8 +48,10 @@ def write_lora(base: Path, out: Path, seed: int, rank: int = RANK,
 
 
 def _widths(info: GGUFInfo) -> tuple[int, int, int]:
-    n_embd = info.embedding_length
-    heads, kv_heads = info.head_count, info.head_count_kv or info.head_count
+    n_embd, heads = info.embedding_length, info.head_count
+    if not n_embd or not heads or not info.block_count:
+        raise ValueError(f"{info.architecture}: no widths in its GGUF to write a LoRA for")
+    kv_heads = info.head_count_kv or heads
     head_dim = n_embd // heads
     return n_embd, heads * head_dim, kv_heads * head_dim
 
