@@ -276,7 +276,8 @@ def test_adapters_refuse_what_cannot_be(host: Server, loras: Path,
 
 
 def test_every_protocol_serves_an_adapter_by_its_id(host: Server) -> None:
-    """Anthropic's Messages, the Responses API, Ollama's chat and /infill name the adapter;
+    """Anthropic's Messages, the Responses API, Ollama's chat and /infill name the adapter,
+    and the token and template routes take its id;
     the base's worker, with its adapters mounted, stayed within its memory estimate."""
     base = host.url
     claude = httpx.post(f"{base}/v1/messages", timeout=120, json={
@@ -291,6 +292,10 @@ def test_every_protocol_serves_an_adapter_by_its_id(host: Server) -> None:
     infill = httpx.post(f"{base}/infill", timeout=120, json={
         "model": "b", "input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 4})
     assert infill.status_code == 200, infill.text
+    for path, body in (("/v1/messages/count_tokens", {"messages": PROMPT}),
+                       ("/tokenize", {"content": "hi"}), ("/apply-template", {"messages": PROMPT})):
+        assert httpx.post(f"{base}{path}", json={"model": "b", **body},
+                          timeout=120).status_code == 200, path  # its base's tokens, template
     metrics = httpx.get(f"{base}/metrics").text  # requests and tokens under the adapter's id
     assert 'bunkhouse_requests_total{model="b",protocol="anthropic"' in metrics
     assert 'bunkhouse_generated_tokens_total{model="b"}' in metrics

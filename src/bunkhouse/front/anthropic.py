@@ -67,7 +67,8 @@ class AnthropicRoutes:
         try:  # refused as a chat request: the field named as this API names it
             parsed = await bodies.cpu(len(body), validate, ChatCompletionRequest, data)
             check_tool_choice(data)
-            model = self.pipeline.catalog.get(parsed.model)
+            catalog = self.pipeline.catalog
+            model = catalog.served(catalog.get(parsed.model))[0]  # an adapter counts as its base
             data = await bodies.cpu(len(body), prepare, CHAT, ChatCompletionRequest, model, data)
             # counted even past one slot (agents count to decide when to compact), but not
             # past what the model was trained for: megabytes of text took the worker gigabytes

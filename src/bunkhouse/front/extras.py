@@ -45,8 +45,9 @@ class Extras:
         body = await bodies.read(request)
         data = await bodies.cpu(len(body), read_object, body, CHAT_FREE_FORM)
         parsed = await bodies.cpu(len(body), validate, schema, data)
-        model = self.pipeline.catalog.get(getattr(parsed, "model", None))
-        check_generates(model)
+        catalog = self.pipeline.catalog
+        model = catalog.served(catalog.get(getattr(parsed, "model", None)))[0]  # an adapter's
+        check_generates(model)  # tokenizer and template are its base's
         return data, parsed, model
 
     async def tokenize(self, request: Request) -> Response:

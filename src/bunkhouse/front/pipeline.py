@@ -183,7 +183,7 @@ class Pipeline:
             held.push(place.leave)  # until it takes a slot (again is harmless)
         with self._releasing(lease, held, model.id):
             admitted = Admitted(held, lease.worker.engine, data or {})
-            if data is not None and lease.adapters:
+            if data is not None and (lease.adapters or adapter is not None):
                 await _choose_adapter(admitted, adapter)
             if data is not None:
                 admitted = await self._tokens_and_fit(request, model, route, admitted, cap)
