@@ -166,6 +166,20 @@ def test_ps_shows_idle_time_only_for_loaded_models_serving_nothing() -> None:
     assert rows["busy"][8] == "-" and rows["gone"][8] == "-"
 
 
+def test_ps_shows_adapters_under_their_base() -> None:
+    from bunkhouse.cli.output import format_ps
+
+    base = {"pinned": False, "estimated_bytes": 1, "measured_bytes": None, "pid": None,
+            "leases": 0, "last_used": None}
+    stats = {"budget_bytes": 1, "used_bytes": 0, "free_bytes": 1, "peak_used_bytes": 0,
+             "models": [{**base, "id": "q", "state": "ready"},
+                        {**base, "id": "g", "state": "absent"},
+                        {**base, "id": "qa", "state": "ready", "parent": "q"}]}
+    lines = format_ps(stats).splitlines()
+    assert [line.split()[:2] for line in lines[1:4]] == [["q", "ready"], ["+", "qa"],
+                                                        ["g", "absent"]]
+
+
 def test_ps_watch_waits_for_an_unreachable_server_until_interrupted(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import bunkhouse.cli.remote
