@@ -49,8 +49,10 @@ def free_port() -> int:
 
 def write_tiny_gguf(path: Path, arch: str = "llama", *, context: int = 2048,
                     chat_template: str | None = "{{ messages }}",
-                    sliding_window: int | None = None, vocab: int = 300) -> Path:
-    """A small but well-formed GGUF file (metadata like a real model's, one tensor)."""
+                    sliding_window: int | None = None, vocab: int = 300,
+                    attention: bool = False) -> Path:
+    """A small but well-formed GGUF file (metadata like a real model's, one tensor;
+    ``attention``: and each block's ``attn_q`` and ``attn_v``, which a LoRA adapts)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {arch}")
@@ -68,6 +70,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, context: int = 2048,
     if chat_template is not None:
         w.add_chat_template(chat_template)
     w.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
+    for block in range(4 if attention else 0):  # numpy's (n_out, n_in): 8 heads, 2 for KV
+        w.add_tensor(f"blk.{block}.attn_q.weight", np.zeros((64, 64), dtype=np.float32))
+        w.add_tensor(f"blk.{block}.attn_v.weight", np.zeros((16, 64), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -232,10 +232,17 @@ def test_an_adapter_held_by_a_stream_is_not_deleted_until_it_ends(
 def test_an_adapter_the_engine_cannot_mount_fails_alone(
         host: Server, loras: Path, packaged_catalog: Catalog,
         references: dict[str, str]) -> None:
-    """An adapter whose file passes the front's checks but fails in the engine (its B
-    matrices of another rank) is registered, then not mounted: its requests are a 503 naming
-    it, while the base and the other adapters answer as their references."""
-    broken = write_lora(packaged_catalog.get(QWEN).path, loras / "broken.gguf", 4, broken=True)
+    """An adapter whose file passes the front's checks (its header and tensor shapes) but
+    fails in the engine (its tensors' data cut short) is registered, then not mounted: its
+    requests are a 503 naming it, while the base and the other adapters answer as their
+    references. One whose shapes do not fit is refused at once, naming ``path``."""
+    misfit = write_lora(packaged_catalog.get(QWEN).path, loras / "misfit.gguf", 4, broken=True)
+    refused = httpx.post(f"{host.url}/v1/models", headers=ADMIN, timeout=120, json={
+        "id": "misfit", "path": str(misfit), "adapter_of": QWEN})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "path"
+    assert "does not fit" in refused.json()["error"]["message"]
+    broken = write_lora(packaged_catalog.get(QWEN).path, loras / "broken.gguf", 4)
+    broken.write_bytes(broken.read_bytes()[:broken.stat().st_size // 2])
     resp = httpx.post(f"{host.url}/v1/models", headers=ADMIN, timeout=120, json={
         "id": "broken", "path": str(broken), "adapter_of": QWEN})
     assert resp.status_code == 200, resp.text
@@ -291,7 +298,7 @@ def test_every_protocol_serves_an_adapter_by_its_id(host: Server) -> None:
     assert ollama.status_code == 200 and ollama.json()["model"].startswith("b"), ollama.text
     infill = httpx.post(f"{base}/infill", timeout=120, json={
         "model": "b", "input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 4})
-    assert infill.status_code == 200, infill.text
+    assert infill.status_code == 200 and infill.json()["model"] == "b", infill.text
     for path, body in (("/v1/messages/count_tokens", {"messages": PROMPT}),
                        ("/tokenize", {"content": "hi"}), ("/apply-template", {"messages": PROMPT})):
         assert httpx.post(f"{base}{path}", json={"model": "b", **body},

@@ -17,6 +17,7 @@ from bunkhouse.engines import ENGINES
 from bunkhouse.engines.contract import Adapter
 from bunkhouse.engines.llamacpp import check_lora, estimate
 from bunkhouse.errors import ConfigError, Conflict, InvalidRequest, ModelNotFound
+from bunkhouse.gguf.meta import lora_misfit, read_tensor_shapes
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.kvcache.store import SnapshotStore
 from bunkhouse.residency import messages as msg
@@ -40,7 +41,7 @@ def _load(tmp_path: Path, text: str) -> Settings:
 
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, Path]:  # two LoRAs of the qwen2, one of llama
-    qwen = write_tiny_gguf(tmp_path / "qwen.gguf", "qwen2")
+    qwen = write_tiny_gguf(tmp_path / "qwen.gguf", "qwen2", attention=True)
     return {"qwen": qwen, "gemma": write_tiny_gguf(tmp_path / "gemma.gguf", "gemma3"),
             "a": write_lora(qwen, tmp_path / "a.gguf", 1),
             "b": write_lora(qwen, tmp_path / "b.gguf", 2),
@@ -78,14 +79,12 @@ def test_an_adapter_entry_in_error_is_refused_not_raised(tmp_path: Path, lines: 
     assert s.entries[0].refused is None
 
 
-# BUG (fails until config.py is fixed): see the docstring.
 @pytest.mark.parametrize("line", ['context = "big"', "embeddings = 3"])
 def test_an_adapter_entry_with_a_mistyped_option_is_refused_not_raised(tmp_path: Path,
                                                                       line: str) -> None:
-    """BUG (config.py:362): ``_options(table, where)`` runs before the ``adapter_of`` branch,
-    so an option key of the wrong type in an adapter's entry raises ConfigError and fails the
-    whole file, where the same key with a well-typed value (``context = 4096``) is refused
-    with the rest of the adapter's errors (the other models serve)."""
+    """A model's option of the wrong type in an adapter's entry is refused with the adapter
+    (left out, the other models served), as the same key well typed is: never the whole
+    file."""
     s = _load(tmp_path, BASE + f'[[models]]\nid = "a"\nadapter_of = "qwen"\npath = "a.gguf"\n'
               f'{line}\n')
     assert s.entries[1].refused is not None and line.split()[0] in s.entries[1].refused
@@ -163,12 +162,31 @@ def test_make_adapter_names_the_key_it_refuses(tmp_path: Path, files: dict[str, 
     assert (made.adapter_of, made.scale, made.aliases) == ("qwen", 2.0, ("y",))
 
 
-# BUG (fails until catalog.py is fixed): see the docstring.
+def test_a_lora_whose_shapes_do_not_fit_its_base_is_refused_before_any_load(
+        tmp_path: Path, files: dict[str, Path]) -> None:
+    """B matrices of another rank than the A ones (llama.cpp's load would refuse it), or a
+    LoRA of a model with other widths: refused naming ``path`` and the tensor, from the two
+    files' tensor infos; a LoRA file named as a model is refused as one."""
+    catalog = build_catalog(_load(tmp_path, BASE), engines=ENGINES)
+    qwen = catalog.get("qwen")
+    broken = write_lora(files["qwen"], tmp_path / "broken.gguf", 5, broken=True)
+    wide = write_tiny_gguf(tmp_path / "wide.gguf", "qwen2", attention=True)
+    with pytest.raises(ConfigError, match=r"^path: broken.gguf does not fit model 'qwen': "
+                                          r"blk.0.attn_q.weight: lora_a \[64, 8\]"):
+        make_adapter("x", broken, qwen, 1.0, "runtime")
+    assert lora_misfit(read_tensor_shapes(wide), read_tensor_shapes(files["a"])) is None
+    assert "no tensor blk.0.attn_q.weight" in str(
+        lora_misfit(read_tensor_shapes(files["gemma"]), read_tensor_shapes(files["a"])))
+    (tmp_path / "lora.toml").write_text(f'[[models]]\nid = "m"\npath = "{files["a"]}"\n')
+    with pytest.raises(ConfigError, match="a LoRA adapter, not a model"):
+        build_catalog(load_config_file(tmp_path / "lora.toml", Settings(
+            include_packaged=False)), engines=ENGINES)
+
+
 def test_an_adapter_alias_taken_by_a_model_leaves_only_the_adapter_out(
         tmp_path: Path, files: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
-    """BUG (catalog.py:549): _add_adapters checks that an adapter's id is free but not its
-    aliases, so an alias naming a model makes Catalog() raise ConfigError (catalog.py:124)
-    and no model serves, where an adapter in error is to be logged and left out."""
+    """An adapter whose alias already names a model is logged and left out; the catalog is
+    built and the models serve (an alias clash between models fails the whole file)."""
     s = _load(tmp_path, BASE + '[[models]]\nid = "gemma"\npath = "gemma.gguf"\n[[models]]\n'
               'id = "a"\nadapter_of = "qwen"\npath = "a.gguf"\naliases = ["gemma"]\n')
     caplog.set_level(logging.ERROR)
@@ -204,6 +222,14 @@ def _ready(s: State, *wants: msg.Want) -> tuple[State, tuple[msg.Effect, ...]]:
         s, fx = step(s, want, 0.0)
     spawn = next(e for e in fx if isinstance(e, msg.Spawn))
     return step(s, msg.WorkerReady("b", spawn.worker, 42, "pid 42", None), 1.0)
+
+
+def test_a_base_removed_takes_its_adapters_with_it() -> None:
+    """Deleting a base with adapters removes their catalog entries too: none is left naming
+    a base that is gone."""
+    s, fx = step(_state(A1, A2), msg.Unload("b", 9, "deleted", 0.0, forget=True), 0.0)
+    assert "b" not in s.models
+    assert [e.model for e in fx if isinstance(e, msg.CatalogRemove)] == ["b", "a1", "a2"]
 
 
 def test_mounting_on_an_absent_base_takes_the_spec_at_once() -> None:

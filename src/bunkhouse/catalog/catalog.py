@@ -41,7 +41,7 @@ from bunkhouse.errors import (
     ModelNotFound,
     PackagedModelError,
 )
-from bunkhouse.gguf.meta import GGUFInfo, read_gguf_info
+from bunkhouse.gguf.meta import GGUFInfo, lora_misfit, read_gguf_info, read_tensor_shapes
 
 log = logging.getLogger(__name__)
 
@@ -231,9 +231,11 @@ class Catalog:
         """Take ``new``'s models, aliases and default model (residency's reload); the models
         of ``keep`` stay (runtime-registered ones, removed ones still draining) and a model
         whose settings changed keeps its running ones until residency takes the new
-        (:meth:`add`)."""
+        (:meth:`add`). An adapter takes its new entry at once: its base's worker is
+        re-mounted if its file changed, and a request runs it at its scale."""
         kept = {i: self._models[i] for i in keep if i in self._models}
-        self._models = {**{i: self._models.get(i, m) for i, m in new._models.items()}, **kept}
+        self._models = {**{i: m if m.adapter_of is not None else self._models.get(i, m)
+                           for i, m in new._models.items()}, **kept}
         self._aliases = dict(new._aliases)
         switched = self._switched
         self.default_id = switched if switched in new._models else new.default_id
@@ -330,6 +332,9 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
     if entry is not None and entry.engine in whisper.ENGINES:
         return _whisper_model(model_id, path, source, settings, entry)
     info = read_gguf_info(path)
+    if info.general_type == "adapter":
+        raise GGUFError(f"{path}: a LoRA adapter, not a model: serve it as an adapter of its "
+                        "base model (adapter_of = the base's id)")
     overrides = entry.options if entry else {}
     engine = entry.engine if entry else DEFAULT_ENGINE
     options = effective_options(settings.defaults, overrides, info, f"model {model_id!r}",
@@ -526,6 +531,12 @@ def make_adapter(model_id: str, path: Path, base: CatalogModel, scale: float, so
     if info.architecture != base.info.architecture:
         raise ConfigError(f"adapter_of: the adapter {path.name} is for {info.architecture!r} "
                           f"models and {base.id!r} is a {base.info.architecture!r} model")
+    try:
+        misfit = lora_misfit(read_tensor_shapes(base.path), read_tensor_shapes(path))
+    except GGUFError as e:
+        raise ConfigError(f"path: {e.message}") from e
+    if misfit:
+        raise ConfigError(f"path: {path.name} does not fit model {base.id!r}: {misfit}")
     return CatalogModel(model_id, path, source, info, base.options, st.st_size,
                         modified=int(st.st_mtime), engine=base.engine, aliases=aliases,
                         adapter_of=base.id, scale=scale)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import re
 import struct
 from collections.abc import AsyncIterator, Mapping
@@ -49,6 +50,8 @@ from bunkhouse.engines.contract import (
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, WorkerLoadFailed, envelope
 from bunkhouse.gguf.meta import GGUFInfo
+
+log = logging.getLogger(__name__)
 
 NAME = "llama.cpp"
 WORKER_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
@@ -281,6 +284,7 @@ class LlamaCppClient(WorkerHTTP):
     """The worker contract (engines/contract.py) over llama.cpp's server API."""
 
     _adapters: dict[str, int] | None = None  # mounted LoRA adapters: engine id by path
+    _told = False  # adapters it could not mount were logged
 
     async def _post(self, path: str, payload: dict[str, Any],
                     timeout_s: float | None = None) -> Any:
@@ -357,11 +361,19 @@ class LlamaCppClient(WorkerHTTP):
         if not adapters:
             return {}
         mounted = await self._mounted()
+        missing = [a for a in adapters if str(a.path) not in mounted]
+        if missing and not self._told:
+            self._told = True
+            log.warning("model %s: adapter(s) %s not mounted: the engine refused the file "
+                        "(the worker's lines above say why); their requests fail with 503, "
+                        "the base and its other adapters serve", self._model_id,
+                        ", ".join(f"{a.id} ({a.path})" for a in missing))
         if chosen is not None and str(chosen.path) not in mounted:
             raise WorkerLoadFailed(
-                f"adapter {chosen.id!r} of model {self._model_id!r} is not mounted: its "
-                "worker could not load the file (its log says why); the base and its other "
-                "adapters serve on. Fix or replace the file, then register the adapter again",
+                f"adapter {chosen.id!r} of model {self._model_id!r} is not mounted: the "
+                "engine refused its file when the model loaded (the server log says why); "
+                "the base and its other adapters serve on. Fix or replace the file, then "
+                "unload and load the model (or delete the adapter and register it again)",
                 param="model")
         return {"lora": [{"id": engine_id, "scale": chosen.scale
                           if chosen is not None and path == str(chosen.path) else 0.0}

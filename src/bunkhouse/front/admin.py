@@ -33,7 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -86,7 +94,7 @@ class RegisterRequest(BaseModel):
     pinned: StrictBool = False
     embeddings: StrictBool | None = None  # None: on for embedding models only
     adapter_of: StrictStr | None = None  # a LoRA adapter of this base model
-    scale: float | None = None  # an adapter's scale (config.check_scale)
+    scale: StrictFloat | StrictInt | None = None  # an adapter's scale (config.check_scale)
 
     @property
     def model_fields_given(self) -> list[str]:
@@ -291,6 +299,9 @@ class Admin:
                 raise InvalidRequest("path is not a file", param="path")
             # A large or hostile header takes a while to scan: off the event loop.
             info = await asyncio.to_thread(read_gguf_info, real)
+            if info.general_type == "adapter":
+                raise InvalidRequest("path is a LoRA adapter, not a model: register it with "
+                                     "adapter_of, the base model's id", param="path")
             st = real.stat()
             files = model_files(real, info.split_count)
             outside = [f for f in files if inside_roots(str(f), self.options.roots) != f]

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -47,7 +48,7 @@ from starlette.responses import Response
 from bunkhouse.api.tool_calls import ToolCallReader, check_tool_choice
 from bunkhouse.catalog import Catalog, CatalogModel
 from bunkhouse.engines import engine_for
-from bunkhouse.engines.contract import EngineClient, Messages, Timings
+from bunkhouse.engines.contract import Adapter, EngineClient, Messages, Timings
 from bunkhouse.errors import (
     BunkhouseError,
     ClientGone,
@@ -387,7 +388,19 @@ async def _choose_adapter(admitted: Admitted, adapter: CatalogModel | None) -> N
     fields = await admitted.engine.adapter_fields(admitted.lease.adapters, chosen)
     admitted.data = {**admitted.data, **fields}
     admitted.adapter_fields = fields
-    admitted.setting = "" if chosen is None else f"{chosen.path}|{chosen.bytes}|{chosen.scale}"
+    admitted.setting = "" if chosen is None else _setting(chosen)
+
+
+def _setting(adapter: Adapter) -> str:
+    """What KV state computed under ``adapter`` depends on: its file as it is now (path,
+    size, modification time: a file replaced under the same name is another adapter) and its
+    scale."""
+    try:
+        st = os.stat(adapter.path)
+        version = f"{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        version = "unreadable"
+    return f"{adapter.path}|{version}|{adapter.scale}"
 
 
 def _tool_reader(data: dict[str, Any]) -> tuple[dict[str, Any], ToolCallReader | None]:

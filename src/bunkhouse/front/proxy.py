@@ -173,7 +173,8 @@ async def forward(engine: EngineClient, path: str, body: bytes | dict[str, Any],
             body = {**data, "stream": True, "stream_options": {"include_usage": True}}
         if stream and shape is None and path in _ASSEMBLERS and StreamUsage.needed(path, data):
             usage = StreamUsage(path, data)
-        if stream and shape is None and path in _ASSEMBLERS and renamed is not None:
+        if stream and shape is None and renamed is not None \
+                and (path in _ASSEMBLERS or path == "/infill"):
             usage = Renamed(model_id, renamed, usage)
     send: Upstream = functools.partial(_send, engine, path, body, slot)
     if stream:
@@ -320,9 +321,10 @@ class LineRewrite(Protocol):
 
 
 class Renamed:
-    """An OpenAI stream's events naming ``name`` where the engine named itself
-    (``engine_name``: the worker answers for the adapter's base), then ``inner``'s rewrite.
-    The engine writes compact JSON (``"model":"ID"``): a byte replace, nothing parsed."""
+    """An OpenAI stream's events (or one JSON answer) naming ``name`` where the engine named
+    itself (``engine_name``: the worker answers for the adapter's base), then ``inner``'s
+    rewrite. The engine writes compact JSON (``"model":"ID"``; a text's own quotes are
+    escaped in it): a byte replace of the first, nothing parsed."""
 
     def __init__(self, engine_name: str, name: str, inner: LineRewrite | None) -> None:
         self._old = b'"model":' + json.dumps(engine_name).encode()
@@ -330,8 +332,7 @@ class Renamed:
         self._inner = inner
 
     def line(self, raw: bytes) -> bytes | None:
-        if raw.startswith(b"data: "):
-            raw = raw.replace(self._old, self._new, 1)
+        raw = raw.replace(self._old, self._new, 1)
         return raw if self._inner is None else self._inner.line(raw)
 
 
@@ -470,6 +471,13 @@ async def _call(engine: EngineClient, send: Upstream, path: str, model_id: str,
                     raise stream_broke(model_id, e) from e
                 except ValueError as e:
                     raise _unreadable(model_id, e) from e
+            if assembler is None and name is not None:  # one JSON answer, small: renamed
+                try:
+                    content = Renamed(model_id, name, None).line(await resp.aread()) or b""
+                except httpx.TransportError as e:
+                    raise stream_broke(model_id, e) from e
+                return Response(content, status_code=resp.status_code,
+                                media_type=resp.headers.get("content-type"))
             if assembler is None:
                 relayed = True
                 return _Relay(resp, engine, path, model_id, on_done, None)

@@ -299,6 +299,63 @@ def read_fields(path: Path, strings: frozenset[str] = frozenset(), *,
         os.close(fd)
 
 
+def read_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape by name, in ggml's order (``ne[0]``, the row's length, first),
+    from the tensor infos after the header; GGUFError for a file that is no readable GGUF or
+    whose infos are malformed or past the scan's budgets."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise GGUFError(f"{path}: not a regular file")
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
+            cur = _Cursor(buf, path)
+            _, n = _read_header(cur, frozenset())
+            if n > cur.items_left:
+                raise GGUFError(f"{path}: {n} tensors, past the scan's budget")
+            shapes: dict[str, tuple[int, ...]] = {}
+            for _ in range(n):
+                name = cur.string("tensor name", 256)
+                dims = cur.unpack("<I")
+                if dims > _MAX_DIMS:
+                    raise GGUFError(f"{path}: tensor {name!r} has {dims} dimensions")
+                shapes[name] = tuple(cur.unpack("<Q") for _ in range(dims))
+                cur.skip(4 + 8)  # its type and offset
+            return shapes
+    except (OSError, ValueError, OverflowError, struct.error) as e:
+        raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
+    finally:
+        os.close(fd)
+
+
+def lora_misfit(base: dict[str, tuple[int, ...]], lora: dict[str, tuple[int, ...]]
+                ) -> str | None:
+    """Why a LoRA's tensors (``lora``: :func:`read_tensor_shapes`) cannot apply to a model's
+    (``base``); None if they can. Each pair ``T.lora_a`` (``ne`` = [n_in, rank]) and
+    ``T.lora_b`` ([rank, n_out]) must adapt a tensor ``T`` of the base of [n_in, n_out]: what
+    llama.cpp checks when it loads an adapter (llama-adapter.cpp), found before a load."""
+    pairs = 0
+    for name, a in lora.items():
+        if not name.endswith(".lora_a"):
+            continue
+        target = name.removesuffix(".lora_a")
+        b, weights = lora.get(f"{target}.lora_b"), base.get(target)
+        if b is None:
+            return f"{name} has no {target}.lora_b"
+        if weights is None:
+            return f"the model has no tensor {target} for {name} to adapt"
+        pairs += 1
+        if target == "token_embd.weight":  # llama.cpp takes its pair transposed: its own check
+            continue
+        if len(a) != 2 or len(b) != 2 or len(weights) < 2 or a[1] != b[0] \
+                or a[0] != weights[0] or b[1] != weights[1]:
+            return (f"{target}: lora_a {list(a)} and lora_b {list(b)} do not adapt the "
+                    f"model's {list(weights)} (ggml's shapes: [n_in, rank], [rank, n_out])")
+    return None if pairs else "it has no lora_a/lora_b tensor pairs"
+
+
 def _string_array(cur: _Cursor, key: str) -> list[str]:
     etype = cur.unpack("<I")
     if etype != GGUFValueType.STRING:

@@ -118,11 +118,15 @@ def retire(s: State, m: Model, reason: str, fx: Fx) -> State:
 
 
 def forget(s: State, m: Model, fx: Fx) -> State:
-    """Remove a model that holds nothing: its catalog entry, record and health together."""
+    """Remove a model that holds nothing: its catalog entry, record and health together, and
+    its adapters' entries (they run on no other model)."""
     m = refuse(m, removed_error(m.id), fx)
     for u in m.unloads:
         fx.append(msg.Resolve(u.reply, True))
     fx.append(msg.CatalogRemove(m.id))
+    for adapter_id in sorted({a.id for spec in (m.spec, m.pending) if spec is not None
+                              for a in spec.model.adapters}):
+        fx.append(msg.CatalogRemove(adapter_id))
     models = {k: v for k, v in s.models.items() if k != m.id}
     health = {k: v for k, v in s.health.items() if k != m.id}
     return replace(s, models=models, health=health, held=s.held - {m.id})

@@ -263,8 +263,15 @@ class ResidencyManager:
                 base = new.get(adapter.adapter_of)
                 new.add(adapter)
                 new.add(replace(base, adapters=(*base.adapters, adapter.adapter)))
+        before = {m.id: m.adapter for m in self.catalog if m.adapter is not None}
+        after = {m.id: m.adapter for m in new if m.adapter is not None}
         specs = tuple(self.spec(m) for m in new.bases())
         change: dict[str, list[str]] = await self._ask(lambda r: msg.Reload(specs, new, r))
+        for key, ids in (("added", after.keys() - before.keys()),
+                         ("removed", before.keys() - after.keys()),
+                         ("changed", {i for i in after.keys() & before.keys()
+                                      if after[i] != before[i]})):
+            change[key] = sorted({*change[key], *ids})
         return change
 
     async def set_pinned(self, model_id: str, pinned: bool) -> bool:

@@ -381,7 +381,8 @@ class WorkerProcess:
             self._stderr.append(line)
             if READY_LINE in line:
                 self._said_ready.set()
-            log.debug("model %s: worker: %s", self.model.id, line)
+            log.log(logging.WARNING if _notable(line) else logging.DEBUG,
+                    "model %s: worker: %s", self.model.id, line)
 
     async def _drain_output(self) -> None:
         """Let the output reader take what the exited worker wrote last."""
@@ -469,3 +470,10 @@ async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, model_id:
         proc.kill()
     await proc.wait()
 
+
+def _notable(line: str) -> bool:
+    """A worker's line worth the log at its default level: the worker's own errors and
+    warnings (what it did about a fault it survived, such as an adapter left out), and
+    llama.cpp's errors about a LoRA adapter (why it was left out)."""
+    return (" worker ERROR " in line or " worker WARNING " in line
+            or (" E " in line and "lora" in line.lower()))

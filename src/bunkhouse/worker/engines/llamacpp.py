@@ -115,15 +115,17 @@ class LlamaCppEngine:
         that loaded, so that a bad adapter file costs its own requests and no one else's
         (the front learns which mounted from ``/lora-adapters``). The base failing alone is
         the model's own load failure."""
+        # the trials listen on a scratch socket: nothing may reach them where the front looks
+        scratch = socket.with_name(f"{socket.stem}x.sock")
         base = dataclasses.replace(self.config, adapters=())
         try:
-            self._try(base, socket)
+            self._try(base, scratch)
         except Exception as e:
             raise self._load_error(e) from first
         good: list[Path] = []
         for path in self.config.adapters:
             try:
-                self._try(dataclasses.replace(self.config, adapters=(*good, path)), socket)
+                self._try(dataclasses.replace(self.config, adapters=(*good, path)), scratch)
                 good.append(path)
             except Exception as e:
                 log.error("model %s: adapter %s not mounted: %s (look for llama.cpp's "
