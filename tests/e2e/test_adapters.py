@@ -296,6 +296,10 @@ def test_every_protocol_serves_an_adapter_by_its_id(host: Server) -> None:
     ollama = httpx.post(f"{base}/api/chat", timeout=120, json={
         "model": "b", "messages": PROMPT, "stream": False, "options": {"num_predict": 4}})
     assert ollama.status_code == 200 and ollama.json()["model"].startswith("b"), ollama.text
+    tags = {m["name"]: m for m in httpx.get(f"{base}/api/tags").json()["models"]}
+    assert tags["b:latest"]["details"]["parent_model"] == f"{QWEN}:latest"
+    show = httpx.post(f"{base}/api/show", json={"model": "b"}, timeout=60).json()
+    assert "\nADAPTER " in show["modelfile"] and show["template"]  # its base's template
     infill = httpx.post(f"{base}/infill", timeout=120, json={
         "model": "b", "input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 4})
     assert infill.status_code == 200 and infill.json()["model"] == "b", infill.text

@@ -53,19 +53,24 @@ def _digest(model: CatalogModel) -> str:
                           ).hexdigest()
 
 
-def _details(model: CatalogModel) -> dict[str, Any]:
-    """Ollama's ``details``, from the model file's metadata."""
-    arch = model.info.architecture
-    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
-            "parameter_size": ollama.parameter_size(model.info.parameters),
-            "quantization_level": model.info.quantization}
+def _details(model: CatalogModel, base: CatalogModel | None = None) -> dict[str, Any]:
+    """Ollama's ``details``, from the model file's metadata; an adapter's are its ``base``'s,
+    with the base as ``parent_model`` (as Ollama shows a model made ``FROM`` another)."""
+    weights = base or model
+    arch = weights.info.architecture
+    return {"parent_model": ollama.tagged(base.id) if base is not None else "",
+            "format": "gguf", "family": arch, "families": [arch],
+            "parameter_size": ollama.parameter_size(weights.info.parameters),
+            "quantization_level": weights.info.quantization}
 
 
-def _listed(model: CatalogModel, name: str) -> dict[str, Any]:
-    """``model`` as ``/api/tags`` lists it under ``name`` (its id or an alias)."""
+def _listed(model: CatalogModel, name: str, base: CatalogModel | None = None
+            ) -> dict[str, Any]:
+    """``model`` as ``/api/tags`` lists it under ``name`` (its id or an alias); ``base``:
+    an adapter's base."""
     return {"name": ollama.tagged(name), "model": ollama.tagged(name),
             "modified_at": _time(model.modified), "size": model.size_bytes,
-            "digest": _digest(model), "details": _details(model)}
+            "digest": _digest(model), "details": _details(model, base)}
 
 
 class OllamaRoutes:
@@ -176,24 +181,30 @@ class OllamaRoutes:
     async def tags(self, request: Request) -> Response:
         """Every model under its id, then under each alias (as ``ollama cp`` lists a copy:
         the same digest), each ``name:tag``."""
+        catalog = self.front.catalog
         return JSONResponse({"models": [
-            _listed(m, name) for m in self.front.catalog if not m.transcribes  # LLMs only
+            _listed(m, name, catalog.served(m)[0] if m.adapter_of else None)
+            for m in catalog if not m.transcribes  # LLMs only
             for name in (m.id, *m.aliases)]})
 
     async def ps(self, request: Request) -> Response:
         running = []
         residency = self.front.residency
-        for m in self.front.catalog.bases():  # an adapter runs in its base's worker
+        catalog = self.front.catalog
+        for m in catalog.bases():
             status = residency.status(m.id)
             if status.state not in ("ready", "loading"):
                 continue
             never = 4102444800.0  # no idle unload: far away (2100)
             expires = min(residency.expires_at(m.id) or never, never)
-            running.append({"name": ollama.tagged(m.id), "model": ollama.tagged(m.id), "size":
-                            status.measured_bytes or status.estimated_bytes,
-                            "digest": _digest(m), "details": _details(m),
-                            "expires_at": _time(expires), "size_vram": 0,
-                            "context_length": m.options.context // max(m.options.parallel, 1)})
+            for shown in (m, *catalog.adapters_of(m.id)):  # loaded with its base's worker
+                running.append({
+                    "name": ollama.tagged(shown.id), "model": ollama.tagged(shown.id),
+                    "size": status.measured_bytes or status.estimated_bytes,
+                    "digest": _digest(shown),
+                    "details": _details(shown, m if shown is not m else None),
+                    "expires_at": _time(expires), "size_vram": 0,
+                    "context_length": m.options.context // max(m.options.parallel, 1)})
         return JSONResponse({"models": running})
 
     async def show(self, request: Request) -> Response:
@@ -211,9 +222,10 @@ class OllamaRoutes:
             *model.request.defaults, *model.request.fixed])
         return JSONResponse({
             "modelfile": ollama.modelfile(ollama.tagged(named.id), str(model.path), template,
-                                          options),
+                                          options, named.path if named.adapter_of else None),
             "parameters": ollama.parameters_text(options), "template": template,
-            "details": _details(model), "model_info": _model_info(model),
+            "details": _details(named, model if named.adapter_of else None),
+            "model_info": _model_info(model),
             "capabilities": _capabilities(model),
             "modified_at": _time(named.modified)})
 
