@@ -700,6 +700,11 @@ def _adapters(a: dict[str, Any]) -> list[str]:
         "`plain`.",
         "",
     ]
+    measured = a.get("measured")
+    if measured:
+        lines += [f"Measured on its own on {measured['started'][:10]} at commit "
+                  f"{measured['commit']} (`python -m benchmarks run --only adapters`, merged "
+                  "into this page's results).", ""]
     plain = a["medians"]["plain"]
     rows = []
     for name, label in (("plain", "Qwen, no adapter"), ("mounted", "Qwen, 2 adapters mounted"),
