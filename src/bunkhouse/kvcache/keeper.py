@@ -212,7 +212,7 @@ class SnapshotKeeper:
         restore = None
         async with slot.lock:
             live = common_prefix(slot.held, tokens) \
-                if slot.held and tokens and slot.setting == setting else 0
+                if slot.held and tokens and (slot.setting or "") == setting else 0
             displaced = self._slot_key(model, slot)
             if slot.dirty and slot.held is not None and displaced is not None \
                     and len(slot.held) - live >= self.options.min_tokens:

@@ -44,7 +44,9 @@ class Slot:
     def continues(self, tokens: Sequence[int], setting: str = "") -> int:
         """How many of ``tokens`` this slot holds already, if the request continues what it
         holds (keeps at least half of it) under the same adapter ``setting``; else 0."""
-        if not self.held or (self.setting or "") != setting:  # None: only ever "" holds
+        # a slot whose setting is not known holds nothing known (SlotGate.unknown), but on a
+        # model without adapters, where every setting is ""
+        if not self.held or (self.setting or "") != setting:
             return 0
         shared = common_prefix(self.held, tokens)
         return shared if shared * 2 >= len(self.held) else 0
