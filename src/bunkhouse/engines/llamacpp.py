@@ -358,7 +358,7 @@ class LlamaCppClient(WorkerHTTP):
 
     async def adapter_fields(self, adapters: tuple[Adapter, ...],
                              chosen: Adapter | None) -> dict[str, Any]:
-        if not adapters:
+        if not adapters and chosen is None:
             return {}
         mounted = await self._mounted()
         missing = [a for a in adapters if str(a.path) not in mounted]
