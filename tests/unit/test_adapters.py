@@ -116,6 +116,18 @@ def test_a_catalog_serves_adapters_on_their_base(tmp_path: Path, files: dict[str
     assert [m.id for m in catalog.adapters_of("qwen")] == ["a", "b"]
 
 
+def test_a_reloaded_catalog_gives_an_adapter_its_new_scale_at_once(
+        tmp_path: Path, files: dict[str, Path]) -> None:
+    """A configuration reload (Catalog.adopt) takes an adapter's new entry at once, where a
+    model keeps its running settings until residency takes the new ones."""
+    entry = '[[models]]\nid = "a"\nadapter_of = "qwen"\npath = "a.gguf"\n'
+    running = build_catalog(_load(tmp_path, BASE + entry + "scale = 2.5\n"), engines=ENGINES)
+    fresh = build_catalog(_load(tmp_path, BASE + entry + "scale = 1.0\n"), engines=ENGINES)
+    old_base = running.get("qwen")
+    running.adopt(fresh, keep=())
+    assert running.get("a").scale == 1.0 and running.get("qwen") is old_base
+
+
 def test_bad_adapters_are_logged_and_left_out(tmp_path: Path, files: dict[str, Path],
                                               caplog: pytest.LogCaptureFixture) -> None:
     """Each adapter in error is logged naming it and the key, and left out; the bases and the
