@@ -38,7 +38,9 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
     results = json.loads((tmp_path / "docs" / "benchmarks" / "results.json").read_text())
     assert results["errors"] == {}
     assert set(results["sections"]) == {"overhead", "throughput", "hol", "swap", "kv",
-                                        "reliability", "transcribe"}
+                                        "reliability", "transcribe", "adapters"}
+    remount = results["sections"]["adapters"]["remount"]  # the conversation kept its KV state
+    assert remount["follow_up_prompt_n"] < remount["follow_up_cache_n"], remount
     assert results["sections"]["hol"]["runs"]["time slice"][0]["long_tokens"] == 80
     phases = results["sections"]["swap"]["engine_phases"][0]["xllamacpp"]
     assert all(p["total"] > 0 for p in phases.values())
@@ -55,7 +57,7 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
                     "## 3. Swapping models", "## 4. Memory", "## 5. Reliability",
                     "## 6. A conversation's follow-up after eviction",
                     "## 7. Transcription", "## 8. Head-of-line blocking across models",
-                    "## 9. Where a cold load's time goes"):
+                    "## 9. Where a cold load's time goes", "## 10. LoRA adapters"):
         assert heading in page
     assert "xllamacpp disabled the router" in page  # the reason the wheel cannot be the peer
     for png in ("throughput.png", "swap-timeline.png"):
