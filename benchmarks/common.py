@@ -85,7 +85,7 @@ PROFILES = {
                     kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0,
                     marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=80,
                     fuzz_max_tokens=4, adapter_rounds=1, adapter_tokens=4,
-                    adapter_functions=18),
+                    adapter_functions=21),
 }
 
 
