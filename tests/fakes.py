@@ -41,6 +41,7 @@ class FakeWorker:
                  leases: Callable[[], int] | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.model = m
+        self.adapter_versions: dict[str, str] = {}
         self.placement = Placement("local", 1000 + len(m.id))
         self.stopped = False
         self.stop_gate = stop_gate  # a stop waits for it: a worker slow to exit

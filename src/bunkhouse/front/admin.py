@@ -214,8 +214,9 @@ class Admin:
             check_model_id(body.id, "id")
         except ConfigError as e:
             raise InvalidRequest(e.message, param="id") from e
-        if self.catalog.taken(body.id):
-            raise Conflict(f"model id {body.id!r} is already in use", param="id")
+        if self.catalog.taken(body.id) or self.catalog.resolve(body.id) is not None:
+            raise Conflict(f"model id {body.id!r} is already in use (as Ollama reads names, "
+                           "NAME and NAME:latest are one)", param="id")
         if body.adapter_of is not None:
             return await self._register_adapter(body)
         if body.scale is not None:

@@ -36,9 +36,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -75,6 +74,7 @@ from bunkhouse.front.waiting import WaitingOptions, WaitingStream
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import Lease, ResidencyManager
 from bunkhouse.residency.slots import Place, Slot, SlotGate
+from bunkhouse.supervisor.handle import file_version
 
 log = logging.getLogger(__name__)
 
@@ -388,18 +388,15 @@ async def _choose_adapter(admitted: Admitted, adapter: CatalogModel | None) -> N
     fields = await admitted.engine.adapter_fields(admitted.lease.adapters, chosen)
     admitted.data = {**admitted.data, **fields}
     admitted.adapter_fields = fields
-    admitted.setting = "" if chosen is None else _setting(chosen)
+    versions = admitted.lease.worker.adapter_versions
+    admitted.setting = "" if chosen is None else _setting(chosen, versions)
 
 
-def _setting(adapter: Adapter) -> str:
-    """What KV state computed under ``adapter`` depends on: its file as it is now (path,
-    size, modification time: a file replaced under the same name is another adapter) and its
-    scale."""
-    try:
-        st = os.stat(adapter.path)
-        version = f"{st.st_size}|{st.st_mtime_ns}"
-    except OSError:
-        version = "unreadable"
+def _setting(adapter: Adapter, versions: Mapping[str, str]) -> str:
+    """What KV state computed under ``adapter`` depends on: its file as the worker mounted it
+    (``versions``: path, size, modification time when it started; a file replaced under the
+    same name is another adapter, from the next worker on) and its scale."""
+    version = versions.get(str(adapter.path)) or file_version(adapter.path)
     return f"{adapter.path}|{version}|{adapter.scale}"
 
 

@@ -6,8 +6,10 @@ node would be another, behind the same handle.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import psutil
@@ -58,11 +60,27 @@ def process_memory(pid: int) -> WorkerMemory | None:
     return None
 
 
+def file_version(path: Path) -> str:
+    """A file as it is now, for a key: its size and modification time ("missing" if it
+    cannot be read)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "missing"
+    return f"{st.st_size}|{st.st_mtime_ns}"
+
+
 class WorkerHandle(Protocol):
     """A started worker. ``alive`` turns false the moment it is known to have exited;
     ``on_exit`` is called once after that."""
 
     on_exit: Callable[[], None] | None
+
+    @property
+    def adapter_versions(self) -> Mapping[str, str]:
+        """Its LoRA adapters' files (by path) as they were when it was started
+        (:func:`file_version`): what its KV state was computed under, whatever the files
+        are now."""
     exit_cause: str | None  # why it exited, for any caller (no output, no paths)
     exit_detail: str | None  # its last output: for the log and admin-key callers
 

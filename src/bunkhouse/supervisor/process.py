@@ -28,7 +28,7 @@ from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import EngineClient
 from bunkhouse.engines.transport import WorkerTransport
 from bunkhouse.errors import GGUFError, WorkerLoadFailed
-from bunkhouse.supervisor.handle import Placement, WorkerMemory, process_memory
+from bunkhouse.supervisor.handle import Placement, WorkerMemory, file_version, process_memory
 from bunkhouse.worker.main import READY_LINE
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,7 @@ class WorkerProcess:
         self._spawner = spawner
         self.state = WorkerState.NEW
         self.on_exit: Callable[[], None] | None = None  # called once if it dies while ready
+        self.adapter_versions: dict[str, str] = {}  # its adapters' files when it started
         self.exit_cause: str | None = None  # why it exited, for any caller
         self.exit_detail: str | None = None  # its last output: for the log and admins
         self._proc: asyncio.subprocess.Process | None = None
@@ -306,6 +307,7 @@ class WorkerProcess:
         """Spawn the worker and wait until it answers health, its ready deadline, or its exit."""
         self._set_state(WorkerState.STARTING, "spawn")
         self.launch.socket.unlink(missing_ok=True)
+        self.adapter_versions = {str(a.path): file_version(a.path) for a in self.model.adapters}
         self.started_at = time.monotonic()
         try:
             opened = open_model_file(self.model, self.launch.socket.with_suffix(".model"))

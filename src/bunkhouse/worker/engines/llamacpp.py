@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,10 @@ from bunkhouse.engines.options import decode
 from bunkhouse.worker.engine import EngineLoadError, WorkerConfig
 
 log = logging.getLogger(__name__)
+
+TRIAL_TIMEOUT_S = 120
+"""The longest a trial load of the model with some adapters may take (a load of the
+packaged Qwen takes about a second here)."""
 
 
 def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:
@@ -78,6 +84,23 @@ def _set_template(params: Any, value: str) -> None:
         raise EngineLoadError(f"cannot read chat template {path}: {e.strerror}") from e
 
 
+_FD = "/proc/self/fd/"
+
+
+def _model_fds(path: Path) -> tuple[int, ...]:
+    """The descriptors a child needs to open the model at ``path`` as this process does:
+    the front hands a worker its model as ``/proc/self/fd/N``, or a split model as a folder
+    of links to such paths (supervisor/process.py ``open_model_file``)."""
+    text = str(path)
+    if text.startswith(_FD):
+        targets = [text]
+    elif path.is_dir():
+        targets = [os.readlink(p) for p in path.iterdir() if p.is_symlink()]
+    else:
+        return ()
+    return tuple(int(t[len(_FD):].split("/")[0]) for t in targets if t.startswith(_FD))
+
+
 class LlamaCppEngine:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -112,36 +135,37 @@ class LlamaCppEngine:
 
     def _without_bad_adapters(self, socket: Path, first: Exception) -> Any:
         """The engine failed with adapters: the base alone, then each adapter added to those
-        that loaded, so that a bad adapter file costs its own requests and no one else's
-        (the front learns which mounted from ``/lora-adapters``). The base failing alone is
-        the model's own load failure."""
-        # the trials listen on a scratch socket: nothing may reach them where the front looks
+        that loaded, each tried in a child process (llamacpp_trial.py) on a socket nobody
+        reaches, so that a bad adapter file costs its own requests and no one else's (the
+        front learns which mounted from ``/lora-adapters``). The base failing alone is the
+        model's own load failure."""
         scratch = socket.with_name(f"{socket.stem}x.sock")
-        base = dataclasses.replace(self.config, adapters=())
-        try:
-            self._try(base, scratch)
-        except Exception as e:
-            raise self._load_error(e) from first
+        if not self._mounts((), scratch):
+            raise self._load_error(first) from first
         good: list[Path] = []
         for path in self.config.adapters:
-            try:
-                self._try(dataclasses.replace(self.config, adapters=(*good, path)), scratch)
+            if self._mounts((*good, path), scratch):
                 good.append(path)
-            except Exception as e:
-                log.error("model %s: adapter %s not mounted: %s (look for llama.cpp's "
-                          "reason above); its requests fail, the base and its other adapters "
-                          "serve", self.config.model_id, path, e)
+            else:
+                log.error("model %s: adapter %s not mounted: llama.cpp refused it (its lines "
+                          "above say why); its requests fail, the base and its other adapters "
+                          "serve", self.config.model_id, path)
         socket.unlink(missing_ok=True)
         return xllamacpp.Server(build_params(dataclasses.replace(
             self.config, adapters=tuple(good)), socket))
 
-    @staticmethod
-    def _try(config: WorkerConfig, socket: Path) -> None:
-        """Load ``config`` once and free it again (raises what the engine raised)."""
-        socket.unlink(missing_ok=True)
-        server = xllamacpp.Server(build_params(config, socket))
-        del server
-        socket.unlink(missing_ok=True)
+    def _mounts(self, adapters: tuple[Path, ...], socket: Path) -> bool:
+        """Whether the engine loads the model with ``adapters`` (a child process's answer,
+        within the trial's deadline)."""
+        argv = [sys.executable, "-m", "bunkhouse.worker.engines.llamacpp_trial",
+                str(self.config.model_path), str(socket), *map(str, adapters)]
+        try:
+            return subprocess.run(argv, timeout=TRIAL_TIMEOUT_S, check=False,
+                                  pass_fds=_model_fds(self.config.model_path)).returncode == 0
+        except subprocess.TimeoutExpired:
+            log.error("model %s: a trial load took more than %d s", self.config.model_id,
+                      TRIAL_TIMEOUT_S)
+            return False
 
     def _check_template(self, template: str, socket: Path) -> None:
         """Render one message, so that a template name llama.cpp does not know fails the load
