@@ -19,9 +19,9 @@ from bunkhouse.worker.engine import EngineLoadError, WorkerConfig
 
 log = logging.getLogger(__name__)
 
-TRIAL_TIMEOUT_S = 120
+TRIAL_TIMEOUT_S = 60
 """The longest a trial load of the model with some adapters may take (a load of the
-packaged Qwen takes about a second here)."""
+packaged Qwen takes about a second here, ten on a loaded machine)."""
 
 
 def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:

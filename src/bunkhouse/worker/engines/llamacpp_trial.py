@@ -28,15 +28,18 @@ def main(argv: list[str]) -> int:
     params.lora_init_without_apply = True
     socket.unlink(missing_ok=True)
     try:
-        xllamacpp.Server(params)
+        server = xllamacpp.Server(params)
     except Exception as e:  # the engine's refusal: its own lines above say why
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
     finally:
         socket.unlink(missing_ok=True)
-    return 0
+    sys.stderr.flush()
+    os._exit(0)  # while ``server`` is alive: freeing it waits on its loop, which can hang
+    return id(server)  # never reached
 
 
 if __name__ == "__main__":
+    code = main(sys.argv[1:])
     sys.stderr.flush()
-    os._exit(main(sys.argv[1:]))  # no engine shutdown: the process ends here
+    os._exit(code)  # no engine shutdown: the process ends here
