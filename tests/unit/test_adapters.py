@@ -415,3 +415,16 @@ def test_adapters_in_the_estimate_the_args_and_the_prompt_cache() -> None:
     assert LLAMA.capabilities(mounted).adapters and not LLAMA.capabilities(
         _engine_model(cache_ram_mib=64)).adapters
 
+
+
+def test_another_adapters_snapshot_is_no_fault_to_report() -> None:
+    """A snapshot that differs from the wanted key in its adapter setting alone is another
+    adapter's (or the base's) conversation: not restored, and not logged as skipped; any
+    other difference still is."""
+    from bunkhouse.kvcache.store import _other_adapter
+
+    want = {"model": "m", "engine": "e", "layout": {"slot_context": 1024}}
+    other = {**want, "layout": {"slot_context": 1024, "adapter": "a.gguf|1|2|1.0"}}
+    assert _other_adapter(other, want) and _other_adapter(want, other)
+    assert not _other_adapter({**other, "layout": {"slot_context": 512, "adapter": "x"}}, want)
+    assert not _other_adapter({**other, "model": "n"}, want) and not _other_adapter(None, want)

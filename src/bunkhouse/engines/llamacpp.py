@@ -373,7 +373,7 @@ class LlamaCppClient(WorkerHTTP):
                 f"adapter {chosen.id!r} of model {self._model_id!r} is not mounted: the "
                 "engine refused its file when the model loaded (the server log says why); "
                 "the base and its other adapters serve on. Fix or replace the file, then "
-                "unload and load the model (or delete the adapter and register it again)",
+                "unload and load the model",
                 param="model")
         return {"lora": [{"id": engine_id, "scale": chosen.scale
                           if chosen is not None and path == str(chosen.path) else 0.0}

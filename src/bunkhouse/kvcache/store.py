@@ -148,6 +148,17 @@ def key_difference(have: Any, want: dict[str, Any]) -> str:
         f"{k} {layout.get(k)}, here {want['layout'].get(k)}" for k in names) + ")"
 
 
+def _other_adapter(have: Any, want: dict[str, Any]) -> bool:
+    """Whether a snapshot made under key ``have`` differs from ``want`` in its LoRA adapter
+    setting alone: another adapter's conversation (or the base's), which is never restored
+    here and is no fault to report."""
+    if not isinstance(have, dict) or not isinstance(have.get("layout"), dict):
+        return False
+    strip = {**have, "layout": {k: v for k, v in have["layout"].items() if k != "adapter"}}
+    return strip == {**want, "layout": {k: v for k, v in want["layout"].items()
+                                        if k != "adapter"}}
+
+
 class TooLarge(SnapshotRefused):
     """A snapshot larger than the whole budget: not kept, and not a failure."""
 
@@ -535,7 +546,8 @@ class SnapshotStore:
                 if shared < min_tokens:
                     continue
                 if entry.key != wanted:
-                    self._skip_once(model_dir, entry, key_difference(entry.key, wanted))
+                    if not _other_adapter(entry.key, wanted):  # another's: not a candidate
+                        self._skip_once(model_dir, entry, key_difference(entry.key, wanted))
                     continue
                 found.append((shared, entry.digest))
             for _, digest in sorted(found, reverse=True):
