@@ -18,7 +18,6 @@ for both.
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -29,7 +28,8 @@ from typing import Any
 import httpx
 from tests.lora import write_pair
 
-from benchmarks.common import NO_KEEPALIVE, QWEN, Profile, bunkhouse, packaged
+from benchmarks.common import QWEN, Profile, bunkhouse, packaged
+from benchmarks.hol import stream_completion
 
 ADMIN = "bench-admin"
 PROMPT = "def quicksort(items):\n"
@@ -45,23 +45,10 @@ def conversation(functions: int) -> list[dict[str, Any]]:
 
 def _completion(url: str, model: str, tokens: int) -> dict[str, float]:
     """A streamed greedy completion: its time to first token and decode tokens/s."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True,
-            "stream": True, "temperature": 0, "cache_prompt": False}
-    sent = time.perf_counter()
-    first = last = None
-    n = 0
-    with httpx.Client(limits=NO_KEEPALIVE) as client, client.stream(
-            "POST", f"{url}/v1/completions", json=body, timeout=900) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
-                n += 1
-                last = time.perf_counter()
-                first = first or last
-    if first is None or last is None:
-        raise RuntimeError(f"{model}: no tokens")
+    r = stream_completion(url, model, tokens, PROMPT, cache_prompt=False)
+    n, first, last = r["tokens"], r["first"], r["last"]
     decode = (n - 1) / (last - first) if n > 1 and last > first else 0.0
-    return {"ttft_s": first - sent, "decode_tps": decode}
+    return {"ttft_s": first - r["sent"], "decode_tps": decode}
 
 
 def _chat(url: str, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:

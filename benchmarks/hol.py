@@ -27,11 +27,13 @@ SHORT_TOKENS = 8
 CONFIGS = {"time slice": "0.5", "serialized": "0"}
 
 
-def _stream(url: str, model: str, tokens: int, prompt: str) -> dict[str, Any]:
-    """When the request was sent, its first and last token came (perf_counter), and its
-    tokens."""
+def stream_completion(url: str, model: str, tokens: int, prompt: str,
+                      cache_prompt: bool = True) -> dict[str, Any]:
+    """A greedy completion of ``tokens`` tokens, streamed: when it was sent, when its first
+    and last token came (perf_counter), and its tokens. ``cache_prompt`` false: the engine
+    prefills the prompt again."""
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
-            "stream": True, "temperature": 0}
+            "stream": True, "temperature": 0, **({} if cache_prompt else {"cache_prompt": False})}
     sent = time.perf_counter()
     first = last = None
     n = 0
@@ -54,10 +56,10 @@ def _run(url: str, tokens: int) -> dict[str, Any]:
     long: dict[str, Any] = {}
 
     def run_long() -> None:
-        long.update(_stream(url, QWEN, tokens, "Once upon a time"))
+        long.update(stream_completion(url, QWEN, tokens, "Once upon a time"))
 
     def run_short(i: int) -> None:
-        results.append(_stream(url, GEMMA, SHORT_TOKENS, f"[{i}] Hello"))
+        results.append(stream_completion(url, GEMMA, SHORT_TOKENS, f"[{i}] Hello"))
 
     start = time.perf_counter()
     lt = threading.Thread(target=run_long)
@@ -93,8 +95,8 @@ def measure(profile: Profile) -> dict[str, Any]:
         for name in names if r % 2 == 0 else names[::-1]:
             with bunkhouse(f"hol-{name.replace(' ', '-')}", "--preload", QWEN, "--preload",
                            GEMMA, "--compute-turn", CONFIGS[name]) as (url, _):
-                _stream(url, QWEN, 4, "Hello")  # warm-up, not counted
-                _stream(url, GEMMA, 4, "Hello")
+                stream_completion(url, QWEN, 4, "Hello")  # warm-up, not counted
+                stream_completion(url, GEMMA, 4, "Hello")
                 runs[name].append(_run(url, profile.hol_tokens))
             print(f"hol: {name} run {r + 1}/{profile.hol_runs}", file=sys.stderr)
     return {"long_model": QWEN, "short_model": GEMMA, "long_tokens": profile.hol_tokens,

@@ -285,19 +285,8 @@ class Admin:
         return real
 
     async def _model(self, body: RegisterRequest) -> CatalogModel:
-        if "\0" in body.path:
-            raise InvalidRequest("path contains a NUL byte", param="path")
+        real = self._checked_path(body.path)
         try:
-            real = inside_roots(body.path, self.options.roots)
-        except (OSError, ValueError) as e:
-            raise InvalidRequest(f"path cannot be resolved: {e}", param="path") from e
-        if real is None:
-            log.warning("refused a runtime model path outside the allowed roots: %r",
-                        body.path[:300])
-            raise Forbidden("path is outside the allowed model roots", param="path")
-        try:
-            if not real.is_file():
-                raise InvalidRequest("path is not a file", param="path")
             # A large or hostile header takes a while to scan: off the event loop.
             info = await asyncio.to_thread(read_gguf_info, real)
             if info.general_type == "adapter":

@@ -19,10 +19,12 @@ front runs it off the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,6 +277,21 @@ def read_fields(path: Path, strings: frozenset[str] = frozenset(), *,
     ``parameters``: :data:`PARAMETER_COUNT` counted from the tensor infos if the file has
     no such key and is a whole model, not a shard (left out when they cannot be read within
     the scan's budgets)."""
+    with _mapped(path) as cur:
+        fields, tensors = _read_header(cur, strings)
+        whole = (_int(fields, "split.count") or 1) == 1  # a shard holds a part
+        if parameters and whole and _int(fields, PARAMETER_COUNT) is None:
+            fields.pop(PARAMETER_COUNT, None)
+            count = _tensor_parameters(cur, tensors)
+            if count is not None:
+                fields[PARAMETER_COUNT] = count
+        return fields, tensors
+
+
+@contextlib.contextmanager
+def _mapped(path: Path) -> Iterator[_Cursor]:
+    """A cursor at the start of the GGUF file at ``path``, memory-mapped; GGUFError for a
+    file that cannot be opened or is no regular file, and for a read past its end."""
     try:
         # O_NONBLOCK: a FIFO swapped in for a model file must not block the open
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -284,15 +301,7 @@ def read_fields(path: Path, strings: frozenset[str] = frozenset(), *,
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise GGUFError(f"{path}: not a regular file")
         with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-            cur = _Cursor(buf, path)
-            fields, tensors = _read_header(cur, strings)
-            whole = (_int(fields, "split.count") or 1) == 1  # a shard holds a part
-            if parameters and whole and _int(fields, PARAMETER_COUNT) is None:
-                fields.pop(PARAMETER_COUNT, None)
-                count = _tensor_parameters(cur, tensors)
-                if count is not None:
-                    fields[PARAMETER_COUNT] = count
-            return fields, tensors
+            yield _Cursor(buf, path)
     except (OSError, ValueError, OverflowError, struct.error) as e:  # e.g. an empty file
         raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
     finally:
@@ -303,31 +312,19 @@ def read_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape by name, in ggml's order (``ne[0]``, the row's length, first),
     from the tensor infos after the header; GGUFError for a file that is no readable GGUF or
     whose infos are malformed or past the scan's budgets."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise GGUFError(f"{path}: not a regular file")
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-            cur = _Cursor(buf, path)
-            _, n = _read_header(cur, frozenset())
-            if n > cur.items_left:
-                raise GGUFError(f"{path}: {n} tensors, past the scan's budget")
-            shapes: dict[str, tuple[int, ...]] = {}
-            for _ in range(n):
-                name = cur.string("tensor name", 256)
-                dims = cur.unpack("<I")
-                if dims > _MAX_DIMS:
-                    raise GGUFError(f"{path}: tensor {name!r} has {dims} dimensions")
-                shapes[name] = tuple(cur.unpack("<Q") for _ in range(dims))
-                cur.skip(4 + 8)  # its type and offset
-            return shapes
-    except (OSError, ValueError, OverflowError, struct.error) as e:
-        raise GGUFError(f"{path}: cannot read GGUF file: {e}") from e
-    finally:
-        os.close(fd)
+    with _mapped(path) as cur:
+        _, n = _read_header(cur, frozenset())
+        if n > cur.items_left:
+            raise GGUFError(f"{path}: {n} tensors, past the scan's budget")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for _ in range(n):
+            name = cur.string("tensor name", 256)
+            dims = cur.unpack("<I")
+            if dims > _MAX_DIMS:
+                raise GGUFError(f"{path}: tensor {name!r} has {dims} dimensions")
+            shapes[name] = tuple(cur.unpack("<Q") for _ in range(dims))
+            cur.skip(4 + 8)  # its type and offset
+        return shapes
 
 
 def lora_misfit(base: dict[str, tuple[int, ...]], lora: dict[str, tuple[int, ...]]
