@@ -35,6 +35,8 @@ from typing import Any
 
 from benchmarks.common import GEMMA, QWEN, packaged
 from bunkhouse.catalog import CatalogModel
+from bunkhouse.catalog.catalog import settle
+from bunkhouse.engines import ENGINES
 from bunkhouse.engines.llamacpp import (
     ATTENTION_CONTEXT_BYTES,
     ATTENTION_SLOT_BYTES,
@@ -45,6 +47,7 @@ from bunkhouse.engines.llamacpp import (
     SWA_SLOT_BYTES,
     SWA_STREAM_BYTES,
 )
+from bunkhouse.errors import ModelNotFound
 from bunkhouse.residency.estimate import estimate
 from bunkhouse.supervisor.handle import process_memory
 from bunkhouse.supervisor.launcher import LocalLauncher
@@ -112,6 +115,13 @@ async def drive(worker: WorkerProcess, model: CatalogModel,
         longest = filled
         await generate_in_every_slot(filled, 7)
         steps["long_prompt"] = hwm_bytes(pid)
+    if options_of(model).get("speculative"):  # verification batches of drafted tokens
+        code = "\n".join(f"def f{i}(a, b):\n    return a * {i} + b - {i * i}\n"
+                         for i in range(12))
+        await asyncio.gather(*(post("/v1/completions", {
+            "prompt": f"# {i}\n{code}\n# the same code again:\n{code[:40]}",
+            "max_tokens": 160, "temperature": 0}) for i in range(o.parallel)))
+        steps["speculation"] = hwm_bytes(pid)
     if model.embeddings:
         embed_tokens = min(MICRO_BATCH, slot)
         inputs = [await text_of(worker, embed_tokens, salt + 3)
@@ -123,9 +133,14 @@ async def drive(worker: WorkerProcess, model: CatalogModel,
     return steps, longest
 
 
+def options_of(model: CatalogModel) -> dict[str, Any]:
+    return ENGINES[model.engine].shown_options(model)
+
+
 async def measure_one(launcher: LocalLauncher, model_id: str, context: int, parallel: int,
-                      embeddings: bool, full_slot: bool) -> dict[str, Any]:
-    model = _model(model_id, context, parallel, embeddings)
+                      embeddings: bool, full_slot: bool,
+                      own: dict[str, Any] | None = None) -> dict[str, Any]:
+    model = _model(model_id, context, parallel, embeddings, own)
     est = estimate(model)
     started = time.monotonic()
     worker = await launcher.start(model)
@@ -136,7 +151,8 @@ async def measure_one(launcher: LocalLauncher, model_id: str, context: int, para
     peak = max(v for k, v in steps.items() if k != "rss_end")
     row = {
         "model": model_id, "context": context, "parallel": parallel, "embeddings": embeddings,
-        "full_slot": full_slot, "prompt_tokens": longest, "estimate_bytes": est.total,
+        "full_slot": full_slot, "options": own or {}, "prompt_tokens": longest,
+        "estimate_bytes": est.total,
         "estimate_parts": dataclasses.asdict(est), "peak_bytes": peak, "steps": steps,
         "ratio": est.total / peak, "seconds": round(time.monotonic() - started, 1),
     }
@@ -147,17 +163,32 @@ async def measure_one(launcher: LocalLauncher, model_id: str, context: int, para
     return row
 
 
-def _model(model_id: str, context: int, parallel: int, embeddings: bool) -> CatalogModel:
+def _model(model_id: str, context: int, parallel: int, embeddings: bool,
+           own: dict[str, Any] | None = None) -> CatalogModel:
+    """A packaged model at these settings, with llama.cpp options ``own`` (a ``draft`` names
+    a packaged model or a file)."""
     base = packaged(model_id)
     options = dataclasses.replace(base.options, context=context, parallel=parallel,
-                                  embeddings=embeddings)
-    return dataclasses.replace(base, options=options)
+                                  embeddings=embeddings,
+                                  engine_keys=tuple((own or {}).items()))
+    model = settle(dataclasses.replace(base, options=options), _packaged_or_none, Path.cwd())
+    if model.refused:
+        raise SystemExit(f"{model_id} {own}: {model.refused}")
+    return model
+
+
+def _packaged_or_none(name: str) -> CatalogModel | None:
+    try:
+        return packaged(name)
+    except ModelNotFound:
+        return None
 
 
 def reestimate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows with the current estimator's figures (the peaks as measured)."""
     for r in rows:
-        est = estimate(_model(r["model"], r["context"], r["parallel"], r["embeddings"]))
+        est = estimate(_model(r["model"], r["context"], r["parallel"], r["embeddings"],
+                              r.get("options")))
         r.update(estimate_bytes=est.total, estimate_parts=dataclasses.asdict(est),
                  ratio=est.total / r["peak_bytes"])
     return rows
@@ -165,7 +196,8 @@ def reestimate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def measure(models: list[str], contexts: list[int], parallels: list[int],
                   embeddings: list[bool], full_slot: bool,
-                  full_context: int = 8192) -> list[dict[str, Any]]:
+                  full_context: int = 8192, own: dict[str, Any] | None = None
+                  ) -> list[dict[str, Any]]:
     launcher = LocalLauncher(LaunchOptions(ready_timeout_s=600, stop_grace_s=30),
                              tmp_dir=Path(tempfile.gettempdir()))
     rows = []
@@ -175,12 +207,12 @@ async def measure(models: list[str], contexts: list[int], parallels: list[int],
                 for context in contexts:
                     for parallel in parallels:
                         rows.append(await measure_one(launcher, model_id, context, parallel,
-                                                      emb, False))
+                                                      emb, False, own))
             if full_slot:
                 for emb in embeddings:
                     for parallel in parallels:
                         rows.append(await measure_one(launcher, model_id, full_context,
-                                                      parallel, emb, True))
+                                                      parallel, emb, True, own))
     finally:
         launcher.close()
     return rows
@@ -240,7 +272,8 @@ def render(rows: list[dict[str, Any]]) -> str:
         "|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        name = r["model"] + (" (full slot)" if r.get("full_slot") else "")
+        name = r["model"] + (" (full slot)" if r.get("full_slot") else "") + "".join(
+            f", {k} {v}" for k, v in (r.get("options") or {}).items())
         slot = r["context"] // r["parallel"]
         lines.append(
             f"| {name} | {r['context']} | {r['parallel']} | {'on' if r['embeddings'] else 'off'}"
@@ -259,7 +292,8 @@ def render(rows: list[dict[str, Any]]) -> str:
                   "sends at once, so their peak is below the worst case the estimate counts "
                   f"(the estimate is up to {worst:.3f} times their peak); the full-slot rows "
                   "measure that end.", ""]
-    done = {(r["model"], r["context"], r["parallel"], r["embeddings"]) for r in rows}
+    done = {(r["model"], r["context"], r["parallel"], r["embeddings"]) for r in rows
+            if not r.get("options")}
     missing = [f"{m} {c}x{n} embeddings {'on' if e else 'off'}"
                for m in (QWEN, GEMMA) for e in (False, True) for c in CONTEXTS
                for n in PARALLEL if (m, c, n, e) not in done]
@@ -279,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-slot-only", action="store_true", help="only fill one 8192-token slot")
     p.add_argument("--full-slot-context", type=int, default=8192, metavar="N",
                    help="the full slot's context (%(default)s)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a llama.cpp option of the model, as in the config file "
+                        "(speculative=ngram, draft=ID-OR-PATH, cache_type_k=q8_0; repeatable)")
     p.add_argument("--json", type=Path, default=ROOT / "docs/benchmarks/estimate.json")
     p.add_argument("--docs", type=Path, default=None, help="write the table here")
     p.add_argument("--append", action="store_true",
@@ -291,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = asyncio.run(measure(a.models, [] if a.full_slot_only else a.contexts, a.parallel,
                                    [e == "on" for e in a.embeddings],
-                                   a.full_slot or a.full_slot_only, a.full_slot_context))
+                                   a.full_slot or a.full_slot_only, a.full_slot_context,
+                                   dict(_option(o) for o in a.option)))
         if a.append and a.json.is_file():
             rows = json.loads(a.json.read_text()) + rows
     a.json.parent.mkdir(parents=True, exist_ok=True)
@@ -301,6 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rows if not 1.0 <= r["ratio"] <= 1.0 + TOLERANCE]
     print(f"{len(rows) - len(bad)}/{len(rows)} within [1.00, {1 + TOLERANCE:.2f}]")
     return 0
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 if __name__ == "__main__":

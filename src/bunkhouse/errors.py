@@ -26,6 +26,7 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     │   ├── Paused                      503 server_error / paused (+ Retry-After)
     │   └── ModelFailed                 503 server_error / model_failed (+ Retry-After)
     ├── ModelTooLarge                   503 server_error / model_too_large
+    ├── ModelMisconfigured              503 server_error / model_misconfigured
     ├── ShuttingDown                    503 server_error / shutting_down
     ├── ServerBusy                      503 server_error / server_busy (+ Retry-After)
     └── EngineUnavailable               502 server_error / engine_unavailable
@@ -223,6 +224,15 @@ class ModelTooLarge(BunkhouseError):
 
     status = 503
     code = "model_too_large"
+    refusal = True
+
+
+class ModelMisconfigured(BunkhouseError):
+    """The model's options cannot be served (a draft of another vocabulary, a cache type its
+    engine lacks): it is listed as failed, and loads only once its options are fixed."""
+
+    status = 503
+    code = "model_misconfigured"
     refusal = True
 
 

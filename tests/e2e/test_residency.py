@@ -170,6 +170,6 @@ def test_ps_shows_the_running_server(host: Server) -> None:
                          timeout=30, check=True).stdout
     lines = out.splitlines()
     assert lines[0].split() == ["ID", "STATE", "PINNED", "LEASES", "RUN/QUEUE/WAIT",
-                                "ESTIMATED", "MEASURED", "IDLE", "PID"]
+                                "ESTIMATED", "MEASURED", "IDLE", "PID", "ACCEPTED"]
     assert any(line.startswith(QWEN) for line in lines)
     assert lines[-1].startswith("budget 800 MiB, used ")

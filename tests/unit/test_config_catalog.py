@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import re
 from pathlib import Path
@@ -217,26 +219,59 @@ def test_the_engines_a_catalog_accepts_are_the_ones_it_is_given(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nctx = 3\n",
-         r"^model 'x': unknown key\(s\) \['ctx'\]$"),
         ("[defaults]\nctx = 3\n", r"^\[defaults\]: unknown key\(s\) \['ctx'\]$"),
         ("[defaults]\nthreads = 0\n", r"^\[defaults\]: threads must be >= 1$"),
         ("[defaults]\ncache_ram_mib = -1\n", r"^\[defaults\]: cache_ram_mib must be >= 0$"),
-        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nthreads = 'two'\n",
-         r"^model 'x': threads must be an integer, not 'two'$"),
-        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nswa_full = 1\n",
-         r"^model 'x': swa_full must be true or false$"),
-        ("models_dirs = ['.']\n[[models]]\nid = 'm'\nthreads = 0\n",
-         r"^model 'm': threads must be >= 1$"),  # an entry configuring a found model
+        ("[defaults]\ncache_type_k = 'q3_k'\n", r"^\[defaults\]: cache_type_k must be one"),
     ],
 )
-def test_engine_options_are_checked_by_their_engine_when_the_catalog_is_built(
+def test_engine_options_of_defaults_are_checked_when_the_catalog_is_built(
         tmp_path: Path, text: str, match: str) -> None:
     write_tiny_gguf(tmp_path / "m.gguf")
     settings = load_config_file(_config(tmp_path, text), _settings())
     with pytest.raises(ConfigError) as e:
         build_catalog(settings, engines=ENGINES)
     assert re.search(match, e.value.message), e.value.message
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nctx = 3\n", r"^unknown key\(s\) \['ctx'\]$"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nthreads = 'two'\n",
+         r"^threads must be an integer, not 'two'$"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nswa_full = 1\n",
+         r"^swa_full must be true or false$"),
+        ("models_dirs = ['.']\n[[models]]\nid = 'm'\nthreads = 0\n",
+         r"^threads must be >= 1$"),  # an entry configuring a found model
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nspeculative = 'eagle'\n",
+         r"^speculative must be \"ngram\" or \"none\""),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\ndraft_max = 8\n",
+         r"^draft_max bounds speculative decoding, which is off"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nspeculative = 'ngram'\ndraft_min = 9\n"
+         "draft_max = 8\n", r"^draft_min \(9\) must not be above draft_max \(8\)$"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nspeculative = 'ngram'\nmtp = true\n",
+         r"^speculative = \"ngram\" and mtp = true are two kinds"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\ncache_type_v = 'q8_0'\nflash_attn = false\n",
+         r"^cache_type_v = 'q8_0' needs flash attention .* flash_attn is false"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nflash_attn = 1\n",
+         r"^flash_attn must be true, false or \"auto\""),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\nmtp = true\n",
+         r"^mtp = true: the model's GGUF carries no multi-token-prediction heads"),
+        ("[[models]]\nid = 'x'\npath = 'm.gguf'\ndraft = 'nothing-here'\n",
+         r"^draft: 'nothing-here' is neither a model id nor a GGUF file"),
+    ],
+)
+def test_a_model_whose_engine_options_are_refused_is_listed_with_the_reason(
+        tmp_path: Path, text: str, match: str) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf")
+    write_tiny_gguf(tmp_path / "other.gguf")
+    settings = load_config_file(_config(tmp_path, text + "[[models]]\nid = 'ok'\n"
+                                        "path = 'other.gguf'\n"), _settings())
+    catalog = build_catalog(settings, engines=ENGINES)
+    refused = [m for m in catalog if m.refused]
+    assert len(refused) == 1 and re.search(match, refused[0].refused or ""), refused
+    assert catalog.get("ok").refused is None  # the others serve
 
 
 def test_engine_options_of_defaults_and_entries_reach_the_engine(tmp_path: Path) -> None:
@@ -261,8 +296,10 @@ def test_engine_options_of_defaults_and_entries_reach_the_engine(tmp_path: Path)
     assert model_options(x) == LlamaCppOptions(cache_ram_mib=64, threads=3, swa_full=True)
     assert model_options(y) == LlamaCppOptions(cache_ram_mib=16, threads=3, swa_full=False)
     args = LlamaCpp().worker_args(x)
-    assert args[args.index("--engine-options") + 1] == \
-        '{"cache_ram_mib": 64, "swa_full": true, "threads": 3}'
+    sent = json.loads(args[args.index("--engine-options") + 1])
+    assert {k: sent[k] for k in ("cache_ram_mib", "swa_full", "threads")} == \
+        {"cache_ram_mib": 64, "swa_full": True, "threads": 3}
+    assert "draft_max" not in sent  # None: the default, left out
     assert LlamaCpp().estimate(x).prompt_cache == 64 * 2**20
 
 

@@ -36,7 +36,9 @@ def test_llamacpp_refuses_a_wrong_option_by_name(raw: dict[str, object], error: 
 
 def test_llamacpp_options_are_typed_with_their_defaults() -> None:
     adapter = LlamaCpp()
-    assert adapter.known_options == {"cache_ram_mib", "threads", "swa_full"}
+    assert adapter.known_options == {"cache_ram_mib", "threads", "swa_full", "speculative",
+                                     "draft", "draft_max", "draft_min", "mtp", "cache_type_k",
+                                     "cache_type_v", "flash_attn"}
     assert adapter.options({}, "w") == LlamaCppOptions(0, os.cpu_count() or 1, False)
     assert adapter.options({"threads": 2, "swa_full": True}, "w") == \
         LlamaCppOptions(cache_ram_mib=0, threads=2, swa_full=True)

@@ -33,7 +33,7 @@ from bunkhouse.config import (
 )
 from bunkhouse.defaults import DEFAULT_SLOT_TOKENS
 from bunkhouse.engines import ENGINES
-from bunkhouse.engines.contract import Adapter
+from bunkhouse.engines.contract import Adapter, Draft
 from bunkhouse.errors import (
     ConfigError,
     GGUFError,
@@ -72,6 +72,8 @@ class CatalogModel:
     scale: float = 1.0  # an adapter's scale
     adapters: tuple[Adapter, ...] = ()  # a base's adapters, mounted with it
     default_adapter: str | None = None  # a base's: the adapter requests for its id run
+    draft: Draft | None = None  # a draft model for speculative decoding (its options name it)
+    refused: str | None = None  # why it cannot be served under its options: listed, failed
 
     @property
     def adapter(self) -> Adapter | None:
@@ -337,8 +339,9 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
                         "base model (adapter_of = the base's id)")
     overrides = entry.options if entry else {}
     engine = entry.engine if entry else DEFAULT_ENGINE
-    options = effective_options(settings.defaults, overrides, info, f"model {model_id!r}",
-                                engine, entry.engine_keys if entry else ())
+    options, refused = _options_or_refusal(settings.defaults, overrides, info,
+                                           f"model {model_id!r}", engine,
+                                           entry.engine_keys if entry else ())
     st = path.stat()
     parts = model_files(path, info.split_count)
     size = files_size(parts)
@@ -352,7 +355,86 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
                         request=entry.params if entry else RequestParams(
                             tuple(sources.ollama_params(found.params, f"model {model_id!r}")
                                   .items()) if found else ()),
-                        resolved=tuple(p.resolve() for p in parts) if found else ())
+                        resolved=tuple(p.resolve() for p in parts) if found else (),
+                        refused=refused)
+
+
+def _options_or_refusal(base: EngineOptions, overrides: dict[str, Any], info: GGUFInfo,
+                        where: str, engine: str, own: tuple[tuple[str, Any], ...]
+                        ) -> tuple[EngineOptions, str | None]:
+    """A configured model's options (:func:`effective_options`), and the refusal of its own
+    engine keys when its engine refuses them: the model is then catalogued without them,
+    listed as failed with the reason, and the other models serve (ConfigError for anything
+    else wrong)."""
+    try:
+        return effective_options(base, overrides, info, where, engine, own), None
+    except ConfigError as e:
+        if not own:
+            raise
+        options = effective_options(base, overrides, info, where, engine)
+        return options, e.message.removeprefix(f"{where}: ")
+
+
+def resolve_draft(name: str, models: Callable[[str], CatalogModel | None], base_dir: Path,
+                  check_path: Callable[[Path], Path] | None = None) -> Draft:
+    """The draft model ``name`` means: a catalogued model's id or alias (``models`` finds
+    it), else a GGUF file's path (relative to ``base_dir``; ``check_path`` may refuse it, as
+    a runtime registration's roots do). ConfigError naming ``draft`` otherwise."""
+    named = models(name)
+    if named is not None:
+        if named.adapter_of is not None or named.transcribes:
+            what = "a LoRA adapter" if named.adapter_of else "a transcription model"
+            raise ConfigError(f"draft: {name!r} is {what}, not a model that generates")
+        return Draft(name, named.path, named.size_bytes, named.info)
+    path = Path(name).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if check_path is not None:
+        path = check_path(path)
+    if not path.is_file():
+        raise ConfigError(f"draft: {name!r} is neither a model id nor a GGUF file; name a "
+                          "model of `bunkhouse models` or a file's path")
+    try:
+        info = read_gguf_info(path)
+        size = files_size(model_files(path, info.split_count))
+    except GGUFError as e:
+        raise ConfigError(f"draft: {e.message}") from e
+    except OSError as e:
+        raise ConfigError(f"draft: {path} cannot be read: {e.strerror}") from e
+    return Draft(name, path.resolve(), size, info)
+
+
+def settle(model: CatalogModel, models: Callable[[str], CatalogModel | None], base_dir: Path,
+           check_path: Callable[[Path], Path] | None = None) -> CatalogModel:
+    """``model`` with the draft model its options name resolved, and the refusal of its
+    options if its engine cannot serve it under them (engines' ``refused``)."""
+    if model.refused or model.adapter_of is not None:
+        return model
+    adapter = ENGINES[model.engine]
+    name = adapter.draft_name(model)
+    if name is not None:
+        try:
+            model = replace(model, draft=resolve_draft(name, models, base_dir, check_path))
+        except ConfigError as e:
+            return replace(model, refused=e.message)
+    why = adapter.refused(model)
+    return replace(model, refused=why) if why else model
+
+
+def _settle_all(models: dict[str, CatalogModel], settings: Settings) -> None:
+    """Every model settled (:func:`settle`); a refused one is logged and stays listed, as
+    failed with the reason."""
+    base_dir = settings.config_file.parent if settings.config_file else Path.cwd()
+
+    def find(name: str) -> CatalogModel | None:
+        named = _resolve(models, name)
+        return models[named] if named is not None else None
+
+    for model_id, model in list(models.items()):
+        settled = settle(model, find, base_dir)
+        if settled.refused:
+            log.error("model %r cannot be served: %s; it is listed as failed (the other "
+                      "models serve). Fix its options and reload", model_id, settled.refused)
+        models[model_id] = settled
 
 
 def _whisper_model(model_id: str, path: Path, source: str, settings: Settings,
@@ -502,6 +584,7 @@ def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
             _overlay(models, entry, settings)
     _name_transcription(models)
     _add_adapters(models, settings)
+    _settle_all(models, settings)
     return Catalog(models.values(),
                    settings.default_model or _first_default(models, settings.entries))
 
@@ -634,9 +717,10 @@ def _overlay(models: dict[str, CatalogModel], entry: ModelEntry, settings: Setti
             ttl_s=entry.ttl_s if entry.ttl_s is not None else model.ttl_s,
             aliases=(*model.aliases, *entry.aliases))
         return
+    options, refused = _options_or_refusal(settings.defaults, entry.options, model.info,
+                                           where, entry.engine, entry.engine_keys)
     models[named] = replace(
-        model, options=effective_options(settings.defaults, entry.options, model.info, where,
-                                         entry.engine, entry.engine_keys),
+        model, options=options, refused=refused,
         pinned=entry.pinned or model.pinned,
         ttl_s=entry.ttl_s if entry.ttl_s is not None else model.ttl_s,
         chat_template=entry.chat_template or model.chat_template,

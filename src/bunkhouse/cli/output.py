@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from bunkhouse.catalog import Catalog
+from bunkhouse.engines import ENGINES
 
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
 
@@ -67,9 +68,28 @@ def _print_catalog_notes(catalog: Catalog) -> None:
           "transcription (POST /v1/audio/transcriptions); + a LoRA adapter of the model "
           "above, at its scale, served under its own id")
     for m in catalog:
+        if m.refused:
+            print(f"{printable(m.id)}: FAILED: cannot be served under its options: "
+                  f"{printable(m.refused)}")
+        elif m.adapter_of is None and not m.transcribes:
+            shown = _options_line(ENGINES[m.engine].shown_options(m))
+            if shown:
+                print(f"{printable(m.id)}: {shown}")
         if m.projector is not None:
             print(f"{m.id}: a vision projector beside it, {m.projector} (noted; images "
                   "are not served yet)")
+
+
+def _options_line(o: dict[str, Any]) -> str:
+    """A model's speculative decoding and KV cache types, where they are not the defaults."""
+    parts = []
+    if o.get("speculative"):
+        draft = f" from {o['draft']}" if o.get("draft") else ""
+        parts.append(f"speculative {o['speculative']}{draft}, {o['draft_min']}-"
+                     f"{o['draft_max']} tokens drafted a step")
+    if (o.get("cache_type_k"), o.get("cache_type_v")) not in ((None, None), ("f16", "f16")):
+        parts.append(f"KV cache K {o['cache_type_k']}, V {o['cache_type_v']}")
+    return "; ".join(parts)
 
 
 def _idle(model: dict[str, Any], now: float) -> str:
@@ -82,7 +102,7 @@ def _idle(model: dict[str, Any], now: float) -> str:
 def format_ps(stats: dict[str, Any]) -> str:
     """``bunkhouse ps``: a server's ``/stats`` as a table of models, then its memory."""
     header = ("ID", "STATE", "PINNED", "LEASES", "RUN/QUEUE/WAIT", "ESTIMATED", "MEASURED",
-              "IDLE", "PID")
+              "IDLE", "PID", "ACCEPTED")
     now = time.time()
     rows = [header]
     models = stats["models"]
@@ -93,14 +113,21 @@ def format_ps(stats: dict[str, Any]) -> str:
                      "yes" if m["pinned"] else "no", str(m["leases"]),
                      f"{m.get('running', 0)}/{m.get('queued', 0)}/{m.get('waiting', 0)}",
                      mib(m["estimated_bytes"]), mib(m["measured_bytes"]),
-                     _idle(m, now), str(m["pid"] or "-")))
-        rows += [(f"  + {printable(str(a['id']))}", "adapter", "", "", "", "", "", "", "")
+                     _idle(m, now), str(m["pid"] or "-"), _acceptance(m)))
+        rows += [(f"  + {printable(str(a['id']))}", "adapter", "", "", "", "", "", "", "",
+                  _acceptance(a))
                  for a in models if a.get("parent") == m["id"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
              for r in rows]
     lines.append("")
     return "\n".join(lines + _memory_lines(stats))
+
+
+def _acceptance(model: dict[str, Any]) -> str:
+    """Speculative decoding's drafted tokens the model accepted, in percent ("-": none)."""
+    rate = model.get("draft_acceptance")
+    return "-" if rate is None else f"{rate:.0%}"
 
 
 def _memory_lines(stats: dict[str, Any]) -> list[str]:

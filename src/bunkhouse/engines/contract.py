@@ -72,6 +72,8 @@ class Timings:
     generated_tokens: int
     prompt_ms: float | None = None
     generated_ms: float | None = None
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted for the target to verify
+    accepted_tokens: int = 0  # ...and those it accepted (each saved one decode step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,18 @@ class Adapter:
     path: Path
     bytes: int
     scale: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A draft model for speculative decoding, run in its target's worker: the name it was
+    configured by (a model id or a path), its file, the file's bytes and metadata (its
+    weights, KV cache and compute buffers count in the target's memory estimate)."""
+
+    name: str
+    path: Path
+    bytes: int
+    info: GGUFInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +264,20 @@ class EngineAdapter(Protocol):
         """Whether a request runs in exactly one slot the front may choose (and so restore
         KV state into): one prompt, one answer, no slot asked for by the client."""
 
+    def shown_options(self, model: ServedModel) -> dict[str, Any]:
+        """The engine's own options of ``model`` as its worker runs them (defaults and
+        derived values filled in: a speculative kind, its draft bounds), for the model object
+        and ``bunkhouse models``."""
+
+    def draft_name(self, model: ServedModel) -> str | None:
+        """The draft model ``model``'s options name (a model id or a GGUF path), which the
+        catalog resolves into its :attr:`ServedModel.draft`; None: none."""
+
+    def refused(self, model: ServedModel) -> str | None:
+        """Why ``model`` cannot be served under its options, naming the option (a draft of
+        another vocabulary, a head the engine lacks); None: it can. Checked from the files'
+        metadata before any load."""
+
     def adapters_refused(self, model: ServedModel) -> str | None:
         """Why ``model`` cannot mount LoRA adapters under its options (what to change, where
         something can); None: it can."""
@@ -357,3 +385,12 @@ class ServedModel(Protocol):
     @property
     def adapters(self) -> tuple[Adapter, ...]:
         """The LoRA adapters mounted with it (each also served as a model id of its own)."""
+
+    @property
+    def draft(self) -> Draft | None:
+        """The draft model its options name, resolved by the catalog (None: none, or not
+        found: :meth:`EngineAdapter.refused` says so)."""
+
+    @property
+    def path(self) -> Path:
+        """Its (first) file."""

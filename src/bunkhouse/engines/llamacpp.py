@@ -22,6 +22,7 @@ import dataclasses
 import importlib.metadata
 import json
 import logging
+import math
 import re
 import struct
 from collections.abc import AsyncIterator, Mapping
@@ -32,6 +33,7 @@ import httpx
 
 from bunkhouse.api.tool_calls import call_schema
 from bunkhouse.engines import grammar_cost
+from bunkhouse.engines import llamacpp_spec as spec
 from bunkhouse.engines import options as opts
 from bunkhouse.engines.contract import (
     GENERATION_ROUTES,
@@ -48,7 +50,13 @@ from bunkhouse.engines.contract import (
     TokenPiece,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
-from bunkhouse.errors import EngineUnavailable, InvalidRequest, WorkerLoadFailed, envelope
+from bunkhouse.errors import (
+    EngineUnavailable,
+    GGUFError,
+    InvalidRequest,
+    WorkerLoadFailed,
+    envelope,
+)
 from bunkhouse.gguf.meta import GGUFInfo
 
 log = logging.getLogger(__name__)
@@ -60,22 +68,49 @@ WORKER_ENGINE = "bunkhouse.worker.engines.llamacpp:LlamaCppEngine"
 @dataclasses.dataclass(frozen=True, slots=True)
 class LlamaCppOptions:
     """llama.cpp's own options of a model: the config keys of the same names ([defaults] and
-    [[models]]), each set explicitly on the engine (worker/engines/llamacpp.py)."""
+    [[models]]), each set explicitly on the engine (worker/engines/llamacpp.py). Speculative
+    decoding and the KV cache types: engines/llamacpp_spec.py."""
 
     cache_ram_mib: int = 0  # the RAM prompt cache; off: it would grow a worker past its estimate
     threads: int = dataclasses.field(default_factory=opts.cpu_threads)  # decoding and batches
     swa_full: bool = False  # sliding-window layers keep the whole slot (KV snapshots reuse all)
+    speculative: str = "none"  # "ngram": drafts from the context's own n-grams
+    draft: str = ""  # a draft model: a model id or a GGUF file's path
+    draft_max: int | None = None  # tokens drafted at once (None: the kind's default)
+    draft_min: int | None = None
+    mtp: bool = False  # the model's own multi-token-prediction heads draft
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str | bool = "auto"  # turned on for a quantized V cache
+
+    @property
+    def speculation(self) -> spec.Speculation:
+        return spec.speculation(self.speculative, self.draft, self.mtp, self.draft_max,
+                                self.draft_min, "options")
+
+    @property
+    def flash_attention(self) -> str | bool:
+        """As the worker runs it: on for a quantized V cache."""
+        return spec.flash_attention(self.cache_type_v, self.flash_attn, "options")
 
 
 _OPTION_CHECKS: dict[str, opts.Check] = {
-    "cache_ram_mib": opts.integer(0), "threads": opts.integer(1), "swa_full": opts.flag}
+    "cache_ram_mib": opts.integer(0), "threads": opts.integer(1), "swa_full": opts.flag,
+    "speculative": spec.check_speculative, "draft": spec.check_draft,
+    "draft_max": opts.integer(1), "draft_min": opts.integer(0), "mtp": opts.flag,
+    "cache_type_k": spec.check_cache_type, "cache_type_v": spec.check_cache_type,
+    "flash_attn": spec.check_flash_attn}
 KNOWN_OPTIONS = frozenset(_OPTION_CHECKS)
 
 
 def parse_options(raw: Mapping[str, Any], where: str) -> LlamaCppOptions:
     """llama.cpp's options as written (``where`` names them in an error); ConfigError naming
-    an unknown key or a wrong value."""
-    return LlamaCppOptions(**opts.checked(raw, _OPTION_CHECKS, where))
+    an unknown key, a wrong value, or keys that contradict each other (two kinds of
+    speculative decoding, ``flash_attn = false`` with a quantized V cache)."""
+    own = LlamaCppOptions(**opts.checked(raw, _OPTION_CHECKS, where))
+    spec.speculation(own.speculative, own.draft, own.mtp, own.draft_max, own.draft_min, where)
+    spec.flash_attention(own.cache_type_v, own.flash_attn, where)
+    return own
 
 
 def model_options(model: ServedModel) -> LlamaCppOptions:
@@ -87,8 +122,11 @@ def server_flags(options: LlamaCppOptions) -> list[str]:
     """``options`` as llama.cpp's own ``llama-server`` takes them on its command line (the
     benchmarks run it with a worker's settings)."""
     threads = str(options.threads)
+    flash = options.flash_attention
     return ["-t", threads, "-tb", threads, "--cache-ram", str(options.cache_ram_mib),
-            *(["--swa-full"] if options.swa_full else [])]
+            *(["--swa-full"] if options.swa_full else []),
+            "-ctk", options.cache_type_k, "-ctv", options.cache_type_v,
+            "-fa", flash if isinstance(flash, str) else "on" if flash else "off"]
 
 
 # llama.cpp tools/server README, "POST /completion" and "POST /v1/chat/completions" options.
@@ -458,17 +496,21 @@ class LlamaCppClient(WorkerHTTP):
 
 def parse_timings(raw: Any) -> Timings | None:
     """llama.cpp's ``timings`` object of an answer (``prompt_n`` computed, ``cache_n``
-    reused, ``predicted_n`` generated, ``prompt_ms``, ``predicted_ms``) as :class:`Timings`;
-    None when it is not one."""
+    reused, ``predicted_n`` generated, ``prompt_ms``, ``predicted_ms``; with speculative
+    decoding ``draft_n`` drafted and ``draft_n_accepted``) as :class:`Timings`; None when it
+    is not one."""
     if not isinstance(raw, dict):
         return None
     prompt = raw.get("prompt_n")
     if type(prompt) is not int:
         return None
     cached, generated = raw.get("cache_n"), raw.get("predicted_n")
+    drafted, accepted = raw.get("draft_n"), raw.get("draft_n_accepted")
     return Timings(prompt, cached if type(cached) is int else 0,
                    generated if type(generated) is int else 0,
-                   _ms(raw.get("prompt_ms")), _ms(raw.get("predicted_ms")))
+                   _ms(raw.get("prompt_ms")), _ms(raw.get("predicted_ms")),
+                   drafted if type(drafted) is int and drafted > 0 else 0,
+                   accepted if type(accepted) is int and accepted > 0 else 0)
 
 
 def _ms(value: Any) -> float | None:
@@ -639,6 +681,36 @@ def _build() -> str:
         return "xllamacpp unknown"
 
 
+def refused(model: ServedModel) -> str | None:
+    """Why ``model`` cannot be served under its llama.cpp options (engines/llamacpp_spec.py),
+    naming the option; None: it can. Reads the GGUFs' headers (a draft's vocabulary: about a
+    second for a 150K-token one)."""
+    own = model_options(model)
+    misfit = spec.head_misfit(model.info, own.cache_type_k, own.cache_type_v)
+    if misfit:
+        return misfit
+    if own.mtp:
+        return spec.mtp_missing(model.path, model.info)
+    if not own.draft:
+        return None
+    draft = model.draft
+    if draft is None:
+        return (f"draft: {own.draft!r} is neither a model id nor a GGUF file; name a model "
+                "of `bunkhouse models` or a file's path")
+    if draft.info.general_type == "adapter":
+        return f"draft: {own.draft!r} is a LoRA adapter, not a model"
+    try:
+        differs = spec.vocab_mismatch(model.path, draft.path)
+    except GGUFError as e:
+        return f"draft: {own.draft!r} cannot be read: {e.message}"
+    if differs:
+        return (f"draft: the vocabularies differ: the model's ({model.info.architecture}) and "
+                f"the draft {own.draft!r}'s ({draft.info.architecture}) have {differs}; a "
+                "draft model must share its target's vocabulary (a smaller model of the same "
+                'family), or use speculative = "ngram", which needs no second model')
+    return None
+
+
 class LlamaCpp:
     """The llama.cpp engine adapter (engines/contract.py ``EngineAdapter``)."""
 
@@ -653,11 +725,18 @@ class LlamaCpp:
 
     def snapshot_layout(self, model: ServedModel) -> dict[str, Any] | None:
         # the worker's settings (worker/engines/llamacpp.py build_params) a slot file holds
-        o = model.options
-        return {"cache_type_k": "f16", "cache_type_v": "f16", "n_ubatch": N_UBATCH,
-                "slot_context": o.context // o.parallel, "kv_unified": False,
-                "swa_full": model_options(model).swa_full and _swa_layers(model.info) > 0,
-                "embeddings": model.embeddings}
+        # (a draft model's KV cache is its own context's, never saved: a restored slot's
+        # draft catches up by itself; so the speculative kind is not part of it, but MTP
+        # heads keep their KV in the model's own context)
+        o, own = model.options, model_options(model)
+        layout = {"cache_type_k": own.cache_type_k, "cache_type_v": own.cache_type_v,
+                  "n_ubatch": N_UBATCH, "slot_context": o.context // o.parallel,
+                  "kv_unified": False,
+                  "swa_full": own.swa_full and _swa_layers(model.info) > 0,
+                  "embeddings": model.embeddings}
+        if own.mtp:
+            layout["mtp"] = True
+        return layout
 
     def restore_hint(self, model: ServedModel) -> str:
         if _swa_layers(model.info, model_options(model).swa_full):
@@ -671,6 +750,7 @@ class LlamaCpp:
         o = model.options
         return ["--context", str(o.context), "--parallel", str(o.parallel),
                 *[arg for a in model.adapters for arg in ("--adapter", str(a.path))],
+                *(["--draft", str(model.draft.path)] if model.draft is not None else []),
                 *(["--embeddings"] if model.embeddings else []),
                 *(["--pooling", "model"] if model.info.pooling else []),
                 *(["--chat-template", model.chat_template] if model.chat_template else []),
@@ -690,6 +770,22 @@ class LlamaCpp:
 
     def pinnable(self, route: str, body: dict[str, Any]) -> bool:
         return pinnable(route, body)
+
+    def shown_options(self, model: ServedModel) -> dict[str, Any]:
+        own = model_options(model)
+        s = own.speculation
+        return {"speculative": s.kind, "draft": own.draft or None,
+                "draft_max": s.draft_max if s.kind else None,
+                "draft_min": s.draft_min if s.kind else None,
+                "cache_type_k": own.cache_type_k, "cache_type_v": own.cache_type_v,
+                "flash_attn": own.flash_attention, "swa_full": own.swa_full,
+                "cache_ram_mib": own.cache_ram_mib, "threads": own.threads}
+
+    def draft_name(self, model: ServedModel) -> str | None:
+        return model_options(model).draft or None
+
+    def refused(self, model: ServedModel) -> str | None:
+        return refused(model)
 
     def adapters_refused(self, model: ServedModel) -> str | None:
         cache = model_options(model).cache_ram_mib
@@ -719,7 +815,9 @@ class LlamaCpp:
         return min(model.options.context // model.options.parallel, EMBEDDING_BATCH)
 
     def kv_cache_bytes(self, model: ServedModel, tokens: int) -> int:
-        return kv_cache_bytes(model.info, tokens, 1)
+        own = model_options(model)
+        return kv_cache_bytes(model.info, tokens, 1, types=(own.cache_type_k,
+                                                             own.cache_type_v))
 
     def slot_tokens(self, tokens: int) -> int:
         # llama.cpp sizes each slot in whole blocks (rounding up, one block at least): a slot
@@ -730,7 +828,7 @@ class LlamaCpp:
 # -- the memory estimate (docs/memory-estimate.md has the table and how it was measured) ---
 
 MIB = 1024 * 1024
-KV_ELEMENT_BYTES = 2  # f16 K and V caches, llama.cpp's default
+F16 = ("f16", "f16")  # the K and V caches' element types: llama.cpp's default
 LOGIT_BYTES = 4  # f32 logits and embeddings
 # Fitted to the measured peaks of the packaged models (docs/memory-estimate.md):
 RUNTIME_BYTES = 116 * MIB  # interpreter, llama.cpp, threads, graph metadata
@@ -748,10 +846,12 @@ _SWA_PAD = 256
 _SWA_PATTERNS: dict[str, int] = {"gemma3": 6, "gemma2": 2, "cohere2": 4, "gemma3n": 5}
 
 
-def kv_bytes_per_token_per_layer(info: GGUFInfo) -> int:
+def kv_bytes_per_token_per_layer(info: GGUFInfo, types: tuple[str, str] = F16) -> float:
+    """One token's K and V in one layer, at the caches' element types (``types``: K's, V's;
+    a quantized type's bytes per element include its blocks' scales)."""
     heads = info.head_count_kv or info.head_count or 0
-    dims = (info.key_length or 0) + (info.value_length or 0)
-    return heads * dims * KV_ELEMENT_BYTES
+    return heads * ((info.key_length or 0) * spec.kv_element_bytes(types[0])
+                    + (info.value_length or 0) * spec.kv_element_bytes(types[1]))
 
 
 def _swa_layers(info: GGUFInfo, swa_full: bool = False) -> int:
@@ -780,13 +880,15 @@ def _swa_cells(info: GGUFInfo, context: int, parallel: int) -> int:
     return parallel * _pad(_swa_stream(info, context // parallel), _SWA_PAD)
 
 
-def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int, swa_full: bool = False) -> int:
-    """The KV cache llama.cpp allocates for ``context`` tokens shared by ``parallel`` slots."""
-    per_layer = kv_bytes_per_token_per_layer(info)
+def kv_cache_bytes(info: GGUFInfo, context: int, parallel: int, swa_full: bool = False,
+                   types: tuple[str, str] = F16) -> int:
+    """The KV cache llama.cpp allocates for ``context`` tokens shared by ``parallel`` slots,
+    its K and V caches of element types ``types``."""
+    per_layer = kv_bytes_per_token_per_layer(info, types)
     swa = _swa_layers(info, swa_full)
     full = (info.block_count or 0) - swa
     swa_cells = _swa_cells(info, context, parallel) if swa else 0
-    return per_layer * (full * context + swa * swa_cells)
+    return math.ceil(per_layer * (full * context + swa * swa_cells))
 
 
 def output_bytes(model: ServedModel) -> int:
@@ -805,29 +907,67 @@ def compute_bytes(model: ServedModel) -> int:
     """Compute buffers and per-slot state a worker touches at its largest: a full
     micro-batch through the FFN, attention over a full slot, every slot sampling."""
     o = model.options
-    ffn = model.info.feed_forward_length or _DEFAULT_FFN
-    vocab = model.info.vocab_size or 0
+    return _compute_bytes(model.info, o.context, o.parallel, model_options(model).swa_full)
+
+
+def _compute_bytes(info: GGUFInfo, context: int, parallel: int, swa_full: bool) -> int:
+    ffn = info.feed_forward_length or _DEFAULT_FFN
+    vocab = info.vocab_size or 0
+    slot = context // parallel
     swa = swa_long = 0  # sliding-window cells the other slots attend over (unpadded)
-    if _swa_layers(model.info, model_options(model).swa_full):
-        slot = o.context // o.parallel
-        swa = _swa_stream(model.info, slot) * (o.parallel - 1)
+    if _swa_layers(info, swa_full):
+        swa = _swa_stream(info, slot) * (parallel - 1)
         swa_long = max(0, min(slot, _SWA_LONG) - N_UBATCH)
     return int(FFN_TENSORS * N_UBATCH * ffn * LOGIT_BYTES
-               + SLOT_VOCAB_BYTES * vocab * o.parallel
-               + ATTENTION_SLOT_BYTES * (o.context // o.parallel)
-               + ATTENTION_CONTEXT_BYTES * o.context
-               + SWA_SLOT_BYTES * swa_long * o.parallel
+               + SLOT_VOCAB_BYTES * vocab * parallel
+               + ATTENTION_SLOT_BYTES * slot
+               + ATTENTION_CONTEXT_BYTES * context
+               + SWA_SLOT_BYTES * swa_long * parallel
                + SWA_STREAM_BYTES * swa)
 
 
-def estimate(model: ServedModel) -> MemoryEstimate:
-    """The worker's worst case under ``model``'s options, bytes by part."""
-    o, own = model.options, model_options(model)
+def speculation_output_bytes(model: ServedModel) -> int:
+    """The target's logits for every token a slot verifies at once (the one it samples and
+    up to ``draft_max`` drafted): one row of ``n_vocab`` f32 each, for every slot (measured:
+    the packaged Qwen with n-gram drafts of 64 tokens in 2 slots peaked 79 MiB above plain,
+    docs/memory-estimate.md)."""
+    s = model_options(model).speculation
+    if s.kind is None:
+        return 0
+    return (s.draft_max + 1) * model.options.parallel * (model.info.vocab_size or 0) \
+        * LOGIT_BYTES
+
+
+def draft_estimate(model: ServedModel) -> MemoryEstimate:
+    """The draft model's part of its target's worker (the same process: no runtime of its
+    own): its file, its KV cache at the target's context, slots and cache types, and its
+    compute buffers as a model of its own would have them."""
+    draft = model.draft
+    if draft is None:
+        return MemoryEstimate(0, 0, 0, 0, 0, 0)
+    own = model_options(model)
+    o = model.options
     return MemoryEstimate(
-        weights=model.size_bytes + sum(a.bytes for a in model.adapters),  # LoRA: copied in
-        kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, own.swa_full),
+        weights=draft.bytes,
+        kv_cache=kv_cache_bytes(draft.info, o.context, o.parallel, own.swa_full,
+                                (own.cache_type_k, own.cache_type_v)),
+        prompt_cache=0, runtime=0,
+        compute=_compute_bytes(draft.info, o.context, o.parallel, own.swa_full),
+        outputs=0)
+
+
+def estimate(model: ServedModel) -> MemoryEstimate:
+    """The worker's worst case under ``model``'s options, bytes by part (a draft model's
+    parts added to the target's)."""
+    o, own = model.options, model_options(model)
+    draft = draft_estimate(model)
+    return MemoryEstimate(
+        weights=model.size_bytes + sum(a.bytes for a in model.adapters)  # LoRA: copied in
+        + draft.weights,
+        kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, own.swa_full,
+                                (own.cache_type_k, own.cache_type_v)) + draft.kv_cache,
         prompt_cache=own.cache_ram_mib * MIB,
         runtime=RUNTIME_BYTES,
-        compute=compute_bytes(model),
-        outputs=output_bytes(model),
+        compute=compute_bytes(model) + draft.compute,
+        outputs=output_bytes(model) + speculation_output_bytes(model),
     )

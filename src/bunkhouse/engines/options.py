@@ -62,8 +62,10 @@ def checked(raw: Mapping[str, Any], checks: Mapping[str, Check], where: str) -> 
 
 
 def worker_args(options: Any) -> list[str]:
-    """The worker command line's part that carries ``options`` (an adapter's dataclass)."""
-    return [FLAG, json.dumps(dataclasses.asdict(options), sort_keys=True)]
+    """The worker command line's part that carries ``options`` (an adapter's dataclass; an
+    option that is None is left out: its default)."""
+    given = {k: v for k, v in dataclasses.asdict(options).items() if v is not None}
+    return [FLAG, json.dumps(given, sort_keys=True)]
 
 
 def decode(text: str, parse: Callable[[Mapping[str, Any], str], T]) -> T:

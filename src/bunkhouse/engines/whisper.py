@@ -217,6 +217,15 @@ class Whisper:
     def pinnable(self, route: str, body: dict[str, Any]) -> bool:
         return False
 
+    def shown_options(self, model: ServedModel) -> dict[str, Any]:
+        return {}
+
+    def draft_name(self, model: ServedModel) -> str | None:
+        return None
+
+    def refused(self, model: ServedModel) -> str | None:
+        return None
+
     def adapters_refused(self, model: ServedModel) -> str | None:
         return "a transcription model takes no LoRA adapters"
 

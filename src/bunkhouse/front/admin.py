@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,13 @@ from starlette.responses import JSONResponse, Response
 
 from bunkhouse.api.schemas import parse_json_object, read_body, validate
 from bunkhouse.catalog import Catalog, CatalogModel
-from bunkhouse.catalog.catalog import effective_options, files_size, make_adapter, model_files
+from bunkhouse.catalog.catalog import (
+    effective_options,
+    files_size,
+    make_adapter,
+    model_files,
+    settle,
+)
 from bunkhouse.config import EngineOptions, check_model_id, check_scale
 from bunkhouse.defaults import DRAIN_GRACE_S
 from bunkhouse.errors import (
@@ -95,12 +102,37 @@ class RegisterRequest(BaseModel):
     embeddings: StrictBool | None = None  # None: on for embedding models only
     adapter_of: StrictStr | None = None  # a LoRA adapter of this base model
     scale: StrictFloat | StrictInt | None = None  # an adapter's scale (config.check_scale)
+    # the llama.cpp engine's options of the config file's keys (checked by its adapter)
+    speculative: StrictStr | None = None
+    draft: StrictStr | None = None
+    draft_max: StrictInt | None = None
+    draft_min: StrictInt | None = None
+    mtp: StrictBool | None = None
+    cache_type_k: StrictStr | None = None
+    cache_type_v: StrictStr | None = None
+    flash_attn: StrictBool | StrictStr | None = None
 
     @property
     def model_fields_given(self) -> list[str]:
         """The fields of a model (not an adapter) given in this request."""
-        return [name for name in ("context", "parallel", "queue", "ttl", "embeddings")
+        return [name for name in ("context", "parallel", "queue", "ttl", "embeddings",
+                                  *ENGINE_FIELDS)
                 if getattr(self, name) is not None] + (["pinned"] if self.pinned else [])
+
+    @property
+    def engine_keys(self) -> tuple[tuple[str, Any], ...]:
+        return tuple((k, getattr(self, k)) for k in ENGINE_FIELDS if getattr(self, k) is not None)
+
+
+ENGINE_FIELDS = ("speculative", "draft", "draft_max", "draft_min", "mtp", "cache_type_k",
+                 "cache_type_v", "flash_attn")
+
+
+def _named_field(message: str) -> str | None:
+    """The request field an option's error names first (``draft: ...``, ``cache_type_v =
+    ...``), if it is one."""
+    first = re.match(r"\s*(\w+)", message)
+    return first.group(1) if first and first.group(1) in ENGINE_FIELDS else None
 
 
 def inside_roots(path: str, roots: tuple[Path, ...]) -> Path | None:
@@ -309,13 +341,33 @@ class Admin:
                      if v is not None}
         if body.context is not None:
             overrides["context_auto"] = False
+        where = f"model {body.id!r}"
         try:
-            options = effective_options(self.options.defaults, overrides, info,
-                                        f"model {body.id!r}")
+            options = effective_options(self.options.defaults, overrides, info, where,
+                                        own=body.engine_keys)
         except ConfigError as e:
-            raise InvalidRequest(e.message) from e
-        return CatalogModel(body.id, real, "runtime", info, options, size,
-                            modified=int(st.st_mtime), pinned=body.pinned, ttl_s=body.ttl)
+            message = e.message.removeprefix(f"{where}: ")
+            raise InvalidRequest(message, param=_named_field(message)) from e
+        model = CatalogModel(body.id, real, "runtime", info, options, size,
+                             modified=int(st.st_mtime), pinned=body.pinned, ttl_s=body.ttl)
+        model = await asyncio.to_thread(settle, model, self._served, Path.cwd(),
+                                        self._draft_path)
+        if model.refused:
+            raise InvalidRequest(model.refused, param=_named_field(model.refused))
+        return model
+
+    def _served(self, name: str) -> CatalogModel | None:
+        found = self.catalog.resolve(name)
+        return self.catalog.get(found) if found is not None else None
+
+    def _draft_path(self, path: Path) -> Path:
+        """A runtime model's draft given by path: inside the allowed roots, as its own."""
+        real = inside_roots(str(path), self.options.roots)
+        if real is None:
+            log.warning("refused a runtime draft model outside the allowed roots: %r",
+                        str(path)[:300])
+            raise Forbidden("draft is outside the allowed model roots", param="draft")
+        return real
 
     def _known(self, request: Request) -> CatalogModel:
         model = self.catalog.get(request.path_params["model_id"])

@@ -41,7 +41,7 @@ from bunkhouse.front.constraints import ConstraintGate
 from bunkhouse.front.cors import Cors
 from bunkhouse.front.edge import SKIPPED_TOOLS_HEADER
 from bunkhouse.front.extras import Extras
-from bunkhouse.front.metrics import Metrics
+from bunkhouse.front.metrics import DraftTally, Metrics
 from bunkhouse.front.models import ModelViews
 from bunkhouse.front.ollama import OllamaRoutes
 from bunkhouse.front.openai import OpenAIRoutes
@@ -110,8 +110,9 @@ def build_app(catalog: Catalog, residency: ResidencyManager, parts: Parts | None
     pipeline = Pipeline(catalog, residency, parts.compute or ComputeGate(),
                         BodyReader(keys, options.max_body_bytes), keys, parts.keeper,
                         options.strict_context, options.waiting, parts.constraints)
-    views = ModelViews(catalog, residency, keys, parts.keeper)
-    metrics = Metrics(residency, pipeline.compute, parts.keeper)
+    drafts = DraftTally()
+    views = ModelViews(catalog, residency, keys, parts.keeper, drafts)
+    metrics = Metrics(residency, pipeline.compute, parts.keeper, drafts)
     routes = [*_generation_routes(pipeline, options), *_model_routes(pipeline, views, parts,
                                                                       options),
               *_ollama_routes(pipeline),

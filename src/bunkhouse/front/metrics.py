@@ -169,8 +169,10 @@ class Metrics:
     """The registry behind ``GET /metrics``, and the observers that feed it."""
 
     def __init__(self, residency: ResidencyManager, compute: ComputeGate | None = None,
-                 keeper: SnapshotKeeper | None = None) -> None:
+                 keeper: SnapshotKeeper | None = None, drafts: DraftTally | None = None
+                 ) -> None:
         self.residency = residency
+        self.drafts = drafts or DraftTally()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StateCollector(residency, compute or ComputeGate(), keeper))
         reg = self.registry
@@ -194,6 +196,10 @@ class Metrics:
                            ("prompt_seconds", "the engine's seconds of prompt processing"),
                            ("decode_tokens", "tokens the engine decoded"),
                            ("decode_seconds", "the engine's seconds of decoding"))}
+        self.drafted = Counter("bunkhouse_draft_tokens", "speculative decoding: tokens "
+                               "drafted for the model to verify", ["model"], registry=reg)
+        self.accepted = Counter("bunkhouse_draft_accepted_tokens", "speculative decoding: "
+                                "drafted tokens the model accepted", ["model"], registry=reg)
         self.load_time = Histogram("bunkhouse_model_load_seconds", "seconds from a load's "
                                    "start to its worker being ready", ["model"],
                                    buckets=LOAD_BUCKETS, registry=reg)
@@ -203,8 +209,9 @@ class Metrics:
 
     def forget(self, model_id: str) -> None:
         """A model gone for good: its series go too."""
+        self.drafts.forget(model_id)
         for metric in (self.first_token, self.queue_wait, self.tokens_in, self.tokens_out,
-                       self.load_time, *self.engine.values()):
+                       self.load_time, self.drafted, self.accepted, *self.engine.values()):
             with contextlib.suppress(KeyError):
                 metric.remove(model_id)
         for labels in self._requests_of.pop(model_id, set()):
@@ -248,9 +255,35 @@ class Metrics:
                             ("decode_seconds", _seconds(timings.generated_ms))):
             if value is not None and value >= 0:
                 self.engine[name].labels(model).inc(value)
+        if timings.drafted_tokens:
+            self.drafted.labels(model).inc(timings.drafted_tokens)
+            self.accepted.labels(model).inc(timings.accepted_tokens)
+            self.drafts.add(model, timings.drafted_tokens, timings.accepted_tokens)
 
     async def scrape(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class DraftTally:
+    """Tokens drafted and accepted per model id since the start (speculative decoding), for
+    the model object and ``bunkhouse ps`` (``/metrics`` has them as counters)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, tuple[int, int]] = {}
+
+    def add(self, model: str, drafted: int, accepted: int) -> None:
+        d, a = self._counts.get(model, (0, 0))
+        self._counts[model] = (d + drafted, a + min(accepted, drafted))
+
+    def forget(self, model: str) -> None:
+        self._counts.pop(model, None)
+
+    def report(self, model: str) -> dict[str, Any]:
+        """``draft_tokens``, ``draft_accepted_tokens`` and ``draft_acceptance`` (accepted /
+        drafted; None before the first draft)."""
+        drafted, accepted = self._counts.get(model, (0, 0))
+        return {"draft_tokens": drafted, "draft_accepted_tokens": accepted,
+                "draft_acceptance": round(accepted / drafted, 3) if drafted else None}
 
 
 def _seconds(ms: float | None) -> float | None:

@@ -9,7 +9,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.engines import ENGINES
 from bunkhouse.front.auth import Keys, Level
+from bunkhouse.front.metrics import DraftTally
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import ResidencyManager
 
@@ -18,11 +20,13 @@ class ModelViews:
     """The model routes' answers, over one catalog and one residency manager."""
 
     def __init__(self, catalog: Catalog, residency: ResidencyManager, keys: Keys,
-                 keeper: SnapshotKeeper | None = None) -> None:
+                 keeper: SnapshotKeeper | None = None, drafts: DraftTally | None = None
+                 ) -> None:
         self.catalog = catalog
         self.residency = residency
         self.keys = keys
         self.keeper = keeper
+        self.drafts = drafts or DraftTally()
 
     def model_object(self, model: CatalogModel, *, detail: bool = False) -> dict[str, Any]:
         """The model as ``GET /v1/models/{id}`` shows it; ``detail`` (admin-key callers only)
@@ -61,6 +65,14 @@ class ModelViews:
             "pid": status.pid,
             "last_error": status.last_error,
         }
+        if base.refused and status.state in ("absent", "failed"):  # listed, never loaded
+            described.update(state="failed", last_error=f"cannot be served under its "
+                             f"options: {base.refused}")
+        options = ENGINES[base.engine].shown_options(base)
+        if options:
+            described["options"] = options
+        if options.get("speculative"):
+            described.update(self.drafts.report(model.id))
         if model.adapter_of is not None:  # vLLM's and Ray Serve's way to show an adapter
             described.update(parent=model.adapter_of, scale=model.scale)
         elif model.adapters:

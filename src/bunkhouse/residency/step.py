@@ -20,6 +20,7 @@ from typing import Any
 from bunkhouse.errors import (
     BunkhouseError,
     ModelFailed,
+    ModelMisconfigured,
     ModelNotFound,
     ShuttingDown,
     WorkerLoadFailed,
@@ -100,6 +101,11 @@ def _refusal(s: State, m: Model | None, model_id: str, now: float) -> Exception 
         return ModelNotFound(f"model {model_id!r} is being removed", param="model")
     if s.closing:
         return ShuttingDown(model_id)
+    refused = (m.pending or m.spec).model.refused
+    if refused:
+        return ModelMisconfigured(
+            f"model {m.id!r} cannot be served under its options: {refused}; fix its entry "
+            "in the config file and reload (POST /admin/reload)", param="model")
     if s.stopping and (s.paused or m.phase not in (Phase.READY, Phase.LOADING)):
         return ShuttingDown(model_id)  # no model is loaded any more, no pause is resumed
     if m.phase is Phase.FAILED:

@@ -32,6 +32,7 @@ class WorkerConfig:
     # decodes with that adapter's parser (bunkhouse.engines.options)
     engine_options: str = "{}"
     adapters: tuple[Path, ...] = ()  # LoRA adapters mounted with the model, every one at 0
+    draft: Path | None = None  # a draft model for speculative decoding (the options say how)
 
 
 class Engine(Protocol):

@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
                    help="the engine's own options, a JSON object its adapter wrote")
     p.add_argument("--adapter", action="append", type=Path, default=[], metavar="PATH",
                    help="a LoRA adapter to mount (repeatable); requests choose its scale")
+    p.add_argument("--draft", type=Path, default=None, metavar="PATH",
+                   help="a draft model (GGUF) for speculative decoding")
     p.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process stops being our parent"
     )
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None) -> tuple[WorkerConfig, str, int | None]:
     config = WorkerConfig(
         a.model_id, a.model_path, a.socket, a.context, a.parallel, a.chat_template,
         a.embeddings, a.snapshot_dir, a.pooling, a.engine_options, tuple(a.adapter),
+        a.draft,
     )
     return config, a.engine, a.parent_pid
 

@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import xllamacpp
 
-from bunkhouse.engines.llamacpp import EMBEDDING_BATCH, parse_options
+from bunkhouse.engines import llamacpp_spec as spec
+from bunkhouse.engines.llamacpp import EMBEDDING_BATCH, LlamaCppOptions, parse_options
 from bunkhouse.engines.options import decode
 from bunkhouse.worker.engine import EngineLoadError, WorkerConfig
 
@@ -61,12 +62,55 @@ def build_params(config: WorkerConfig, socket: Path | None = None) -> Any:
     params.n_threads_http = max(2, config.parallel + 1)
     if config.chat_template:
         _set_template(params, config.chat_template)
+    _set_kv_and_speculation(params, own, config.draft)
     if config.adapters:
         # every adapter at 0 until a request sets the scales (the front always sends them all)
         params.lora_adapters = [xllamacpp.CommonAdapterLoraInfo(str(p), 0.0)
                                 for p in config.adapters]
         params.lora_init_without_apply = True
     return params
+
+
+_SPEC = xllamacpp.common_speculative_type
+_KINDS = {spec.NGRAM: _SPEC.COMMON_SPECULATIVE_TYPE_NGRAM_MOD,
+          spec.DRAFT: _SPEC.COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE,
+          spec.MTP: _SPEC.COMMON_SPECULATIVE_TYPE_DRAFT_MTP}
+_FLASH = {"auto": xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_AUTO,
+          True: xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+          False: xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
+def _cache_type(name: str) -> Any:
+    return getattr(xllamacpp.ggml_type, f"GGML_TYPE_{name.upper()}")
+
+
+def _set_kv_and_speculation(params: Any, own: LlamaCppOptions, draft: Path | None) -> None:
+    """The KV cache types, flash attention and speculative decoding (engines/
+    llamacpp_spec.py). The speculative type is always set with its model: llama.cpp given a
+    draft model without one loads it and never drafts."""
+    params.cache_type_k = _cache_type(own.cache_type_k)
+    params.cache_type_v = _cache_type(own.cache_type_v)
+    params.flash_attn_type = _FLASH[own.flash_attention]
+    s = own.speculation
+    if s.kind is None:
+        return
+    if s.kind == spec.DRAFT and draft is None:
+        raise EngineLoadError("a draft model is configured but none was given (--draft)")
+    params.speculative.types = [_KINDS[s.kind]]
+    if s.kind == spec.NGRAM:
+        params.speculative.ngram_mod.n_max = s.draft_max
+        params.speculative.ngram_mod.n_min = s.draft_min
+        return
+    params.speculative.draft.n_max = s.draft_max
+    params.speculative.draft.n_min = s.draft_min
+    if s.kind == spec.MTP:
+        params.load_mtp = True
+        return
+    params.speculative.draft.mparams.path = str(draft)
+    params.speculative.draft.cache_type_k = params.cache_type_k
+    params.speculative.draft.cache_type_v = params.cache_type_v
+    params.speculative.draft.cpuparams.n_threads = own.threads
+    params.speculative.draft.cpuparams_batch.n_threads = own.threads
 
 
 def _set_template(params: Any, value: str) -> None:
