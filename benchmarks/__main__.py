@@ -40,6 +40,7 @@ from benchmarks import (
     overhead,
     reliability,
     report,
+    speculative,
     swap,
     throughput,
     transcribe,
@@ -47,7 +48,7 @@ from benchmarks import (
 from benchmarks.common import PROFILES, Profile
 
 SECTIONS = ("overhead", "throughput", "hol", "swap", "kv", "reliability", "transcribe",
-            "adapters")
+            "adapters", "speculative")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -99,6 +100,7 @@ def run_sections(profile: Profile, sections: list[str], llama_server: str | None
         "reliability": lambda: reliability.measure(profile),
         "transcribe": lambda: transcribe.measure(profile),
         "adapters": lambda: adapters.measure(profile),
+        "speculative": lambda: speculative.measure(profile),
     }
     for name in sections:
         print(f"== {name} ({profile.name})", file=sys.stderr, flush=True)

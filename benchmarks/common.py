@@ -63,6 +63,9 @@ class Profile:
     adapter_rounds: int = 5  # LoRA adapters: completions on each target, alternating
     adapter_tokens: int = 64
     adapter_functions: int = 40  # the re-mounted conversation's size (about 14 tokens each)
+    spec_rounds: int = 5  # speculative decoding: answers of each target and task, alternating
+    spec_tokens: int = 256
+    spec_memory: bool = True  # also load Qwen at 32K context with f16 and q8_0 KV caches
 
 
 PROFILES = {
@@ -76,7 +79,8 @@ PROFILES = {
                      chaos_runs=1, chaos_seconds=30, flood_runs=1, flood_requests=1000,
                      flood_concurrency=64, fuzz_examples=10, fuzz_seconds=45,
                      kv_lengths=(1000, 4000), transcribe_rounds=3, marginal_rounds=3,
-                     hol_runs=1, hol_tokens=400, adapter_rounds=3, adapter_tokens=32),
+                     hol_runs=1, hol_tokens=400, adapter_rounds=3, adapter_tokens=32,
+                     spec_rounds=3, spec_tokens=160),
     # Only for the test suite: checks that every section runs end to end, measures nothing.
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
@@ -85,7 +89,7 @@ PROFILES = {
                     kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0,
                     marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=80,
                     fuzz_max_tokens=4, adapter_rounds=1, adapter_tokens=4,
-                    adapter_functions=21),
+                    adapter_functions=21, spec_rounds=1, spec_tokens=8, spec_memory=False),
 }
 
 

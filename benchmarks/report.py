@@ -733,6 +733,64 @@ def _adapters(a: dict[str, Any]) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- speculative decoding
+
+
+_SPEC_LABELS = {"plain": "plain", "ngram": 'speculative = "ngram"',
+                "draft": "draft = a copy of Qwen (wiring check)"}
+
+
+def _speculative(sp: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    lines = [
+        "## 11. Speculative decoding and KV cache types",
+        "",
+        "One server serves the packaged Qwen three ways (2 slots of 2,048 tokens each): plain, "
+        'with `speculative = "ngram"` and with `draft =` a copy of Qwen\'s own file (a '
+        "wiring check: a draft as slow as its target can only cost). Greedy chat answers of "
+        f"up to {sp['tokens']} tokens, streamed, alternating targets and tasks, "
+        f"{sp['rounds']} each: a code-copy edit (\"copy this code exactly\", a 12-function "
+        "module) and free text (an explanation). Decode tokens/s counts the tokens after the "
+        "first over the time after it; the ratios are against plain; acceptance is the "
+        "engine's accepted over drafted tokens; *same answer*: every answer was plain's, "
+        "token for token.",
+        "",
+    ]
+    rows = []
+    for task, targets in sp["summary"].items():
+        for target, m in targets.items():
+            runs = sp["runs"][task][target]
+            acc = m["acceptance"]
+            rows.append([task, _SPEC_LABELS.get(target, target),
+                         _f(Spread.of([r["decode_tps"] for r in runs]), 1),
+                         f"{m['decode_ratio']:.2f}",
+                         _f(Spread.of([r["ttft_s"] for r in runs]), 0, 1000),
+                         f"{m['ttft_ratio']:.2f}",
+                         "-" if acc is None else f"{acc:.0%} of {m['drafted']}",
+                         _yes(m["same_answers"])])
+    lines += _table(["task", "target", "decode tokens/s", "decode ratio", "TTFT ms",
+                     "TTFT ratio", "accepted", "same answer"], rows)
+    code, free = sp["summary"].get("code-copy", {}), sp["summary"].get("free text", {})
+    if "ngram" in code and "ngram" in free:
+        goals.append(['n-gram speculative decoding >= 1.5x plain decode tokens/s on the '
+                      "code-copy task", f"{code['ngram']['decode_ratio']:.2f}x",
+                      _yes(code["ngram"]["decode_ratio"] >= 1.5)])
+        goals.append(["n-gram speculative decoding never below 0.95x plain decode tokens/s "
+                      "on free text", f"{free['ngram']['decode_ratio']:.2f}x",
+                      _yes(free["ngram"]["decode_ratio"] >= 0.95)])
+    memory = sp.get("memory") or {}
+    if memory:
+        rows = [[kv, f"{m['kv_estimate_bytes'] / MIB:.0f} MiB",
+                 f"{m['estimate_bytes'] / MIB:.0f} MiB",
+                 f"{m['peak_bytes'] / MIB:.0f} MiB" if m.get("peak_bytes") else "-",
+                 m["answer"].strip().splitlines()[0][:60] if m["answer"].strip() else "-"]
+                for kv, m in memory.items()]
+        lines += ["Qwen with one 32,768-token slot, the KV cache f16 and q8_0, each loaded and "
+                  "asked \"What is the capital of France?\" (the KV cache is allocated at load: "
+                  "the peak holds all of it).", ""]
+        lines += _table(["KV cache", "KV estimate", "estimate", "measured peak", "answer"], rows)
+    return lines
+
+
 def render(results: dict[str, Any]) -> str:
     env, sec = results["environment"], results["sections"]
     goals: list[list[str]] = []
@@ -757,6 +815,8 @@ def render(results: dict[str, Any]) -> str:
         body += _phases(sec["swap"])
     if "adapters" in sec:
         body += _adapters(sec["adapters"])
+    if "speculative" in sec:
+        body += _speculative(sec["speculative"], goals)
     for name, err in results.get("errors", {}).items():
         body += [f"## Section `{name}` failed", "", "```", err.strip()[-2000:], "```", ""]
     cmd = "python -m benchmarks run" + ("" if results["profile"] == "full"

@@ -38,7 +38,8 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
     results = json.loads((tmp_path / "docs" / "benchmarks" / "results.json").read_text())
     assert results["errors"] == {}
     assert set(results["sections"]) == {"overhead", "throughput", "hol", "swap", "kv",
-                                        "reliability", "transcribe", "adapters"}
+                                        "reliability", "transcribe", "adapters",
+                                        "speculative"}
     remount = results["sections"]["adapters"]["remount"]  # the conversation kept its KV state
     assert remount["follow_up_prompt_n"] < remount["follow_up_cache_n"], remount
     assert results["sections"]["hol"]["runs"]["time slice"][0]["long_tokens"] == 80
@@ -57,7 +58,8 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
                     "## 3. Swapping models", "## 4. Memory", "## 5. Reliability",
                     "## 6. A conversation's follow-up after eviction",
                     "## 7. Transcription", "## 8. Head-of-line blocking across models",
-                    "## 9. Where a cold load's time goes", "## 10. LoRA adapters"):
+                    "## 9. Where a cold load's time goes", "## 10. LoRA adapters",
+                    "## 11. Speculative decoding"):
         assert heading in page
     assert "xllamacpp disabled the router" in page  # the reason the wheel cannot be the peer
     for png in ("throughput.png", "swap-timeline.png"):

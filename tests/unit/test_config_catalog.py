@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import json
-
 import dataclasses
+import json
 import re
 from pathlib import Path
 

@@ -704,8 +704,8 @@ def refused(model: ServedModel) -> str | None:
     except GGUFError as e:
         return f"draft: {own.draft!r} cannot be read: {e.message}"
     if differs:
-        return (f"draft: the vocabularies differ: the model's ({model.info.architecture}) and "
-                f"the draft {own.draft!r}'s ({draft.info.architecture}) have {differs}; a "
+        return (f"draft: the vocabularies differ: this model ({model.info.architecture}) and "
+                f"its draft {own.draft!r} ({draft.info.architecture}) have {differs}; a "
                 "draft model must share its target's vocabulary (a smaller model of the same "
                 'family), or use speculative = "ngram", which needs no second model')
     return None
@@ -838,6 +838,7 @@ ATTENTION_SLOT_BYTES = 1500  # per token of one slot: attention over a whole slo
 ATTENTION_CONTEXT_BYTES = 150  # ...and per token of the context (every slot's streams)
 SWA_SLOT_BYTES = 6250  # sliding-window models, per slot token past one micro-batch (to 2048)
 SWA_STREAM_BYTES = 12 * 1024  # per sliding-window cell of every slot but one (batched slots)
+DRAFT_CONTEXT_BYTES = 76 * MIB  # a draft model's context of its own: graph, threads, buffers
 _SWA_LONG = 2048  # beyond this many tokens of a slot, SWA_SLOT_BYTES stops growing
 _DEFAULT_FFN = 4 * 4096  # a GGUF without feed_forward_length: a large model's
 _SWA_PAD = 256
@@ -939,9 +940,11 @@ def speculation_output_bytes(model: ServedModel) -> int:
 
 
 def draft_estimate(model: ServedModel) -> MemoryEstimate:
-    """The draft model's part of its target's worker (the same process: no runtime of its
-    own): its file, its KV cache at the target's context, slots and cache types, and its
-    compute buffers as a model of its own would have them."""
+    """The draft model's part of its target's worker: its file, its KV cache at the target's
+    context, slots and cache types, its compute buffers as a model of its own would have
+    them, and its context's own overhead (:data:`DRAFT_CONTEXT_BYTES`: fitted to the packaged
+    Qwen drafting for itself at 2,048 and 8,192 tokens in 1 and 4 slots, where it was the
+    measured peak less the rest, 64 to 70 MiB; docs/memory-estimate.md)."""
     draft = model.draft
     if draft is None:
         return MemoryEstimate(0, 0, 0, 0, 0, 0)
@@ -951,7 +954,7 @@ def draft_estimate(model: ServedModel) -> MemoryEstimate:
         weights=draft.bytes,
         kv_cache=kv_cache_bytes(draft.info, o.context, o.parallel, own.swa_full,
                                 (own.cache_type_k, own.cache_type_v)),
-        prompt_cache=0, runtime=0,
+        prompt_cache=0, runtime=DRAFT_CONTEXT_BYTES,
         compute=_compute_bytes(draft.info, o.context, o.parallel, own.swa_full),
         outputs=0)
 
@@ -967,7 +970,7 @@ def estimate(model: ServedModel) -> MemoryEstimate:
         kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, own.swa_full,
                                 (own.cache_type_k, own.cache_type_v)) + draft.kv_cache,
         prompt_cache=own.cache_ram_mib * MIB,
-        runtime=RUNTIME_BYTES,
+        runtime=RUNTIME_BYTES + draft.runtime,
         compute=compute_bytes(model) + draft.compute,
         outputs=output_bytes(model) + speculation_output_bytes(model),
     )
