@@ -120,6 +120,11 @@ def measure(profile: Profile) -> dict[str, Any]:
             "measured_at": time.strftime("%Y-%m-%d")}
 
 
+def _common_prefix(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
 def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     """Per task and target: medians, acceptance, ratios against plain, and whether every
     answer was plain's."""
@@ -140,6 +145,10 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
                 "ttft_ratio": ttft / base_ttft if base_ttft else 0.0,
                 "drafted": drafted, "accepted": sum(r["accepted"] for r in rows),
                 "acceptance": sum(r["accepted"] for r in rows) / drafted if drafted else None,
-                "same_answers": all(r["text"] in expected for r in rows)
-                and len(expected) == 1}
+                "same_answers": sum(r["text"] in expected for r in rows),
+                "answers": len(rows),
+                # where the others left plain's answer (characters in): a near-tie, where
+                # the batched verification's logits took the other token
+                "diverged_at": sorted(_common_prefix(r["text"], plain[0]["text"])
+                                      for r in rows if r["text"] not in expected)}
     return out
