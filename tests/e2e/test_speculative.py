@@ -216,6 +216,11 @@ def test_refused_options_name_the_option_and_the_rest_serves(
         assert resp.status_code == 400, (options, resp.text)
         assert resp.json()["error"]["param"] == field, (options, resp.text)
     assert httpx.get(f"{host.url}/v1/models/runtime-spec", timeout=30).status_code == 404
+    # drafted tokens come without log-probabilities: asking for them is a 400 naming the field
+    resp = httpx.post(f"{host.url}/v1/chat/completions", timeout=60, json={
+        "model": "qwen-ngram", "messages": PROMPTS["free text"][0], "max_tokens": 4,
+        "logprobs": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "logprobs", resp.text
     _, tokens = PROMPTS["free text"]
     text, _ = _chat(host, "qwen-ngram", PROMPTS["free text"][0], tokens)
     assert text

@@ -170,3 +170,64 @@ def test_models_shows_speculation_and_cache_types() -> None:
                           "cache_type_v": "q8_0"}) == "KV cache K q8_0, V q8_0"
     assert _options_line({"speculative": None, "cache_type_k": "f16",
                           "cache_type_v": "f16"}) == ""
+
+
+def test_log_probabilities_are_refused_where_drafted_tokens_have_none(tmp_path: Path) -> None:
+    import asyncio
+
+    from bunkhouse.errors import InvalidRequest
+    from bunkhouse.front.admission import refuse_before_load
+
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+
+    async def no_table() -> None:
+        return None
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for asked in ({"logprobs": True}, {"top_logprobs": 2}, {"n_probs": 3}):
+        with pytest.raises(InvalidRequest) as e:
+            asyncio.run(refuse_before_load(_model(path, speculative="ngram"),
+                                           "/v1/chat/completions", {**body, **asked},
+                                           no_table))
+        assert e.value.param == next(iter(asked)) and "speculative decoding" in e.value.message
+        asyncio.run(refuse_before_load(_model(path), "/v1/chat/completions",
+                                       {**body, **asked}, no_table))  # plain: served
+    asyncio.run(refuse_before_load(_model(path, speculative="ngram"), "/v1/chat/completions",
+                                   {**body, "logprobs": False}, no_table))
+
+
+def test_a_draft_replaced_or_gone_since_it_was_checked_fails_the_load(tmp_path: Path) -> None:
+    import os
+
+    from bunkhouse.errors import WorkerLoadFailed
+    from bunkhouse.supervisor.process import _check_draft
+
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    draft_file = write_tiny_gguf(tmp_path / "d.gguf")
+    model = settle(_model(path, draft="d.gguf"), {}.get, tmp_path)
+    _check_draft(model)  # as checked
+    os.utime(draft_file, ns=(1, 1))
+    with pytest.raises(WorkerLoadFailed, match=r"its draft model 'd\.gguf' was replaced"):
+        _check_draft(model)
+    draft_file.unlink()
+    with pytest.raises(WorkerLoadFailed, match=r"its draft model 'd\.gguf' cannot be opened"):
+        _check_draft(model)
+
+
+def test_draft_bounds_are_bounded() -> None:
+    for raw, error in (({"speculative": "ngram", "draft_max": 0}, "draft_max must be an "
+                        "integer from 1 to 256"),
+                       ({"speculative": "ngram", "draft_max": 100000}, "draft_max must be"),
+                       ({"speculative": "ngram", "draft_min": -1}, "draft_min must be an "
+                        "integer from 0 to 256")):
+        with pytest.raises(ConfigError, match=error):
+            LLAMA.options(raw, "w")
+    assert LLAMA.options({"speculative": "NGRAM"}, "w").speculative == "ngram"
+
+
+def test_a_draft_max_past_the_slot_is_refused(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    model = _model(path, speculative="ngram", draft_max=256)
+    model = dataclasses.replace(model, options=dataclasses.replace(
+        model.options, context=256, parallel=2))
+    assert (LLAMA.refused(model) or "").startswith("draft_max = 256 drafts more tokens")

@@ -385,7 +385,8 @@ def resolve_draft(name: str, models: Callable[[str], CatalogModel | None], base_
         if named.adapter_of is not None or named.transcribes:
             what = "a LoRA adapter" if named.adapter_of else "a transcription model"
             raise ConfigError(f"draft: {name!r} is {what}, not a model that generates")
-        return Draft(name, named.path, named.size_bytes, named.info)
+        return Draft(name, named.path, named.size_bytes, named.info,
+                     named.path.stat().st_mtime_ns)
     path = Path(name).expanduser()
     path = path if path.is_absolute() else base_dir / path
     if check_path is not None:
@@ -396,11 +397,12 @@ def resolve_draft(name: str, models: Callable[[str], CatalogModel | None], base_
     try:
         info = read_gguf_info(path)
         size = files_size(model_files(path, info.split_count))
+        mtime_ns = path.stat().st_mtime_ns
     except GGUFError as e:
         raise ConfigError(f"draft: {e.message}") from e
     except OSError as e:
         raise ConfigError(f"draft: {path} cannot be read: {e.strerror}") from e
-    return Draft(name, path.resolve(), size, info)
+    return Draft(name, path.resolve(), size, info, mtime_ns)
 
 
 def settle(model: CatalogModel, models: Callable[[str], CatalogModel | None], base_dir: Path,

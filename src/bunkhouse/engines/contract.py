@@ -86,6 +86,7 @@ class Capabilities:
     transcribes: bool  # /v1/audio/transcriptions
     saves_kv: bool  # a slot's KV state saved to a file and restored (kvcache/)
     adapters: bool = False  # LoRA adapters mounted with the model, chosen per request
+    logprobs: bool = True  # an answer carries a log-probability for each token when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ class Draft:
     path: Path
     bytes: int
     info: GGUFInfo
+    mtime_ns: int = 0  # the file's modification time when it was checked (a load checks it)
 
 
 @dataclass(frozen=True, slots=True)

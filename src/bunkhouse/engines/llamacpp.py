@@ -97,7 +97,7 @@ class LlamaCppOptions:
 _OPTION_CHECKS: dict[str, opts.Check] = {
     "cache_ram_mib": opts.integer(0), "threads": opts.integer(1), "swa_full": opts.flag,
     "speculative": spec.check_speculative, "draft": spec.check_draft,
-    "draft_max": opts.integer(1), "draft_min": opts.integer(0), "mtp": opts.flag,
+    "draft_max": spec.check_draft_bound, "draft_min": spec.check_draft_bound, "mtp": opts.flag,
     "cache_type_k": spec.check_cache_type, "cache_type_v": spec.check_cache_type,
     "flash_attn": spec.check_flash_attn}
 KNOWN_OPTIONS = frozenset(_OPTION_CHECKS)
@@ -689,6 +689,10 @@ def refused(model: ServedModel) -> str | None:
     misfit = spec.head_misfit(model.info, own.cache_type_k, own.cache_type_v)
     if misfit:
         return misfit
+    slot = model.options.context // model.options.parallel
+    if own.speculation.draft_max >= slot:
+        return (f"draft_max = {own.speculation.draft_max} drafts more tokens a step than a "
+                f"slot holds ({slot}); lower it (the kinds' defaults are 3 to 64)")
     if own.mtp:
         return spec.mtp_missing(model.path, model.info)
     if not own.draft:
@@ -766,7 +770,9 @@ class LlamaCpp:
         return Capabilities(generates=True, embeds=self.embedding_limit(model) > 0,
                             infills=True, transcribes=False,
                             saves_kv=self.snapshot_layout(model) is not None,
-                            adapters=self.adapters_refused(model) is None)
+                            adapters=self.adapters_refused(model) is None,
+                            # tokens accepted from a draft come without log-probabilities
+                            logprobs=model_options(model).speculation.kind is None)
 
     def pinnable(self, route: str, body: dict[str, Any]) -> bool:
         return pinnable(route, body)

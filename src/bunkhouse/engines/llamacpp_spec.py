@@ -108,7 +108,22 @@ def check_flash_attn(value: Any, key: str, where: str) -> str | bool:
     return value  # type: ignore[no-any-return]
 
 
+MAX_DRAFT = 256
+"""The most tokens drafted a step taken (each costs a row of logits per slot while it is
+verified; the kinds' defaults are 3 to 64, and llama.cpp's acceptance falls long before)."""
+
+
+def check_draft_bound(value: Any, key: str, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_DRAFT \
+            or (key == "draft_max" and value < 1):
+        least = 1 if key == "draft_max" else 0
+        raise ConfigError(f"{where}: {key} must be an integer from {least} to {MAX_DRAFT}, not "
+                          f"{value!r}")
+    return value
+
+
 def check_speculative(value: Any, key: str, where: str) -> str:
+    value = value.lower() if isinstance(value, str) else value
     if value not in SPECULATIVE:
         raise ConfigError(f'{where}: {key} must be "ngram" or "none", not {value!r} (a draft '
                           "model is set with draft = ID-OR-PATH, MTP heads with mtp = true)")

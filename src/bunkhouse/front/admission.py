@@ -31,7 +31,7 @@ from bunkhouse.api.schemas import text_bytes
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.vocab import PairTable, pair_table
 from bunkhouse.defaults import LARGE_INPUT_BYTES
-from bunkhouse.engines import engine_for
+from bunkhouse.engines import ENGINES, engine_for
 from bunkhouse.engines.contract import EngineClient, Messages
 from bunkhouse.errors import ContextLengthExceeded, GGUFError, InvalidRequest
 
@@ -370,6 +370,7 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
         await _check_inputs(model, body, bound, at_least=True)
         return
     _check_prompt_count(model, path, body)
+    _check_logprobs(model, body)
     limit = limit or slot_context(model)
     given = body.get("max_tokens")
     max_tokens = given if isinstance(given, int) and not cap else 0
@@ -386,6 +387,25 @@ async def refuse_before_load(model: CatalogModel, path: str, body: dict[str, Any
         need = tokens + max(max_tokens, 1)
         if need > limit:
             raise _too_long(model, path, tokens, max_tokens, need, limit, at_least=True)
+
+
+LOGPROB_FIELDS = ("logprobs", "top_logprobs", "n_probs")
+"""The fields of a worker-bound request that ask for log-probabilities (OpenAI's chat and
+completions, llama.cpp's own)."""
+
+
+def _check_logprobs(model: CatalogModel, body: dict[str, Any]) -> None:
+    """InvalidRequest naming the field for log-probabilities asked of a model whose engine
+    cannot give one for every token (speculative decoding: tokens accepted from a draft come
+    without), rather than an answer whose log-probabilities silently miss tokens."""
+    asked = next((f for f in LOGPROB_FIELDS if body.get(f) not in (None, False, 0)), None)
+    if asked is None or ENGINES[model.engine].capabilities(model).logprobs:
+        return
+    raise InvalidRequest(
+        f"{asked}: model {model.id!r} runs speculative decoding, and its engine gives no "
+        "log-probabilities for the tokens it accepts from a draft; ask for log-probabilities "
+        "from a model without speculative decoding (the same file under another id)",
+        param=asked)
 
 
 def _check_prompt_count(model: CatalogModel, path: str, body: dict[str, Any]) -> None:

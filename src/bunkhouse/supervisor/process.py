@@ -99,6 +99,26 @@ class OpenedModel:
             shutil.rmtree(self.link_dir, ignore_errors=True)
 
 
+def _check_draft(model: CatalogModel) -> None:
+    """WorkerLoadFailed naming the draft model if its file is gone or changed since the
+    catalog checked it (its vocabulary against the model's, its size for the estimate)."""
+    draft = model.draft
+    if draft is None:
+        return
+    try:
+        st = os.stat(draft.path)
+    except OSError as e:
+        raise WorkerLoadFailed(f"model {model.id!r}: its draft model {draft.name!r} cannot be "
+                               f"opened ({e.strerror}); restore the file, or change the "
+                               "model's draft and reload", param="model") from e
+    whole = draft.info.split_count > 1 or st.st_size == draft.bytes
+    if not whole or st.st_mtime_ns != draft.mtime_ns:
+        raise WorkerLoadFailed(f"model {model.id!r}: its draft model {draft.name!r} was "
+                               "replaced since it was checked; reload the configuration "
+                               "(POST /admin/reload) or register the model again, so that it "
+                               "is checked anew", param="model")
+
+
 def open_model_file(model: CatalogModel, link_dir: Path | None = None) -> OpenedModel:
     """Open ``model``'s files for a worker and check, on each opened file itself, that it is
     the file the catalog checked when the model was registered: the same real path (no file
@@ -310,6 +330,7 @@ class WorkerProcess:
         self.adapter_versions = {str(a.path): file_version(a.path) for a in self.model.adapters}
         self.started_at = time.monotonic()
         try:
+            _check_draft(self.model)
             opened = open_model_file(self.model, self.launch.socket.with_suffix(".model"))
         except WorkerLoadFailed:
             self._set_state(WorkerState.FAILED, "model file refused")
