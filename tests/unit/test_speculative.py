@@ -17,6 +17,7 @@ from bunkhouse.engines import llamacpp_spec as spec
 from bunkhouse.engines.contract import Draft
 from bunkhouse.engines.llamacpp import (
     DRAFT_CONTEXT_BYTES,
+    NGRAM_TABLE_BYTES,
     LlamaCpp,
     estimate,
     parse_timings,
@@ -76,8 +77,9 @@ def test_speculation_counts_its_verified_logits_and_the_draft(tmp_path: Path) ->
     target = write_tiny_gguf(tmp_path / "t.gguf", vocab=300)
     plain = estimate(_model(target))
     ngram = _model(target, speculative="ngram", draft_max=16)
-    assert speculation_output_bytes(ngram) == 17 * 2 * 300 * 4
-    assert estimate(ngram).outputs - plain.outputs == 17 * 2 * 300 * 4
+    assert speculation_output_bytes(ngram) == 2 * 17 * 2 * 300 * 4  # computed, copied out
+    assert estimate(ngram).outputs - plain.outputs == 2 * 17 * 2 * 300 * 4
+    assert estimate(ngram).runtime - plain.runtime == NGRAM_TABLE_BYTES
     draft_file = write_tiny_gguf(tmp_path / "d.gguf", vocab=300)
     drafted = dataclasses.replace(_model(target, draft="d.gguf"), draft=Draft(
         "d.gguf", draft_file, draft_file.stat().st_size, read_gguf_info(draft_file)))

@@ -845,6 +845,7 @@ ATTENTION_CONTEXT_BYTES = 150  # ...and per token of the context (every slot's s
 SWA_SLOT_BYTES = 6250  # sliding-window models, per slot token past one micro-batch (to 2048)
 SWA_STREAM_BYTES = 12 * 1024  # per sliding-window cell of every slot but one (batched slots)
 DRAFT_CONTEXT_BYTES = 76 * MIB  # a draft model's context of its own: graph, threads, buffers
+NGRAM_TABLE_BYTES = 40 * MIB  # n-gram speculation's hash table (speculation_runtime_bytes)
 _SWA_LONG = 2048  # beyond this many tokens of a slot, SWA_SLOT_BYTES stops growing
 _DEFAULT_FFN = 4 * 4096  # a GGUF without feed_forward_length: a large model's
 _SWA_PAD = 256
@@ -935,14 +936,22 @@ def _compute_bytes(info: GGUFInfo, context: int, parallel: int, swa_full: bool) 
 
 def speculation_output_bytes(model: ServedModel) -> int:
     """The target's logits for every token a slot verifies at once (the one it samples and
-    up to ``draft_max`` drafted): one row of ``n_vocab`` f32 each, for every slot (measured:
-    the packaged Qwen with n-gram drafts of 64 tokens in 2 slots peaked 79 MiB above plain,
-    docs/memory-estimate.md)."""
+    up to ``draft_max`` drafted): one row of ``n_vocab`` f32 each, for every slot, twice
+    (computed, then copied out). Measured (docs/memory-estimate.md): the packaged Qwen with
+    n-gram drafts in 2 slots peaked 11, 21 and 124 MiB above its own prompt-filled peak at
+    ``draft_max`` 4, 16 and 64, against 12, 39 and 151 MiB counted here."""
     s = model_options(model).speculation
     if s.kind is None:
         return 0
-    return (s.draft_max + 1) * model.options.parallel * (model.info.vocab_size or 0) \
+    return 2 * (s.draft_max + 1) * model.options.parallel * (model.info.vocab_size or 0) \
         * LOGIT_BYTES
+
+
+def speculation_runtime_bytes(model: ServedModel) -> int:
+    """What speculation holds whatever it drafts: llama.cpp's n-gram table (``ngram-mod``:
+    a fixed hash table, filled at start; measured: an n-gram worker was 38 MiB larger once
+    ready than the same worker without, at any ``draft_max``)."""
+    return NGRAM_TABLE_BYTES if model_options(model).speculation.kind == spec.NGRAM else 0
 
 
 def draft_estimate(model: ServedModel) -> MemoryEstimate:
@@ -976,7 +985,7 @@ def estimate(model: ServedModel) -> MemoryEstimate:
         kv_cache=kv_cache_bytes(model.info, o.context, o.parallel, own.swa_full,
                                 (own.cache_type_k, own.cache_type_v)) + draft.kv_cache,
         prompt_cache=own.cache_ram_mib * MIB,
-        runtime=RUNTIME_BYTES + draft.runtime,
+        runtime=RUNTIME_BYTES + draft.runtime + speculation_runtime_bytes(model),
         compute=compute_bytes(model) + draft.compute,
         outputs=output_bytes(model) + speculation_output_bytes(model),
     )
