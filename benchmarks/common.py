@@ -66,6 +66,7 @@ class Profile:
     spec_rounds: int = 5  # speculative decoding: answers of each target and task, alternating
     spec_tokens: int = 256
     spec_memory: bool = True  # also load Qwen at 32K context with f16 and q8_0 KV caches
+    spec_draft: bool = True  # also the draft-model target (a second model in its worker)
 
 
 PROFILES = {
@@ -89,7 +90,8 @@ PROFILES = {
                     kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0,
                     marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=80,
                     fuzz_max_tokens=4, adapter_rounds=1, adapter_tokens=4,
-                    adapter_functions=21, spec_rounds=1, spec_tokens=8, spec_memory=False),
+                    adapter_functions=21, spec_rounds=1, spec_tokens=8, spec_memory=False,
+                    spec_draft=False),
 }
 
 

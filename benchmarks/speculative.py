@@ -99,19 +99,21 @@ def measure(profile: Profile) -> dict[str, Any]:
             "include_packaged = false\n[defaults]\ncontext = 4096\nparallel = 2\n"
             f'[[models]]\nid = "plain"\npath = "{qwen}"\n'
             f'[[models]]\nid = "ngram"\npath = "{qwen}"\nspeculative = "ngram"\n'
-            f'[[models]]\nid = "draft"\npath = "{qwen}"\ndraft = "{draft}"\n'
+            + (f'[[models]]\nid = "draft"\npath = "{qwen}"\ndraft = "{draft}"\n'
+               if profile.spec_draft else "")
             + "".join(f'[[models]]\nid = "long-{kv}"\npath = "{qwen}"\ncontext = 32768\n'
                       f'parallel = 1\ncache_type_k = "{kv}"\ncache_type_v = "{kv}"\n'
                       for kv in ("f16", "q8_0")))
         with bunkhouse("speculative", "--config", str(config), "--budget", "16GiB",
                        "--kv-cache-dir", str(Path(tmp) / "kv")) as (url, _):
-            for model in TARGETS:  # each worker loaded, and warm, before timing
+            targets = TARGETS if profile.spec_draft else TARGETS[:2]
+            for model in targets:  # each worker loaded, and warm, before timing
                 _stream(url, model, "Hi", 2)
             runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-                task: {t: [] for t in TARGETS} for task in TASKS}
+                task: {t: [] for t in targets} for task in TASKS}
             for _ in range(profile.spec_rounds):
                 for task, prompt in TASKS.items():
-                    for target in TARGETS:
+                    for target in targets:
                         runs[task][target].append(_stream(url, target, prompt,
                                                           profile.spec_tokens))
             memory = _memory(url, config) if profile.spec_memory else {}
