@@ -4,6 +4,7 @@ memory sampling, and the engine's own server as a peer."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import secrets
 import shutil
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -106,6 +108,50 @@ class Spread:
         if not values:
             raise ValueError("no values")
         return cls(statistics.median(values), min(values), max(values))
+
+
+@dataclass
+class StreamedChat:
+    """A streamed chat answer as a client saw it: its text pieces, when the request was sent
+    and its first and last pieces came (``time.perf_counter``; None: no piece), and the
+    engine's ``timings`` from its last event that had them."""
+
+    pieces: list[str]
+    sent: float
+    first: float | None
+    last: float | None
+    timings: dict[str, Any]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def stream_chat(url: str, body: dict[str, Any]) -> StreamedChat:
+    """POST ``body`` (a chat completion) streamed to ``url`` and read its answer;
+    RuntimeError for an error status."""
+    pieces: list[str] = []
+    first: float | None = None
+    last: float | None = None
+    timings: dict[str, Any] = {}
+    sent = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=900,
+                      json={**body, "stream": True}) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            timings = event.get("timings") or timings
+            for choice in event.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    last = time.perf_counter()
+                    first = first or last
+                    pieces.append(content)
+    return StreamedChat(pieces, sent, first, last, timings)
 
 
 def free_port() -> int:

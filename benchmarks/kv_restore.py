@@ -21,7 +21,6 @@ and the Gemma request's time to first token (it waits for Qwen's drain, flush in
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import GEMMA, QWEN, Profile, bunkhouse, packaged
+from benchmarks.common import GEMMA, QWEN, Profile, bunkhouse, packaged, stream_chat
 from benchmarks.swap import router
 
 BUDGET = "900MiB"
@@ -53,28 +52,10 @@ def conversation(tokens: int) -> list[dict[str, Any]]:
 
 def chat(url: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """A streamed greedy chat turn: its text, time to first token and the engine's timings."""
-    body = {"model": QWEN, "messages": messages, "max_tokens": ANSWER_TOKENS,
-            "temperature": 0, "stream": True}
-    text: list[str] = []
-    first: float | None = None
-    timings: dict[str, Any] = {}
-    sent = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            timings = event.get("timings") or timings
-            for choice in event.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    first = first or time.perf_counter()
-                    text.append(content)
-    return {"text": "".join(text), "ttft_s": None if first is None else first - sent,
-            "prompt_n": timings.get("prompt_n"), "cache_n": timings.get("cache_n")}
+    r = stream_chat(url, {"model": QWEN, "messages": messages, "max_tokens": ANSWER_TOKENS,
+                          "temperature": 0})
+    return {"text": r.text, "ttft_s": None if r.first is None else r.first - r.sent,
+            "prompt_n": r.timings.get("prompt_n"), "cache_n": r.timings.get("cache_n")}
 
 
 def gemma(url: str) -> float:

@@ -17,7 +17,6 @@ since the draft is as slow as the target).
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -27,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import QWEN, Profile, bunkhouse, packaged
+from benchmarks.common import QWEN, Profile, bunkhouse, packaged, stream_chat
 from bunkhouse.catalog import build_catalog
 from bunkhouse.config import Settings, load_config_file
 from bunkhouse.engines import ENGINES
@@ -45,27 +44,11 @@ MIB = 2**20
 def _stream(url: str, model: str, prompt: str, tokens: int) -> dict[str, Any]:
     """A streamed greedy chat answer: its text, time to first token, decode tokens/s and the
     engine's drafted / accepted tokens."""
-    sent = time.perf_counter()
-    first = last = 0.0
-    pieces: list[str] = []
-    timings: dict[str, Any] = {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=900, json={
-            "model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": tokens, "temperature": 0, "stream": True}) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            timings = event.get("timings") or timings
-            for choice in event.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    last = time.perf_counter()
-                    first = first or last
-                    pieces.append(text)
-    n = int(timings.get("predicted_n") or len(pieces))
-    return {"text": "".join(pieces), "ttft_s": first - sent,
+    r = stream_chat(url, {"model": model, "messages": [{"role": "user", "content": prompt}],
+                          "max_tokens": tokens, "temperature": 0})
+    first, last, timings = r.first or r.sent, r.last or r.sent, r.timings
+    n = int(timings.get("predicted_n") or len(r.pieces))
+    return {"text": r.text, "ttft_s": first - r.sent,
             "decode_tps": (n - 1) / (last - first) if n > 1 and last > first else 0.0,
             "tokens": n, "drafted": int(timings.get("draft_n") or 0),
             "accepted": int(timings.get("draft_n_accepted") or 0)}

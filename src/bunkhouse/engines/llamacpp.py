@@ -97,7 +97,8 @@ class LlamaCppOptions:
 _OPTION_CHECKS: dict[str, opts.Check] = {
     "cache_ram_mib": opts.integer(0), "threads": opts.integer(1), "swa_full": opts.flag,
     "speculative": spec.check_speculative, "draft": spec.check_draft,
-    "draft_max": spec.check_draft_bound, "draft_min": spec.check_draft_bound, "mtp": opts.flag,
+    "draft_max": opts.integer(1, spec.MAX_DRAFT), "draft_min": opts.integer(0, spec.MAX_DRAFT),
+    "mtp": opts.flag,
     "cache_type_k": spec.check_cache_type, "cache_type_v": spec.check_cache_type,
     "flash_attn": spec.check_flash_attn}
 KNOWN_OPTIONS = frozenset(_OPTION_CHECKS)

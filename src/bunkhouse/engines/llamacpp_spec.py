@@ -19,6 +19,7 @@ MTP heads (:func:`has_mtp`), a cache type the engine does not take, a quantized 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -113,15 +114,6 @@ MAX_DRAFT = 256
 verified; the kinds' defaults are 3 to 64, and llama.cpp's acceptance falls long before)."""
 
 
-def check_draft_bound(value: Any, key: str, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_DRAFT \
-            or (key == "draft_max" and value < 1):
-        least = 1 if key == "draft_max" else 0
-        raise ConfigError(f"{where}: {key} must be an integer from {least} to {MAX_DRAFT}, not "
-                          f"{value!r}")
-    return value
-
-
 def check_speculative(value: Any, key: str, where: str) -> str:
     value = value.lower() if isinstance(value, str) else value
     if value not in SPECULATIVE:
@@ -183,9 +175,7 @@ def vocab_mismatch(target: Path, draft: Path) -> str | None:
     kind, the same BOS and EOS tokens, sizes within :data:`VOCAB_MAX_DIFFERENCE`, and every
     token from :data:`VOCAB_CHECK_START` on spelled alike; None if they match. GGUFError
     for an unreadable file."""
-    strings = frozenset({_TOKENS, _TOKENIZER})
-    mine, _ = read_fields(target, strings)
-    theirs, _ = read_fields(draft, strings)
+    mine, theirs = _vocabulary(target), _vocabulary(draft)
     a, b = mine.get(_TOKENS), theirs.get(_TOKENS)
     if not isinstance(a, list) or not isinstance(b, list):
         return "a GGUF without a vocabulary (tokenizer.ggml.tokens)"
@@ -203,6 +193,18 @@ def vocab_mismatch(target: Path, draft: Path) -> str | None:
         first = next(i for i in range(VOCAB_CHECK_START, n) if a[i] != b[i])
         return f"token {first} is {a[first]!r} in one and {b[first]!r} in the other"
     return None
+
+
+def _vocabulary(path: Path) -> dict[str, Any]:
+    """The tokenizer fields of the GGUF at ``path`` (read once per file version: a catalog
+    build or reload checks every drafted model, often with the same target)."""
+    return _read_vocabulary(path, path.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=8)  # a few models; runtime registrations must not grow it
+def _read_vocabulary(path: Path, mtime_ns: int) -> dict[str, Any]:
+    fields, _ = read_fields(path, frozenset({_TOKENS, _TOKENIZER}))
+    return {k: fields.get(k) for k in (_TOKENS, _TOKENIZER, *_SPECIALS)}
 
 
 def mtp_missing(path: Path, info: GGUFInfo) -> str | None:

@@ -32,12 +32,15 @@ def cpu_threads() -> int:
     return os.cpu_count() or 1
 
 
-def integer(least: int) -> Check:
-    """An integer of at least ``least``."""
+def integer(least: int, most: int | None = None) -> Check:
+    """An integer of at least ``least`` (and at most ``most``, when given)."""
 
     def check(value: Any, key: str, where: str) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"{where}: {key} must be an integer, not {value!r}")
+        if most is not None and not least <= value <= most:
+            raise ConfigError(f"{where}: {key} must be an integer from {least} to {most}, "
+                              f"not {value!r}")
         if value < least:
             raise ConfigError(f"{where}: {key} must be >= {least}")
         return value

@@ -55,8 +55,9 @@ from bunkhouse.catalog.catalog import (
     model_files,
     settle,
 )
-from bunkhouse.config import EngineOptions, check_model_id, check_scale
+from bunkhouse.config import DEFAULT_ENGINE, EngineOptions, check_model_id, check_scale
 from bunkhouse.defaults import DRAIN_GRACE_S
+from bunkhouse.engines import ENGINES
 from bunkhouse.errors import (
     ConfigError,
     Conflict,
@@ -124,8 +125,9 @@ class RegisterRequest(BaseModel):
         return tuple((k, getattr(self, k)) for k in ENGINE_FIELDS if getattr(self, k) is not None)
 
 
-ENGINE_FIELDS = ("speculative", "draft", "draft_max", "draft_min", "mtp", "cache_type_k",
-                 "cache_type_v", "flash_attn")
+ENGINE_FIELDS = tuple(name for name in RegisterRequest.model_fields
+                      if name in ENGINES[DEFAULT_ENGINE].known_options)
+"""The default engine's own options that a registration may set (its adapter checks them)."""
 
 
 def _named_field(message: str) -> str | None:
