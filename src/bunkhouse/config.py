@@ -6,6 +6,8 @@ The TOML file (``--config FILE``) looks like::
     models_dirs = ["~/models"]      # optional; added to --models-dir
     include_packaged = true         # optional; serve the models shipped in Python packages
     budget = "8GiB"                 # optional; memory all workers together may use
+    llama_server = "/opt/llama.cpp/build/bin/llama-server"  # optional; the binary of the
+                                    # engine "llama-server" (else --llama-server, else PATH)
 
     strict_context = false          # optional; true: a prompt + max_tokens past one slot is
                                     # OpenAI's 400, not generated until the slot is full
@@ -33,10 +35,13 @@ The TOML file (``--config FILE``) looks like::
                                     # so that any saved prefix can be reused
 
     ttl = 0                         # idle seconds before a model is unloaded; 0: never
+    engine = "llama.cpp"            # the engine of every GGUF model without its own
 
     [[models]]
     id = "qwen"
-    engine = "llama.cpp"            # optional; the engine that serves it (the default)
+    engine = "llama.cpp"            # optional; the engine that serves it: "llama.cpp"
+                                    # (xllamacpp, the default) or "llama-server" (the binary)
+    args = ["--jinja"]              # llama-server only: flags passed to the binary
     path = "~/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     context = 4096                  # any key of [defaults] may be set per model
     pinned = true                   # never evicted
@@ -227,6 +232,8 @@ class Settings:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed besides loopback (front/cors.py)
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     kv_cache_dir: Path = field(default_factory=lambda: default_kv_cache_dir())
+    llama_server: Path | None = None  # the llama-server binary; None: llama-server on PATH
+    default_engine: str = DEFAULT_ENGINE  # of a GGUF model without an engine of its own
     kv_cache_max: int | None = None  # bytes; None: a share of the free disk; 0: no snapshots
     responses_db: Path = field(default_factory=lambda: default_data_dir() / "responses.db")
     responses_keep: int = d.RESPONSES_KEEP  # stored Responses API answers; 0: none stored
@@ -289,7 +296,7 @@ _OPTION_KEYS = frozenset({"context", "parallel", "queue"})
 _BOOL_OPTION_KEYS = frozenset({"embeddings"})
 SOURCES = ("hf_cache", "ollama", "lmstudio")
 _TOP_KEYS = frozenset({"default_model", "models_dirs", "include_packaged", "defaults", "models",
-                       "budget", "strict_context", "aliases", *SOURCES})
+                       "budget", "strict_context", "aliases", "llama_server", *SOURCES})
 # Binary and decimal units as written; a bare K/M/G/T (Docker's and Ollama's "8G") is binary.
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4,
@@ -349,11 +356,12 @@ def _engine_keys(table: dict[str, Any], extra: frozenset[str]) -> tuple[tuple[st
 def _defaults(table: dict[str, Any], base: EngineOptions) -> EngineOptions:
     """``base`` with what the [defaults] ``table`` sets (an engine's keys added to its)."""
     options = engine_options(base, _options(table, "[defaults]"), "[defaults]")
-    keys = {**dict(options.engine_keys), **dict(_engine_keys(table, frozenset()))}
+    keys = {**dict(options.engine_keys), **dict(_engine_keys(table, frozenset({"engine"})))}
     return replace(options, engine_keys=tuple(keys.items()))
 
 
-def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> ModelEntry:
+def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions,
+           default_engine: str = DEFAULT_ENGINE) -> ModelEntry:
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: must be a table")
@@ -384,7 +392,7 @@ def _entry(table: Any, index: int, base_dir: Path, defaults: EngineOptions) -> M
         raise ConfigError(f"{where}: pinned must be true or false")
     ttl = _ttl(table["ttl"], where) if "ttl" in table else None
     template = _chat_template(table.get("chat_template"), base_dir, where)
-    engine = table.get("engine", DEFAULT_ENGINE)  # checked where the catalog is built
+    engine = table.get("engine", default_engine)  # checked where the catalog is built
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise ConfigError(f"{where}: aliases must be an array of strings")
@@ -478,7 +486,10 @@ def load_config_file(path: Path, settings: Settings) -> Settings:
     models = data.get("models", [])
     if not isinstance(models, list):
         raise ConfigError(f"{path}: 'models' must be an array of tables ([[models]])")
-    entries = tuple(_entry(t, i, path.parent, defaults) for i, t in enumerate(models))
+    engine = defaults_table.get("engine", settings.default_engine)
+    if not isinstance(engine, str):
+        raise ConfigError(f"{path}: [defaults] engine must be a string, such as \"llama-server\"")
+    entries = tuple(_entry(t, i, path.parent, defaults, engine) for i, t in enumerate(models))
     _check_unique(entries)
     dirs = data.get("models_dirs", [])
     if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
@@ -501,6 +512,8 @@ def load_config_file(path: Path, settings: Settings) -> Settings:
         settings,
         config_file=path,
         defaults=defaults,
+        default_engine=engine,
+        llama_server=settings.llama_server or _binary(data.get("llama_server"), path),
         entries=entries,
         models_dirs=settings.models_dirs + tuple(path.parent / Path(d).expanduser()
                                                  for d in dirs),  # relative: to the file
@@ -513,6 +526,15 @@ def load_config_file(path: Path, settings: Settings) -> Settings:
         sources=tuple((name, _source(data.get(name), dict(settings.sources)[name], path, name))
                       for name in SOURCES),
     )
+
+
+def _binary(value: object, path: Path) -> Path | None:
+    """The ``llama_server`` key: a path (relative: to the config file); checked at first use."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: 'llama_server' must be the path of a llama-server binary")
+    return path.parent / Path(value).expanduser()
 
 
 def _aliases(table: object, path: Path) -> tuple[tuple[str, str], ...]:

@@ -1,8 +1,9 @@
 """The worker contract (engines/contract.py), one suite for every engine: a real worker process
 per engine, reached only through its handle and its engine client.
 
-Engines: llama.cpp serving the packaged Gemma, and the fault engine (tests/fault_engine.py),
-which keeps the same contract with no model."""
+Engines: llama.cpp (xllamacpp's worker) and llama-server (the binary itself as the worker)
+serving the packaged Gemma, and the fault engine (tests/fault_engine.py), which keeps the
+same contract with no model."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ import psutil
 import pytest
 
 from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.engines import LLAMA_SERVER
 from bunkhouse.engines.contract import EngineClient, EngineRefused
 from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess, WorkerState
+from tests import llama_server
 from tests.fault_engine import ENGINE
 from tests.helpers import write_tiny_gguf
 from tests.models import GEMMA
 
-ENGINES = ["llama.cpp", "fault"]
+ENGINES = ["llama.cpp", "llama-server", "fault"]
 
 
 @dataclasses.dataclass
@@ -71,7 +74,9 @@ def _model(engine: str, catalog: Catalog, tmp_path: Path) -> tuple[CatalogModel,
             ENGINE
     options = dataclasses.replace(base.options, context=1024, parallel=2,
                                   engine_keys=(("threads", 1),))
-    return dataclasses.replace(base, options=options), None
+    if engine == "llama-server":  # the binary itself is the worker
+        LLAMA_SERVER.locate(llama_server.require())
+    return dataclasses.replace(base, options=options, engine=engine), None
 
 
 async def _read(resp: Any) -> bytes:

@@ -338,7 +338,7 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
         raise GGUFError(f"{path}: a LoRA adapter, not a model: serve it as an adapter of its "
                         "base model (adapter_of = the base's id)")
     overrides = entry.options if entry else {}
-    engine = entry.engine if entry else DEFAULT_ENGINE
+    engine = entry.engine if entry else settings.default_engine
     options, refused = _options_or_refusal(settings.defaults, overrides, info,
                                            f"model {model_id!r}", engine,
                                            entry.engine_keys if entry else ())
@@ -674,7 +674,12 @@ def _add_adapters(models: dict[str, CatalogModel], settings: Settings) -> None:
 
 
 def _check_engines(settings: Settings, engines: Collection[str]) -> None:
-    """Each [[models]] entry names an engine there is (else ConfigError)."""
+    """Each [[models]] entry names an engine there is, and [defaults] one that serves GGUF
+    files (else ConfigError)."""
+    default: object = settings.default_engine
+    if default != DEFAULT_ENGINE and (default not in engines or default in whisper.ENGINES):
+        gguf = sorted(set(engines) - whisper.ENGINES)
+        raise ConfigError(f"[defaults]: engine must be one of {gguf}, not {default!r}")
     for index, entry in enumerate(settings.entries):
         engine: object = entry.engine  # the file's value as written: any TOML value
         if not isinstance(engine, str) or engine not in engines:

@@ -21,7 +21,7 @@ from bunkhouse.cli.prestart import check_before_start, warn_at_start
 from bunkhouse.cli.server import Server
 from bunkhouse.cli.settings import settings_from
 from bunkhouse.config import Settings
-from bunkhouse.engines import ENGINES
+from bunkhouse.engines import ENGINES, LLAMA_SERVER
 from bunkhouse.residency.events import EventLog
 
 if TYPE_CHECKING:
@@ -39,7 +39,9 @@ Rebuild = Callable[[], "tuple[Catalog, Keys]"]
 
 
 def catalog_of(settings: Settings) -> Catalog:
-    """The catalog ``settings`` describe; a configured model's engine must be one there is."""
+    """The catalog ``settings`` describe; a configured model's engine must be one there is.
+    The llama-server engine is told its binary first (it is inspected at its first use)."""
+    LLAMA_SERVER.locate(settings.llama_server)
     return build_catalog(settings, engines=ENGINES)
 
 

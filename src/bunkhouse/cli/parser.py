@@ -229,6 +229,10 @@ def _catalog(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not serve the models shipped in Python packages",
     )
+    p.add_argument("--llama-server", type=argtypes.file_path, metavar="PATH",
+                   help="the llama-server binary of the engine \"llama-server\" (a model's "
+                        "engine key); default: the config's llama_server, else llama-server "
+                        "on PATH")
     p.add_argument("--no-source", action="append", default=[], choices=SOURCES,
                    metavar="NAME",
                    help="do not serve the models of this other tool's folder (repeatable): "

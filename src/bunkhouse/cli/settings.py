@@ -32,6 +32,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         compute_gate=getattr(args, "compute_gate", "on") == "on",
         compute_turn_s=getattr(args, "compute_turn", defaults.COMPUTE_TURN_S),
         spare_worker=getattr(args, "spare_worker", "on") == "on",
+        llama_server=getattr(args, "llama_server", None),
     )
     if args.command == "serve":
         settings = _serve_settings(settings, args)

@@ -115,6 +115,19 @@ class Draft:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerSpawn:
+    """One start of a model's worker, as an engine whose worker is its own program puts it
+    on its command line: the model's id, the path it opens (``/proc/self/fd/N``: the
+    descriptor the front opened and checked, inherited), the Unix socket it listens on, and
+    where it saves and restores slots' KV state (None: nowhere)."""
+
+    model_id: str
+    model_path: str
+    socket: Path
+    snapshot_dir: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TokenPiece:
     """One token of a tokenized text and its text (``piece``: a string, or its bytes as
     integers when they are not valid UTF-8 on their own)."""
@@ -248,10 +261,21 @@ class EngineAdapter(Protocol):
     """The ``engine`` key's value in the config file."""
 
     worker_engine: str
-    """The worker-side engine class, ``module:Class`` (loaded inside the worker process)."""
+    """The worker-side engine class, ``module:Class`` (loaded inside the worker process);
+    "" for an engine whose worker is its own program (:meth:`command`; no spare worker)."""
 
     def worker_args(self, model: ServedModel) -> list[str]:
         """The worker command line's engine options for ``model``."""
+
+    def command(self, model: ServedModel, spawn: WorkerSpawn) -> list[str] | None:
+        """The whole command line of a worker that is the engine's own program (no Python
+        in it: the supervisor starts it with the parent-death signal armed, so that it dies
+        with the front); None: the worker is ``python -m bunkhouse.worker`` running
+        :attr:`worker_engine`. Raises WorkerLoadFailed when the program cannot be run."""
+
+    ready_line: str | None
+    """A line of the worker's output that says it serves (its health is checked at once);
+    None: bunkhouse's own worker's (worker/main.py ``READY_LINE``)."""
 
     def estimate(self, model: ServedModel) -> MemoryEstimate:
         """The worker's worst case: every buffer it can grow to under ``model``'s options."""
@@ -311,8 +335,9 @@ class EngineAdapter(Protocol):
         whole blocks, its smallest slot at least), so that a slot holds what the front checks
         requests against."""
 
-    build: str
-    """The engine and its build: a slot saved by another build is never restored."""
+    @property
+    def build(self) -> str:
+        """The engine and its build: a slot saved by another build is never restored."""
 
     known_options: frozenset[str]
     """The config keys of this engine's own options (a model's ``engine_keys``)."""

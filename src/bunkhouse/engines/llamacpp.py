@@ -48,6 +48,7 @@ from bunkhouse.engines.contract import (
     SlotState,
     Timings,
     TokenPiece,
+    WorkerSpawn,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import (
@@ -750,6 +751,11 @@ class LlamaCpp:
 
     def saved_tokens(self, path: Path) -> list[int]:
         return saved_tokens(path)
+
+    ready_line: str | None = None
+
+    def command(self, model: ServedModel, spawn: WorkerSpawn) -> list[str] | None:
+        return None
 
     def worker_args(self, model: ServedModel) -> list[str]:
         o = model.options

@@ -37,6 +37,7 @@ from bunkhouse.engines.contract import (
     SlotState,
     Timings,
     TokenPiece,
+    WorkerSpawn,
 )
 from bunkhouse.engines.worker_http import WorkerHTTP
 from bunkhouse.errors import EngineUnavailable, InvalidRequest, RequestTooLarge, envelope
@@ -199,6 +200,11 @@ class Whisper:
 
     def options(self, raw: Mapping[str, Any], where: str) -> WhisperOptions:
         return parse_options(raw, where)
+
+    ready_line: str | None = None
+
+    def command(self, model: ServedModel, spawn: WorkerSpawn) -> list[str] | None:
+        return None
 
     def worker_args(self, model: ServedModel) -> list[str]:
         own = parse_options(dict(model.options.engine_keys), "the model's whisper options")

@@ -201,7 +201,8 @@ def _worker_ready(s: State, e: msg.WorkerReady, now: float, fx: Fx) -> State:
     fx.append(msg.ResetSlots(m.id))
     s = put_health(s, m.id, supervision.fresh_worker(s.health[m.id]))
     node = s.nodes[worker.node]
-    s = put_node(s, replace(node, spare_engine=m.spec.engine, spare_failed=False))
+    if m.spec.engine:  # "" : an engine's own program, which no spare becomes
+        s = put_node(s, replace(node, spare_engine=m.spec.engine, spare_failed=False))
     if m.drain is not None:  # cancelled while it started: it stops at once
         reason = m.drain.reason
         fx.append(msg.Stop(m.id, worker.id))

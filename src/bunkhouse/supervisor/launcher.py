@@ -118,8 +118,8 @@ class LocalLauncher:
         """Start a spare worker for ``engine`` (module:Class), unless one is there already;
         one with another engine is replaced. Only with the real spawner (a test's spawner
         starts no spares)."""
-        if self._closed or self._spawner is not spawn_local or self._filling:
-            return
+        if self._closed or self._spawner is not spawn_local or self._filling or not engine:
+            return  # (no engine: the model's worker is the engine's own program)
         if self._spare is not None:
             if self._spare.engine == engine and self._spare.proc.returncode is None:
                 return
@@ -158,6 +158,8 @@ class LocalLauncher:
         """The spare becomes this worker if asked and it can (its engine, one descriptor);
         else a new process is spawned."""
         spare = self._spare
+        if "--engine" not in argv:  # the engine's own program: no spare can become it
+            return await self._spawner(argv, pass_fds)
         engine = argv[list(argv).index("--engine") + 1]
         if (not use_spare or spare is None or spare.engine != engine or len(pass_fds) != 1
                 or spare.proc.returncode is not None or self._spawner is not spawn_local):

@@ -25,10 +25,11 @@ from bunkhouse import defaults
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.catalog import model_files
 from bunkhouse.engines import engine_for
-from bunkhouse.engines.contract import EngineClient
+from bunkhouse.engines.contract import EngineClient, WorkerSpawn
 from bunkhouse.engines.transport import WorkerTransport
 from bunkhouse.errors import GGUFError, WorkerLoadFailed
 from bunkhouse.supervisor.handle import Placement, WorkerMemory, file_version, process_memory
+from bunkhouse.worker.lifeline import die_with_parent
 from bunkhouse.worker.main import READY_LINE
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,11 @@ Spawner = Callable[[Sequence[str], Sequence[int]], Awaitable[asyncio.subprocess.
 async def spawn_local(argv: Sequence[str], pass_fds: Sequence[int] = (),
                       stdin: int = asyncio.subprocess.DEVNULL) -> asyncio.subprocess.Process:
     """Start a worker as a local child process (the placement seam: local processes now).
-    ``stdin``: a descriptor for its standard input (a spare worker's control socket)."""
+    ``stdin``: a descriptor for its standard input (a spare worker's control socket).
+
+    The child is killed when the front dies: Linux's parent-death signal is armed between
+    fork and exec (it survives exec), so that a worker which is an engine's own program (no
+    lifeline thread of ours in it) never outlives a SIGKILLed front."""
     return await asyncio.create_subprocess_exec(
         *argv,
         stdin=stdin,
@@ -77,6 +82,7 @@ async def spawn_local(argv: Sequence[str], pass_fds: Sequence[int] = (),
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,  # a ^C at the terminal reaches the front, which stops workers
         pass_fds=tuple(pass_fds),
+        preexec_fn=die_with_parent(os.getpid()),
     )
 
 
@@ -250,8 +256,15 @@ def worker_engine(model: CatalogModel, options: LaunchOptions) -> str:
 def worker_argv(model: CatalogModel, launch: WorkerLaunch,
                 model_path: str | None = None) -> list[str]:
     """The worker's command line; ``model_path`` replaces the catalogued path (the file
-    descriptor :func:`open_model_file` opened)."""
+    descriptor :func:`open_model_file` opened). An engine whose worker is its own program
+    gives the whole of it (unless the launch options name a worker engine for every model:
+    the tests' fault engine)."""
     engine = engine_for(model)
+    if not launch.options.worker_engine:
+        own = engine.command(model, WorkerSpawn(model.id, model_path or str(model.path),
+                                                launch.socket, launch.snapshot_dir))
+        if own is not None:
+            return own
     snapshots = ["--snapshot-dir", str(launch.snapshot_dir)] if launch.snapshot_dir else []
     return [
         sys.executable, "-m", "bunkhouse.worker",
@@ -287,6 +300,8 @@ class WorkerProcess:
         self._said_ready = asyncio.Event()  # the worker logged READY_LINE
         # aiohttp under httpx's API, a fresh connection per request (engines/transport.py)
         self._engine = engine_for(model).client(WorkerTransport(str(launch.socket)), model.id)
+        self._ready_line = ((None if launch.options.worker_engine else
+                             engine_for(model).ready_line) or READY_LINE)
         self.started_at: float | None = None
         self.ready_at: float | None = None
 
@@ -402,7 +417,7 @@ class WorkerProcess:
         async for raw in proc.stdout:
             line = raw.decode("utf-8", errors="replace").rstrip()
             self._stderr.append(line)
-            if READY_LINE in line:
+            if self._ready_line in line:
                 self._said_ready.set()
             log.log(logging.WARNING if _notable(line) else logging.DEBUG,
                     "model %s: worker: %s", self.model.id, line)
