@@ -11,8 +11,10 @@ slice and without), swap
 conversation's follow-up after its model was evicted: restored KV state vs the router's
 prefill again, at 1K, 4K and 8K tokens), reliability
 (chaos, a 1,000-request flood, schemathesis), transcribe (the Whisper worker vs faster-whisper
-called directly: time and memory). A full run takes about 20 minutes on 2 cores,
---quick under 10. Every process's log goes to benchmarks/results/.
+called directly: time and memory), adapters, speculative, llama_server (bunkhouse on the
+engine llama-server against the binary alone, the router and xllamacpp's worker). A full
+run takes about 20 minutes on 2 cores, --quick under 10. Every process's log goes to
+benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from benchmarks import (
     adapters,
     hol,
     kv_restore,
+    llama_server_engine,
     overhead,
     reliability,
     report,
@@ -48,7 +51,7 @@ from benchmarks import (
 from benchmarks.common import PROFILES, Profile
 
 SECTIONS = ("overhead", "throughput", "hol", "swap", "kv", "reliability", "transcribe",
-            "adapters", "speculative")
+            "adapters", "speculative", "llama_server")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -101,6 +104,7 @@ def run_sections(profile: Profile, sections: list[str], llama_server: str | None
         "transcribe": lambda: transcribe.measure(profile),
         "adapters": lambda: adapters.measure(profile),
         "speculative": lambda: speculative.measure(profile),
+        "llama_server": lambda: llama_server_engine.measure(profile, llama_server),
     }
     for name in sections:
         print(f"== {name} ({profile.name})", file=sys.stderr, flush=True)

@@ -36,7 +36,7 @@ from typing import Any
 from benchmarks.common import GEMMA, QWEN, packaged
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.catalog.catalog import settle
-from bunkhouse.engines import ENGINES
+from bunkhouse.engines import ENGINES, LLAMA_SERVER
 from bunkhouse.engines.llamacpp import (
     ATTENTION_CONTEXT_BYTES,
     ATTENTION_SLOT_BYTES,
@@ -139,8 +139,9 @@ def options_of(model: CatalogModel) -> dict[str, Any]:
 
 async def measure_one(launcher: LocalLauncher, model_id: str, context: int, parallel: int,
                       embeddings: bool, full_slot: bool,
-                      own: dict[str, Any] | None = None) -> dict[str, Any]:
-    model = _model(model_id, context, parallel, embeddings, own)
+                      own: dict[str, Any] | None = None,
+                      engine: str = "llama.cpp") -> dict[str, Any]:
+    model = _model(model_id, context, parallel, embeddings, own, engine)
     est = estimate(model)
     started = time.monotonic()
     worker = await launcher.start(model)
@@ -152,6 +153,7 @@ async def measure_one(launcher: LocalLauncher, model_id: str, context: int, para
     row = {
         "model": model_id, "context": context, "parallel": parallel, "embeddings": embeddings,
         "full_slot": full_slot, "options": own or {}, "prompt_tokens": longest,
+        **({"engine": engine} if engine != "llama.cpp" else {}),
         "estimate_bytes": est.total,
         "estimate_parts": dataclasses.asdict(est), "peak_bytes": peak, "steps": steps,
         "ratio": est.total / peak, "seconds": round(time.monotonic() - started, 1),
@@ -164,10 +166,10 @@ async def measure_one(launcher: LocalLauncher, model_id: str, context: int, para
 
 
 def _model(model_id: str, context: int, parallel: int, embeddings: bool,
-           own: dict[str, Any] | None = None) -> CatalogModel:
-    """A packaged model at these settings, with llama.cpp options ``own`` (a ``draft`` names
-    a packaged model or a file)."""
-    base = packaged(model_id)
+           own: dict[str, Any] | None = None, engine: str = "llama.cpp") -> CatalogModel:
+    """A packaged model at these settings on ``engine``, with its options ``own`` (a
+    ``draft`` names a packaged model or a file)."""
+    base = dataclasses.replace(packaged(model_id), engine=engine)
     options = dataclasses.replace(base.options, context=context, parallel=parallel,
                                   embeddings=embeddings,
                                   engine_keys=tuple((own or {}).items()))
@@ -188,7 +190,7 @@ def reestimate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows with the current estimator's figures (the peaks as measured)."""
     for r in rows:
         est = estimate(_model(r["model"], r["context"], r["parallel"], r["embeddings"],
-                              r.get("options")))
+                              r.get("options"), r.get("engine", "llama.cpp")))
         r.update(estimate_bytes=est.total, estimate_parts=dataclasses.asdict(est),
                  ratio=est.total / r["peak_bytes"])
     return rows
@@ -196,8 +198,8 @@ def reestimate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def measure(models: list[str], contexts: list[int], parallels: list[int],
                   embeddings: list[bool], full_slot: bool,
-                  full_context: int = 8192, own: dict[str, Any] | None = None
-                  ) -> list[dict[str, Any]]:
+                  full_context: int = 8192, own: dict[str, Any] | None = None,
+                  engine: str = "llama.cpp") -> list[dict[str, Any]]:
     launcher = LocalLauncher(LaunchOptions(ready_timeout_s=600, stop_grace_s=30),
                              tmp_dir=Path(tempfile.gettempdir()))
     rows = []
@@ -207,12 +209,12 @@ async def measure(models: list[str], contexts: list[int], parallels: list[int],
                 for context in contexts:
                     for parallel in parallels:
                         rows.append(await measure_one(launcher, model_id, context, parallel,
-                                                      emb, False, own))
+                                                      emb, False, own, engine))
             if full_slot:
                 for emb in embeddings:
                     for parallel in parallels:
                         rows.append(await measure_one(launcher, model_id, full_context,
-                                                      parallel, emb, True, own))
+                                                      parallel, emb, True, own, engine))
     finally:
         launcher.close()
     return rows
@@ -316,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a llama.cpp option of the model, as in the config file "
                         "(speculative=ngram, draft=ID-OR-PATH, cache_type_k=q8_0; repeatable)")
+    p.add_argument("--engine", default="llama.cpp", choices=["llama.cpp", "llama-server"],
+                   help="the engine the workers run (%(default)s)")
+    p.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
+                   help="the binary of --engine llama-server (default: llama-server on PATH)")
     p.add_argument("--json", type=Path, default=ROOT / "docs/benchmarks/estimate.json")
     p.add_argument("--docs", type=Path, default=None, help="write the table here")
     p.add_argument("--append", action="store_true",
@@ -323,13 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", action="store_true",
                    help="measure nothing: re-estimate the rows of --json and write --docs")
     a = p.parse_args(argv)
+    LLAMA_SERVER.locate(a.llama_server)
     if a.render:
         rows = reestimate(json.loads(a.json.read_text()))
     else:
         rows = asyncio.run(measure(a.models, [] if a.full_slot_only else a.contexts, a.parallel,
                                    [e == "on" for e in a.embeddings],
                                    a.full_slot or a.full_slot_only, a.full_slot_context,
-                                   dict(_option(o) for o in a.option)))
+                                   dict(_option(o) for o in a.option), a.engine))
         if a.append and a.json.is_file():
             rows = json.loads(a.json.read_text()) + rows
     a.json.parent.mkdir(parents=True, exist_ok=True)

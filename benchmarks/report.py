@@ -833,6 +833,8 @@ def render(results: dict[str, Any]) -> str:
         body += _adapters(sec["adapters"])
     if "speculative" in sec:
         body += _speculative(sec["speculative"], goals)
+    if "llama_server" in sec:
+        body += _llama_server(sec["llama_server"], env.get("llama_server", ""), goals)
     for name, err in results.get("errors", {}).items():
         body += [f"## Section `{name}` failed", "", "```", err.strip()[-2000:], "```", ""]
     cmd = "python -m benchmarks run" + ("" if results["profile"] == "full"
@@ -867,6 +869,104 @@ def render(results: dict[str, Any]) -> str:
     ]
     head += _table(["goal", "measured", ""], goals)
     return "\n".join(head + body).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------- engine llama-server
+
+_PHASES = {"admit": "the request's arrival to the old model's drain (admission, routing)",
+           "drain": "the old model's drain: its slots saved, SIGTERM, reaped",
+           "start": "the new worker: spawn, the binary's own start, readiness",
+           "first token": "ready to the first token: routing, prefill, decode"}
+
+
+def _llama_server(ls: dict[str, Any], binary: str, goals: list[list[str]]) -> list[str]:
+    lines = ["## 12. The llama-server engine: bunkhouse on llama.cpp's own binary", ""]
+    if "skipped" in ls:
+        goals.append(["a swap on engine llama-server no slower than the router on the same "
+                      "build", f"not measured in this run ({ls['skipped']})", "unknown"])
+        return [*lines, f"Not measured in this run: {ls['skipped']}.", ""]
+    measured = ls.get("measured")
+    lines += [f"Every GGUF model on `engine = \"llama-server\"` (`{binary}`), against the same "
+              "binary alone, llama.cpp's router and bunkhouse on xllamacpp's worker"
+              + (f"; measured on its own on {measured['started'][:10]} at commit "
+                 f"{measured['commit']} (`python -m benchmarks run --only llama_server`, "
+                 "merged into this page's results)" if measured else "") + ".", ""]
+    o = ls["overhead"]
+    st = overhead_stats(o)
+    n = len(o["rounds"]["engine c=1"])
+    lines += [f"Overhead: streamed chat completions of {o['tokens']} tokens (`ignore_eos`) to "
+              f"{o['model']}, C at once, the binary alone on loopback TCP (the flags a "
+              f"bunkhouse worker of it gets) against bunkhouse; median (min-max) of {n} rounds.",
+              ""]
+    rows = []
+    for c in o["concurrency"]:
+        (et, ed), (bt, bd) = st[f"engine c={c}"], st[f"bunkhouse c={c}"]
+        rows.append([str(c), _f(et, 1, 1000), _f(bt, 1, 1000),
+                     f"{(bt.median - et.median) * 1000:+.1f} ms", _f(ed, 2), _f(bd, 2),
+                     f"**{bd.median / ed.median:.3f}**"])
+    lines += _table(["concurrent", "binary TTFT ms", "bunkhouse TTFT ms", "TTFT difference",
+                     "binary decode tok/s", "bunkhouse decode tok/s", "decode ratio"], rows)
+    (et, ed), (bt, bd) = st["engine c=1"], st["bunkhouse c=1"]
+    goals.append(["engine llama-server: front costs at most 1% of decode tokens/s, 1 request",
+                  f"ratio {bd.median / ed.median:.3f}", _yes(bd.median / ed.median >= 0.99)])
+    diff = (bt.median - et.median) * 1000
+    goals.append(["engine llama-server: front adds at most 2 ms to time to first token, "
+                  "1 request", f"{diff:+.1f} ms (rounds spread ±"
+                  f"{(bt.high - bt.low) * 500:.0f} ms)", _yes(diff <= 2.0)])
+    tput = {k: Spread.of(v) for k, v in o["throughput"].items()}
+    rows = []
+    for c in (4, 8):
+        e, b = tput[f"engine c={c}"], tput[f"bunkhouse c={c}"]
+        rows.append([str(c), _f(e), _f(b), f"**{b.median / e.median:.2f}**"])
+        goals.append([f"engine llama-server: aggregate tokens/s >= 1.0x the binary alone at "
+                      f"{c} concurrent", f"ratio {b.median / e.median:.2f}",
+                      _yes(b.median >= e.median)])
+    lines += [f"Aggregate throughput: completions of {o['throughput_tokens']} tokens, all sent "
+              "at once:", ""]
+    lines += _table(["concurrent", "binary alone tok/s", "bunkhouse tok/s", "ratio"], rows)
+    lines += _llama_server_swaps(ls, goals)
+    if "kv" in ls:
+        k = ls["kv"]
+        b, r = k["bunkhouse"], k["router"]
+        lines += [f"A conversation's follow-up after eviction (section 6's scenario, "
+                  f"{k['tokens']} tokens): bunkhouse on llama-server restores the slot and "
+                  f"prefills {b['follow_up_prompt_n']} tokens (first token in "
+                  f"{b['follow_up_ttft_s']:.2f} s); the router prefills "
+                  f"{r['follow_up_prompt_n']} ({r['follow_up_ttft_s']:.2f} s): ratio "
+                  f"**{k['ttft_ratio']:.3f}**, same answer: "
+                  f"{'yes' if k['same_answer'] else 'no'}.", ""]
+        goals.append([f"engine llama-server: a follow-up after eviction at {k['tokens'] // 1000}K "
+                      "tokens: at most 5% of the router's time to first token",
+                      f"ratio {k['ttft_ratio']:.3f}", _yes(k["ttft_ratio"] <= 0.05)])
+    return lines
+
+
+def _llama_server_swaps(ls: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    s = ls["swap"]
+    stats = {name: swap_stats(r) for name, r in s["runs"].items()}
+    rows = [[name, _f(st["total"], 2), _f(st["swap"], 0, 1000), _f(st["cold"], 0, 1000),
+             f"{st['failed']} of {st['sent']}"] for name, st in stats.items()]
+    n = len(s["runs"]["router"])
+    lines = [f"Swaps: section 3's workload (Qwen and Gemma alternating, room for one: bunkhouse "
+             f"`--budget {s['budget']}`, the router `--models-max 1`), {n} runs, the targets' "
+             "order alternating:", ""]
+    lines += _table(["target", "total s", "TTFT per swap ms", "TTFT cold load ms", "failed"],
+                    rows)
+    b, r = stats["bunkhouse llama-server"], stats["router"]
+    ratio = b["swap"].median / r["swap"].median
+    goals.append(["a swap on engine llama-server no slower than the router on the same build",
+                  f"TTFT per swap ratio {ratio:.2f}", _yes(ratio <= 1.0)])
+    lines += [f"bunkhouse on llama-server / router: time to first token per swap "
+              f"**{ratio:.2f}**, cold load {b['cold'].median / r['cold'].median:.2f}, total "
+              f"{b['total'].median / r['total'].median:.2f}.", ""]
+    med = ls.get("median_swap_phases") or {}
+    if med:
+        rows = [[k, _PHASES[k], f"{med[k] * 1000:.0f}"] for k in _PHASES]
+        rows.append(["total", "time to first token per swap", f"{med['total'] * 1000:.0f}"])
+        lines += [f"Where a swap's time goes on bunkhouse with llama-server, median of "
+                  f"{len(s['phases'])} swaps, from the residency events (`GET /stats`):", ""]
+        lines += _table(["phase", "what", "ms"], rows)
+    return lines
 
 
 # ---------------------------------------------------------------- plots

@@ -224,10 +224,12 @@ def one_request(url: str, model: str, t0: float) -> dict[str, Any]:
 def workload(url: str, pids: Any, requests: int) -> dict[str, Any]:
     models = [QWEN, GEMMA]
     with RssSampler(pids) as sampler:
+        started_at = time.time()  # wall clock: the residency events' times
         t0 = time.perf_counter()
         done = [one_request(url, models[i % 2], t0) for i in range(requests)]
         total = time.perf_counter() - t0
     return {"requests": done, "total_s": total, "peak_rss": sampler.peak,
+            "started_at": started_at,
             "rss": sampler.samples[::2]}
 
 
