@@ -41,6 +41,8 @@ def _chat(server: Server, messages: list[dict[str, Any]]) -> tuple[str, dict[str
         "model": QWEN, "messages": messages, "max_tokens": 24, "temperature": 0})
     assert resp.status_code == 200, resp.text
     data = resp.json()
+    # OpenAI's own field counts the prompt tokens reused, a restored snapshot's included
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == data["timings"]["cache_n"]
     return data["choices"][0]["message"]["content"], data["timings"]
 
 

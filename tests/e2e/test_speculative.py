@@ -3,8 +3,8 @@ packaged Qwen, greedy.
 
 The same prompts (a code-copy edit, a free-text question, a conversation of about 600
 tokens) on Qwen plain, with n-gram drafts and with a draft model (a second copy of Qwen's own
-file: an honest wiring check, not a speed-up), each streamed and not at once in two slots:
-every answer is the plain one. A q8_0 KV cache: the estimate's KV part about half of f16's,
+file: an honest wiring check, not a speed-up; the conversation on n-gram drafts only), each
+streamed and not at once in two slots: every answer is the plain one. A q8_0 KV cache: the estimate's KV part about half of f16's,
 the measured peak lower, answers coherent, a conversation saved under f16 not restored into
 it (skipped, with its reason) and one saved under q8_0 restored. The refusals (a draft of
 another vocabulary, MTP on a model without MTP heads, an unknown cache type, flash attention
@@ -158,7 +158,9 @@ def test_speculative_answers_are_the_plain_answers_token_for_token(host: Server,
     messages, tokens = PROMPTS[name]
     expected, _ = _chat(host, QWEN, messages, tokens)
     assert expected.strip(), name
-    for model in SPECULATIVE:
+    # the long conversation on n-gram drafts only (the draft model's wiring is the same
+    # whatever the prompt: the two shorter tasks check it)
+    for model in SPECULATIVE if name != "conversation" else SPECULATIVE[:1]:
         answers = dict(zip(("not streamed", "streamed"),
                            _both_at_once(host, model, messages, tokens), strict=True))
         for how, answer in answers.items():
