@@ -38,6 +38,7 @@ from tests.models import GEMMA, QWEN
 pytestmark = pytest.mark.slow
 
 GEMMA_LS = "gemma-ls"  # the packaged Gemma's file, on llama-server
+ADMIN = "admin-ls"
 REFUSED = {  # model id -> (its args, what its refusal says)
     "bad-context": ('["-c", "4096"]', "-c is not passed to llama-server: set context"),
     "bad-port": ('["--port", "9000"]', "--port is not passed to llama-server"),
@@ -73,7 +74,8 @@ def host(tmp_path_factory: pytest.TempPathFactory, packaged_catalog: Catalog
     budget = sizes[QWEN] + sizes[GEMMA] + min(sizes[GEMMA_LS], sizes[GEMMA]) // 2
     config = _config(root / "bunkhouse.toml", gemma, qwen, budget)
     with serve(root / "serve", "--config", str(config), "--llama-server", str(binary),
-               "--spare-worker", "off") as server:
+               "--spare-worker", "off", "--admin-key", ADMIN, "--allow-runtime-load",
+               "--allowed-root", str(gemma.parent)) as server:
         yield server
 
 
@@ -187,3 +189,17 @@ def test_refused_args_name_the_flag_and_the_rest_serve(host: Server) -> None:
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["code"] == "model_misconfigured" and says in resp.text
     assert json.loads(httpx.get(f"{host.url}/v1/models/{QWEN}").text)["state"] != "failed"
+
+
+def test_a_model_registered_at_run_time_on_the_binary(host: Server,
+                                                      packaged_catalog: Catalog) -> None:
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    resp = httpx.post(f"{host.url}/v1/models", headers=admin, timeout=300, json={
+        "id": "rt-gemma", "path": str(packaged_catalog.get(GEMMA).path),
+        "engine": "llama-server", "cache_type_k": "q8_0"})
+    assert resp.status_code == 200 and resp.json()["state"] == "ready", resp.text
+    worker = _worker(host, "rt-gemma")
+    assert os.path.basename(worker.exe()) == "llama-server"
+    assert "-ctk q8_0" in " ".join(worker.cmdline())
+    assert httpx.delete(f"{host.url}/v1/models/rt-gemma", headers=admin,
+                        timeout=120).status_code == 204

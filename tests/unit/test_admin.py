@@ -182,3 +182,16 @@ def test_a_config_pinned_model_can_be_deleted_once_unpinned(admin: Setup) -> Non
     assert resp.status_code == 409 and "unpin it first" in resp.json()["error"]["message"]
     assert admin.client.post("/v1/models/conf/unpin", headers=ADMIN).status_code == 200
     assert admin.client.delete("/v1/models/conf", headers=ADMIN).status_code == 204
+
+
+def test_a_registration_s_engine_must_serve_gguf_files(admin: Setup) -> None:
+    for engine in ("whisper", "nope", ""):
+        resp = _register(admin, str(admin.root / "ok.gguf"), engine=engine)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "engine", resp.text
+    resp = _register(admin, str(admin.root / "ok.gguf"), adapter_of="conf",
+                     engine="llama-server")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "engine", resp.text
+    resp = _register(admin, str(admin.root / "ok.gguf"), engine="llama-server",
+                     args=["--lookup-cache-dynamic", "/tmp/x"])
+    assert resp.status_code == 400 and "args" in resp.text, resp.text  # the config file's only
+    assert admin.starts == []

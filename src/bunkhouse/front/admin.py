@@ -5,7 +5,7 @@ needs ``--allow-runtime-load`` and a path that resolves (symlinks and ``..`` fol
 one of the allowed roots. Changes live in memory: the config file stays the source of truth.
 
     POST   /v1/models                 {"id", "path", context?, parallel?, queue?, ttl?, pinned?,
-                                       embeddings?}
+                                       embeddings?, engine?, the llama.cpp options}
            200 model object once ready; 409 id taken; 403 disabled or outside the roots;
            400 not a loadable local model (with the engine's reason)
            {"id", "path", "adapter_of", scale?}: a LoRA adapter of a served model, 200 its
@@ -57,7 +57,7 @@ from bunkhouse.catalog.catalog import (
 )
 from bunkhouse.config import DEFAULT_ENGINE, EngineOptions, check_model_id, check_scale
 from bunkhouse.defaults import DRAIN_GRACE_S
-from bunkhouse.engines import ENGINES
+from bunkhouse.engines import ENGINES, LLAMA_SERVER
 from bunkhouse.errors import (
     ConfigError,
     Conflict,
@@ -88,6 +88,7 @@ class AdminOptions:
     roots: tuple[Path, ...] = ()  # where runtime-registered model files may live
     defaults: EngineOptions = field(default_factory=EngineOptions)
     drain_grace_s: float = DRAIN_GRACE_S
+    default_engine: str = DEFAULT_ENGINE  # of a registration that names none ([defaults])
 
 
 class RegisterRequest(BaseModel):
@@ -103,6 +104,9 @@ class RegisterRequest(BaseModel):
     embeddings: StrictBool | None = None  # None: on for embedding models only
     adapter_of: StrictStr | None = None  # a LoRA adapter of this base model
     scale: StrictFloat | StrictInt | None = None  # an adapter's scale (config.check_scale)
+    # "llama.cpp" or "llama-server" (None: [defaults]'s); llama-server's args are the config
+    # file's only: a flag passed to a binary can name a file it writes
+    engine: StrictStr | None = None
     # the llama.cpp engine's options of the config file's keys (checked by its adapter)
     speculative: StrictStr | None = None
     draft: StrictStr | None = None
@@ -117,7 +121,7 @@ class RegisterRequest(BaseModel):
     def model_fields_given(self) -> list[str]:
         """The fields of a model (not an adapter) given in this request."""
         return [name for name in ("context", "parallel", "queue", "ttl", "embeddings",
-                                  *ENGINE_FIELDS)
+                                  "engine", *ENGINE_FIELDS)
                 if getattr(self, name) is not None] + (["pinned"] if self.pinned else [])
 
     @property
@@ -128,6 +132,9 @@ class RegisterRequest(BaseModel):
 ENGINE_FIELDS = tuple(name for name in RegisterRequest.model_fields
                       if name in ENGINES[DEFAULT_ENGINE].known_options)
 """The default engine's own options that a registration may set (its adapter checks them)."""
+
+GGUF_ENGINES = frozenset({DEFAULT_ENGINE, LLAMA_SERVER.name})
+"""The engines a registration may name (a GGUF model's)."""
 
 
 def _named_field(message: str) -> str | None:
@@ -344,14 +351,19 @@ class Admin:
         if body.context is not None:
             overrides["context_auto"] = False
         where = f"model {body.id!r}"
+        engine = self.options.default_engine if body.engine is None else body.engine
+        if engine not in GGUF_ENGINES:
+            raise InvalidRequest(f"engine must be one of {sorted(GGUF_ENGINES)}, not "
+                                 f"{engine!r}", param="engine")
         try:
             options = effective_options(self.options.defaults, overrides, info, where,
-                                        own=body.engine_keys)
+                                        engine=engine, own=body.engine_keys)
         except ConfigError as e:
             message = e.message.removeprefix(f"{where}: ")
             raise InvalidRequest(message, param=_named_field(message)) from e
         model = CatalogModel(body.id, real, "runtime", info, options, size,
-                             modified=int(st.st_mtime), pinned=body.pinned, ttl_s=body.ttl)
+                             modified=int(st.st_mtime), pinned=body.pinned, ttl_s=body.ttl,
+                             engine=engine)
         model = await asyncio.to_thread(settle, model, self._served, Path.cwd(),
                                         self._draft_path)
         if model.refused:
