@@ -1,14 +1,15 @@
-"""Speculative decoding and KV cache types through `bunkhouse serve`, real workers, the
-packaged Qwen, greedy.
+"""Speculative decoding and KV cache types through `bunkhouse serve`, real workers, the packaged
+Qwen, greedy.
 
-The same prompts (a code-copy edit, a free-text question, a conversation of about 600
-tokens) on Qwen plain, with n-gram drafts and with a draft model (a second copy of Qwen's own
-file: an honest wiring check, not a speed-up; the conversation on n-gram drafts only), each
+The same prompts (a code-copy edit, a free-text question, a conversation of about 600 tokens)
+on Qwen plain, with n-gram drafts and with a draft model (a second copy of Qwen's own file:
+an honest wiring check, not a speed-up; the conversation on n-gram drafts only), each
 streamed and not at once in two slots: every answer is the plain one. A q8_0 KV cache: the
-estimate's KV part about half of f16's, the measured peak lower, answers coherent, a conversation saved under f16 not restored into
-it (skipped, with its reason) and one saved under q8_0 restored. The refusals (a draft of
-another vocabulary, MTP on a model without MTP heads, an unknown cache type, flash attention
-off for a quantized V cache) each name the option, and the other models serve."""
+estimate's KV part about half of f16's, the measured peak lower, answers coherent, a
+conversation saved under f16 not restored into it (skipped, with its reason) and one saved
+under q8_0 restored. The refusals (a draft of another vocabulary, MTP on a model without MTP
+heads, an unknown cache type, flash attention off for a quantized V cache) each name the
+option, and the other models serve."""
 
 from __future__ import annotations
 
