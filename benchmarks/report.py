@@ -394,12 +394,12 @@ def _phases(s: dict[str, Any]) -> list[str]:
             "request follows the last at once, a swap's spare has had only the old model's "
             "drain to import in. Readiness is the worker's own log line, no longer a 50 ms "
             "poll. What would close the rest: an engine build as fast as llama-server's "
-            "(xllamacpp built from source with the same compiler, or llama-server itself as a "
-            "worker engine) and a worker that exits at once on SIGTERM (it looks at its stop "
-            "flag every 0.2 s). The engine's own sleep (`sleep_idle_seconds`) was measured "
-            "once and wakes in 1.13 s, no faster than a cold start. A swap with context "
-            "restores its KV snapshot after the load (section 6): milliseconds where the "
-            "router prefills the conversation again.", ""]
+            "(xllamacpp built from source with the same compiler, or the engine llama-server, "
+            "whose worker is the binary itself: section 12) and a worker that exits at once on "
+            "SIGTERM (it looks at its stop flag every 0.2 s). The engine's own sleep "
+            "(`sleep_idle_seconds`) was measured once and wakes in 1.13 s, no faster than a "
+            "cold start. A swap with context restores its KV snapshot after the load (section "
+            "6): milliseconds where the router prefills the conversation again.", ""]
     return lines
 
 
@@ -858,7 +858,8 @@ def render(results: dict[str, Any]) -> str:
         "",
         "Rerun: `pip install -e \".[bench]\"`, then `python -m benchmarks run` (about 20 "
         "minutes on 2 cores) or `python -m benchmarks run --quick` (under 10); add "
-        "`--llama-server PATH` for the router comparisons (sections 3 and 6). Results go to "
+        "`--llama-server PATH` for the router comparisons and the llama-server engine (sections "
+        "3, 6 and 12). Results go to "
         "`docs/benchmarks.md`, `docs/benchmarks/*.png` and `docs/benchmarks/results.json`; "
         "logs of every process to `benchmarks/results/`. Run it on an otherwise idle "
         "machine: when another process competes for the cores, llama.cpp's decode threads "
@@ -966,6 +967,12 @@ def _llama_server_swaps(ls: dict[str, Any], goals: list[list[str]]) -> list[str]
         lines += [f"Where a swap's time goes on bunkhouse with llama-server, median of "
                   f"{len(s['phases'])} swaps, from the residency events (`GET /stats`):", ""]
         lines += _table(["phase", "what", "ms"], rows)
+        lines += ["The start is the binary's own (section 9 measures it alone: spawn to "
+                  "`/health`), which the router's swap pays as well; what bunkhouse adds "
+                  "around it is the admission and routing before the drain, the drain itself "
+                  "(idle slots saved if they hold enough tokens, SIGTERM, the reap: the "
+                  "router stops its child too), and its readiness gate, which checks at the "
+                  "binary's `listening on` line instead of polling.", ""]
     return lines
 
 
