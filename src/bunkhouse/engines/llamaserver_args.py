@@ -29,7 +29,7 @@ OWNED: dict[str, str] = {
     **dict.fromkeys(("-c", "--ctx-size"), "set context = N (the total of the slots) instead"),
     **dict.fromkeys(("-np", "--parallel"), "set parallel = N instead"),
     **dict.fromkeys(("--host", "--port", "--reuse-port", "--path", "--api-prefix",
-                     "--api-key", "--api-key-file", "--ssl-key-file", "--ssl-cert-file"),
+                     "--api-key", "--api-key-file"),
                     "the binary listens on a private Unix socket behind bunkhouse's front, "
                     "which has the port and the keys (bunkhouse serve --port, --api-key)"),
     **dict.fromkeys(("--slot-save-path", "--metrics", "--slots", "--no-slots"),
@@ -65,6 +65,9 @@ OWNED: dict[str, str] = {
     **dict.fromkeys(("--models-dir", "--models-preset", "--models-max", "--models-autoload",
                      "--no-models-autoload"),
                     "router mode: bunkhouse is the router; give each model an entry"),
+    **dict.fromkeys(("-lcs", "--lookup-cache-static", "-lcd", "--lookup-cache-dynamic",
+                     "--ssl-key-file", "--ssl-cert-file"),
+                    "it points the binary at a file of its own, which bunkhouse does not check"),
     **dict.fromkeys(("--log-disable", "--log-file"),
                     "bunkhouse reads the binary's output (its readiness, its errors)"),
     **dict.fromkeys(("-h", "--help", "--usage", "--version", "--list-devices",
