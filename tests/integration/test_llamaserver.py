@@ -16,7 +16,7 @@ import pytest
 from bunkhouse.catalog import Catalog, build_catalog
 from bunkhouse.config import Settings, load_config_file
 from bunkhouse.engines import ENGINES, LLAMA_SERVER
-from bunkhouse.engines.contract import WorkerSpawn
+from bunkhouse.engines.contract import Draft, WorkerSpawn
 from bunkhouse.engines.llamaserver import LlamaServer, parse_options
 from bunkhouse.engines.llamaserver_binary import BinaryRefused, inspect
 from bunkhouse.errors import ConfigError
@@ -191,3 +191,25 @@ def test_a_worker_that_is_a_program_of_its_own_dies_with_a_killed_front() -> Non
     finally:
         front.kill()
         front.wait(30)
+
+
+def test_an_older_build_s_flags_are_used_where_it_has_no_newer_ones(
+        tmp_path: Path, packaged_catalog: Catalog) -> None:
+    older = HELP.replace("--spec-type none,draft-simple,ngram-mod\n", "") + (
+        "--draft-max N                           tokens to draft\n"
+        "--draft-min N                           at least\n"
+        "-md,   --model-draft FNAME              draft model\n"
+        "-ctkd, --cache-type-k-draft TYPE        draft K cache\n")
+    adapter = LlamaServer()
+    adapter.locate(fake_binary(tmp_path / "llama-server", older))
+    base = packaged_catalog.get(QWEN)
+    draft = Draft(QWEN, base.path, base.size_bytes, base.info)
+    model = dataclasses.replace(base, engine="llama-server", draft=draft, options=dataclasses
+                                .replace(base.options, engine_keys=(("draft", QWEN),)))
+    argv = adapter.command(model, WorkerSpawn(QWEN, "/proc/self/fd/7", tmp_path / "w.sock"))
+    line = " ".join(argv or [])
+    assert f"--draft-max 3 --draft-min 0 -md {base.path}" in line and "--spec-type" not in line
+    ngram = dataclasses.replace(model, draft=None, options=dataclasses.replace(
+        base.options, engine_keys=(("speculative", "ngram"),)))
+    refused = adapter.refused(ngram)
+    assert refused and "has no --spec-type flag" in refused, refused

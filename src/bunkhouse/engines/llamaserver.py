@@ -61,6 +61,8 @@ _EXTRA_CHECKS: dict[str, opts.Check] = {"args": llamaserver_args.check_args,
 KNOWN_OPTIONS = llamacpp.KNOWN_OPTIONS | frozenset(_EXTRA_CHECKS)
 
 _SPEC_TYPES = {spec.NGRAM: "ngram-mod", spec.DRAFT: "draft-simple", spec.MTP: "draft-mtp"}
+_DRAFT_BOUNDS = (("--spec-draft-n-max", "--spec-draft-n-min"),  # llama.cpp since 2026
+                 ("--draft-max", "--draft-min"))  # before: a draft model is the one kind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -294,11 +296,12 @@ def _speculation_flags(model: ServedModel, own: LlamaCppOptions, binary: Binary)
     s = own.speculation
     if s.kind is None:
         return []
-    flags = ["--spec-type", _SPEC_TYPES[s.kind]]
+    flags = ["--spec-type", _SPEC_TYPES[s.kind]] if binary.has("--spec-type") else []
     if s.kind == spec.NGRAM:
         return [*flags, "--spec-ngram-mod-n-max", str(s.draft_max),
                 "--spec-ngram-mod-n-min", str(s.draft_min)]
-    flags += ["--spec-draft-n-max", str(s.draft_max), "--spec-draft-n-min", str(s.draft_min)]
+    bounds = _DRAFT_BOUNDS[0] if binary.has(_DRAFT_BOUNDS[0][0]) else _DRAFT_BOUNDS[1]
+    flags += [bounds[0], str(s.draft_max), bounds[1], str(s.draft_min)]
     if s.kind == spec.DRAFT and model.draft is not None:
         flags += ["-md", str(model.draft.path), "-ctkd", own.cache_type_k,
                   "-ctvd", own.cache_type_v]
@@ -312,10 +315,13 @@ def _lacking_flags(own: LlamaCppOptions, gpu_layers: int | str | None,
     """An option this binary has no flag for, named with the flag it lacks."""
     s = own.speculation
     needed: list[tuple[str, str]] = []
-    if s.kind is not None:
-        needed.append(("--spec-type", "speculative decoding"))
-        needed += ([("--spec-ngram-mod-n-max", "speculative = \"ngram\"")]
-                   if s.kind == spec.NGRAM else [("--spec-draft-n-max", "draft_max")])
+    if s.kind == spec.NGRAM:
+        needed += [("--spec-type", 'speculative = "ngram"'),
+                   ("--spec-ngram-mod-n-max", 'speculative = "ngram"')]
+    elif s.kind == spec.MTP:
+        needed.append(("--spec-type", "mtp = true"))
+    if s.kind in (spec.DRAFT, spec.MTP) and not any(binary.has(f) for f, _ in _DRAFT_BOUNDS):
+        needed.append((_DRAFT_BOUNDS[0][0], "draft_max"))
     if s.kind == spec.DRAFT:
         needed += [("-md", "draft"), ("-ctkd", "draft")]
     if gpu_layers is not None:
