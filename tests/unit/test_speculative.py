@@ -172,6 +172,9 @@ def test_models_shows_speculation_and_cache_types() -> None:
                           "cache_type_v": "q8_0"}) == "KV cache K q8_0, V q8_0"
     assert _options_line({"speculative": None, "cache_type_k": "f16",
                           "cache_type_v": "f16"}) == ""
+    assert _options_line({"speculative": None, "n_gpu_layers": "all",  # llama-server's
+                          "args": ["--jinja", "--temp", "0.2"]}) == \
+        "all layers on the GPU; args --jinja --temp 0.2"
 
 
 def test_log_probabilities_are_refused_where_drafted_tokens_have_none(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from bunkhouse.catalog import Catalog
+from bunkhouse.config import DEFAULT_ENGINE
 from bunkhouse.engines import ENGINES
 
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
@@ -73,6 +74,8 @@ def _print_catalog_notes(catalog: Catalog) -> None:
                   f"{printable(m.refused)}")
         elif m.adapter_of is None and not m.transcribes:
             shown = _options_line(ENGINES[m.engine].shown_options(m))
+            if m.engine != DEFAULT_ENGINE:
+                shown = f"engine {m.engine}" + (f"; {shown}" if shown else "")
             if shown:
                 print(f"{printable(m.id)}: {shown}")
         if m.projector is not None:
@@ -81,7 +84,8 @@ def _print_catalog_notes(catalog: Catalog) -> None:
 
 
 def _options_line(o: dict[str, Any]) -> str:
-    """A model's speculative decoding and KV cache types, where they are not the defaults."""
+    """A model's speculative decoding, KV cache types, GPU layers and passed-through flags,
+    where they are not the defaults."""
     parts = []
     if o.get("speculative"):
         draft = f" from {o['draft']}" if o.get("draft") else ""
@@ -89,6 +93,10 @@ def _options_line(o: dict[str, Any]) -> str:
                      f"{o['draft_max']} tokens drafted a step")
     if (o.get("cache_type_k"), o.get("cache_type_v")) not in ((None, None), ("f16", "f16")):
         parts.append(f"KV cache K {o['cache_type_k']}, V {o['cache_type_v']}")
+    if o.get("n_gpu_layers") is not None:
+        parts.append(f"{o['n_gpu_layers']} layers on the GPU")
+    if o.get("args"):
+        parts.append("args " + " ".join(o["args"]))
     return "; ".join(parts)
 
 
