@@ -20,6 +20,7 @@ from bunkhouse.engines.contract import Draft, WorkerSpawn
 from bunkhouse.engines.llamaserver import LlamaServer, parse_options
 from bunkhouse.engines.llamaserver_binary import BinaryRefused, inspect
 from bunkhouse.errors import ConfigError
+from tests.helpers import wait_for
 from tests.models import GEMMA, QWEN, WHISPER
 
 HELP = """\
@@ -213,3 +214,55 @@ def test_an_older_build_s_flags_are_used_where_it_has_no_newer_ones(
         base.options, engine_keys=(("speculative", "ngram"),)))
     refused = adapter.refused(ngram)
     assert refused and "has no --spec-type flag" in refused, refused
+
+
+def test_presets_values_without_flags_and_a_key_read_twice_are_refused() -> None:
+    for args, says in ((["--embd-gemma-default"], "a preset sets the model"),
+                       (["--fim-qwen-1.5b-default"], "a preset sets the model"),
+                       (["foo"], "'foo' is not a flag"), ([""], "'' is not a flag"),
+                       (["-t", "1", "--threads", "2"], "--threads sets threads, which an"),
+                       (["--log-prompts-dir", "/tmp"], "a file of its own"),
+                       (["--rerank"], "no rerank route")):
+        with pytest.raises(ConfigError, match=says):
+            parse_options({"args": args}, "m")
+
+
+def test_a_flag_with_a_dot_is_read_from_the_help(tmp_path: Path) -> None:
+    binary = inspect(fake_binary(tmp_path / "llama-server",
+                                 HELP + "--fim-qwen-1.5b-default          a preset\n"))
+    assert binary.has("--fim-qwen-1.5b-default")
+    with pytest.raises(BinaryRefused, match="does not look like llama-server"):
+        inspect(fake_binary(tmp_path / "true", "usage: true\n"))
+
+
+def test_a_wrapper_script_s_child_is_stopped_with_it_and_a_hanging_help_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from bunkhouse.engines import llamaserver_binary
+    from bunkhouse.supervisor.process import _terminate, spawn_local
+
+    async def wrapper() -> psutil.Process:
+        proc = await spawn_local(["sh", "-c", "sleep 300; true"])  # no exec: a child
+        shell = psutil.Process(proc.pid)
+        child = wait_for(lambda: (shell.children() or [None])[0], 30, "the wrapper's child")
+        await _terminate(proc, 10, "wrapped")
+        return child
+
+    child = asyncio.run(wrapper())
+    psutil.wait_procs([child], timeout=30)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+    marker = tmp_path / "hang.pid"
+    hang = tmp_path / "hang.sh"
+    hang.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {marker}\nwait\n")
+    hang.chmod(0o755)
+    monkeypatch.setattr(llamaserver_binary, "HELP_TIMEOUT_S", 2.0)
+    with pytest.raises(BinaryRefused, match="did not answer within 2 s"):
+        inspect(hang)
+    try:
+        left = psutil.Process(int(marker.read_text()))
+    except psutil.NoSuchProcess:
+        return  # gone already
+    psutil.wait_procs([left], timeout=30)
+    assert not left.is_running() or left.status() == psutil.STATUS_ZOMBIE

@@ -66,8 +66,13 @@ OWNED: dict[str, str] = {
                      "--no-models-autoload"),
                     "router mode: bunkhouse is the router; give each model an entry"),
     **dict.fromkeys(("-lcs", "--lookup-cache-static", "-lcd", "--lookup-cache-dynamic",
-                     "--ssl-key-file", "--ssl-cert-file"),
+                     "--ssl-key-file", "--ssl-cert-file", "--log-prompts-dir", "--media-path",
+                     "--control-vector", "--control-vector-scaled", "--grammar-file",
+                     "--webui-config-file", "--ui-config-file", "--mcp-servers-config",
+                     "--tools"),
                     "it points the binary at a file of its own, which bunkhouse does not check"),
+    **dict.fromkeys(("--rerank", "--reranking"),
+                    "the front serves no rerank route; the model would only rerank"),
     **dict.fromkeys(("--log-disable", "--log-file"),
                     "bunkhouse reads the binary's output (its readiness, its errors)"),
     **dict.fromkeys(("-h", "--help", "--usage", "--version", "--list-devices",
@@ -133,16 +138,27 @@ def read_args(args: tuple[str, ...], where: str) -> ReadArgs:
         word = args[i]
         i += 1
         if not _IS_FLAG.match(word):
-            passed.append(word)  # a value of the flag before it
+            if not passed or not _IS_FLAG.match(passed[-1]):
+                raise ConfigError(f"{where}: args: {word!r} is not a flag (args are "
+                                  'flags, each followed by its value: ["--temp", "0.2"])')
+            passed.append(word)  # the value of the flag before it
             continue
         name, eq, inline = word.partition("=")
         if name in OWNED:
             raise ConfigError(f"{where}: args: {name} is not passed to llama-server: "
                               f"{OWNED[name]}")
+        if name.endswith("-default"):  # --embd-gemma-default, --fim-qwen-1.5b-default ...
+            raise ConfigError(f"{where}: args: {name} is not passed to llama-server: a "
+                              "preset sets the model, its context and slots itself (and may "
+                              "download weights); give the model's path, context and "
+                              "parallel instead")
         key = READ.get(name)
         if key is None:
             passed.append(word)
             continue
+        if key in options:
+            raise ConfigError(f"{where}: args: {name} sets {key}, which an earlier flag set "
+                              "already; keep one")
         if key == "swa_full":
             options[key] = True
             continue

@@ -13,11 +13,13 @@ files once per file version; the answer is kept until the file changes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,7 @@ _NEEDS: tuple[tuple[str, str], ...] = (
     ("model aliases (--alias)", "--alias"),
 )
 
-_FLAG = re.compile(r"(--?[A-Za-z][\w-]*)")
+_FLAG = re.compile(r"(--?[A-Za-z][\w.-]*)")
 _DIGEST_BYTES = 1 << 20
 
 
@@ -99,6 +101,10 @@ def inspect(path: Path) -> Binary:
 def _inspect(path: Path) -> Binary:
     text = _run(path, "--help")
     flags = _flags(text)
+    if not {"-c", "--ctx-size"} & flags or "--host" not in flags:
+        raise BinaryRefused(f"{path} does not look like llama-server: its --help lists no "
+                            "--ctx-size or --host flag; name llama.cpp's llama-server binary "
+                            "itself (a wrapper script should `exec` it)")
     missing = [what for what, sign in _NEEDS
                if (sign not in flags if sign.startswith("-") else not _takes_socket(text))]
     if missing:
@@ -114,19 +120,26 @@ def _inspect(path: Path) -> Binary:
 
 
 def _run(path: Path, flag: str) -> str:
+    try:  # its own process group: a wrapper script's children go with it
+        child = subprocess.Popen([str(path), flag], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+    except OSError as e:
+        raise BinaryRefused(f"llama-server binary {path} does not run: {e.strerror}") from e
     try:
-        done = subprocess.run([str(path), flag], capture_output=True, timeout=HELP_TIMEOUT_S,
-                              check=False, stdin=subprocess.DEVNULL)
+        out, _ = child.communicate(timeout=HELP_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         raise BinaryRefused(f"llama-server binary {path}: {flag} did not answer within "
                             f"{HELP_TIMEOUT_S:.0f} s") from e
-    except OSError as e:
-        raise BinaryRefused(f"llama-server binary {path} does not run: {e.strerror}") from e
-    text = (done.stdout + done.stderr).decode("utf-8", errors="replace")
-    if done.returncode != 0:
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+    text = out.decode("utf-8", errors="replace")
+    if child.returncode != 0:
         last = text.strip().splitlines()[-1:] or ["no output"]
         raise BinaryRefused(f"llama-server binary {path}: {flag} failed with code "
-                            f"{done.returncode} ({last[0][:200]})")
+                            f"{child.returncode} ({last[0][:200]})")
     return text
 
 

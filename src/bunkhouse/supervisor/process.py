@@ -444,8 +444,7 @@ class WorkerProcess:
     def kill(self) -> None:
         """SIGKILL now: for a worker that no longer answers. Its exit is handled as a crash."""
         if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
+            signal_group(self._proc, signal.SIGKILL)
 
     def suspend(self) -> None:
         """SIGSTOP: every thread stops where it is (mid-token), its memory and KV cache stay;
@@ -458,8 +457,7 @@ class WorkerProcess:
 
     def _signal(self, sig: signal.Signals) -> None:
         if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.send_signal(sig)
+            signal_group(self._proc, sig)
 
     async def stop(self) -> None:
         """SIGTERM, wait up to the grace period, then SIGKILL; returns once the process is
@@ -477,6 +475,9 @@ class WorkerProcess:
         proc = self._proc
         if proc is not None and proc.returncode is None:
             await _terminate(proc, self.launch.options.stop_grace_s, self.model.id)
+        if proc is not None:  # whatever it started and left behind (a wrapper script's child)
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -490,10 +491,20 @@ class WorkerProcess:
             self._model_links = None
 
 
+def signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    """``sig`` to the worker's process group (it leads one: ``start_new_session``), so that
+    a program it started (a wrapper script's llama-server) gets it too; to the process alone
+    where it leads none (a test's spawner)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+
+
 async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, model_id: str) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-        proc.send_signal(signal.SIGCONT)  # a suspended worker handles SIGTERM only once going
+    signal_group(proc, signal.SIGTERM)
+    signal_group(proc, signal.SIGCONT)  # a suspended worker handles SIGTERM only once going
     try:
         await asyncio.wait_for(proc.wait(), grace_s)
         return
@@ -504,8 +515,7 @@ async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, model_id:
             proc.pid,
             grace_s,
         )
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
+    signal_group(proc, signal.SIGKILL)
     await proc.wait()
 
 
