@@ -62,6 +62,9 @@ class Profile:
     hol_runs: int = 2  # head-of-line: runs of each configuration
     hol_tokens: int = 1000  # the long stream's tokens
     fuzz_max_tokens: int | None = None  # fuzzed generations' tokens, fixed (None: theirs)
+    # schemathesis' phases (None: all). Its coverage phase sends every schema's boundary
+    # cases (about 1,100 here) and does not stop at --max-time.
+    fuzz_phases: str | None = None
     adapter_rounds: int = 5  # LoRA adapters: completions on each target, alternating
     adapter_tokens: int = 64
     adapter_functions: int = 40  # the re-mounted conversation's size (about 14 tokens each)
@@ -91,7 +94,8 @@ PROFILES = {
                     flood_concurrency=16, fuzz_examples=2, fuzz_seconds=20,
                     kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0,
                     marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=80,
-                    fuzz_max_tokens=4, adapter_rounds=1, adapter_tokens=4,
+                    fuzz_max_tokens=4, fuzz_phases="examples,fuzzing", adapter_rounds=1,
+                    adapter_tokens=4,
                     adapter_functions=21, spec_rounds=1, spec_tokens=8, spec_memory=False,
                     spec_draft=False),
 }

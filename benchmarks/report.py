@@ -542,7 +542,8 @@ def _reliability(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
         "### Fuzz",
         "",
         "`schemathesis run` over the server's own `/openapi.json`, every endpoint (admin ones "
-        "with an admin key and runtime loading on), check `not_a_server_error`, against a real "
+        "with an admin key and runtime loading on) but the endless `/admin/events` stream and "
+        "Ollama's routes documented as 501, check `not_a_server_error`, against a real "
         "worker (Gemma, context 512, 2 slots).",
         "",
     ]
