@@ -128,6 +128,7 @@ class Host:
                  spares: FakeSpares | None = None, budget_bytes: int | None = None) -> None:
         self.clock = FakeClock()
         self.starts: list[str] = []
+        self.nodes: list[str] = []  # each start's node
         self.running = 0
         self.max_concurrent_starts = 0
         self.workers: list[FakeWorker] = []
@@ -144,8 +145,10 @@ class Host:
                                         spare=spares)
         self.models = {m.id: m for m in models}
 
-    async def start(self, m: CatalogModel, use_spare: bool = False) -> FakeWorker:
+    async def start(self, m: CatalogModel, use_spare: bool = False,
+                    node: str = "local") -> FakeWorker:
         self.starts.append(m.id)
+        self.nodes.append(node)
         if use_spare and self.spares is not None:
             self.spares.engine = None  # the spare became this worker
         self.running += 1

@@ -102,7 +102,8 @@ def test_drains_are_counted_by_a_bounded_cause() -> None:
     log = EventLog()
     for reason in ("making room for gemma", "idle for 301 s (ttl 300 s)",
                    "keep_alive 0: unloaded once idle", "unloaded by an operator", "shutdown",
-                   "removed", "crashed", "re-mounted: adapter b removed", "something new"):
+                   "removed", "crashed", "re-mounted: adapter b removed", "something new",
+                   "its node n1 was lost (its raylet died)"):
         log.emit("m", "draining", reason)
     assert {cause for (_, cause) in log.drains} == set(ev.DRAIN_CAUSES)
     assert drain_cause("Making room for X") == "room"

@@ -1,6 +1,7 @@
 """Residency's step against random event sequences (hypothesis): 2 nodes, 4 models of
 different sizes, random requests, cancels, releases, crashes, probes, operator commands,
-spares and time; the effects are completed in random order as the executor would.
+spares, nodes lost and joining again, and time; the effects are completed in random order
+as the executor would.
 
 Checked after every step: the step changed nothing in the state it was given; the bytes of
 models planned resident on a node (and its spare) never exceed its budget; a model is never
@@ -47,14 +48,16 @@ def _spec(model_id: str, mib: int) -> Spec:
                 True)
 
 
+_ENGINES = {"n1": None, "n2": frozenset({"llama"})}  # the worker engines each node runs
+
+
 def _initial() -> State:
     options = ResidencyOptions(budget_bytes=0, ttl_s=30, admission_wait_s=6,
                                restart=RestartPolicy(max_restarts=3, backoff_s=0.5,
                                                      cooldown_s=20),
                                probe_interval_s=5, measure_interval_s=0)
     s = initial(options, [_spec(k, v) for k, v in SIZES.items()], spares=True, flush=True)
-    nodes = {k: Node(k, v * MIB, spares=True, spare_engine="llama",
-                     engines=frozenset({"llama"}) if k == "n2" else None)
+    nodes = {k: Node(k, v * MIB, spares=True, spare_engine="llama", engines=_ENGINES[k])
              for k, v in BUDGETS.items()}
     return dataclasses.replace(s, nodes=nodes)
 
@@ -100,6 +103,8 @@ action = st.one_of(
     st.tuples(st.just("resume")),
     st.tuples(st.just("suspend"), st.sampled_from(MODELS), st.booleans()),
     st.tuples(st.just("stop_loads")),
+    st.tuples(st.just("node_lost"), st.sampled_from(sorted(BUDGETS))),
+    st.tuples(st.just("node_joined"), st.sampled_from(sorted(BUDGETS))),
 )
 
 
@@ -172,6 +177,10 @@ class World:
         s = self.state
         for node in s.nodes.values():
             assert s.used_bytes(node.id) <= node.budget, f"{node.id} over its budget"
+        for m in s.models.values():
+            if m.phase in HOLDING and m.worker is not None and m.worker.node not in s.nodes:
+                assert not m.worker.alive and m.drain is not None, f"{m.id} on a lost node"
+                assert m.phase is not Phase.READY, f"{m.id} ready on a lost node"
         for e in effects:
             if isinstance(e, msg.Publish) and e.kind == "draining" \
                     and e.data.get("cause") in ("room", "idle", "keep_alive"):
@@ -187,7 +196,7 @@ class World:
                 assert not m.waiters, f"{m.id} is ready and not held, yet requests wait"
             if m.phase is Phase.READY and not s.paused and not s.closing:
                 assert all(w.lease for w in m.waiters), f"{m.id} is loaded, a load waits"
-            if m.phase in HOLDING:
+            if m.phase in HOLDING and (m.worker is None or m.worker.node in s.nodes):
                 assert m.worker is not None
                 engines = s.nodes[m.worker.node].engines
                 assert engines is None or m.spec.engine in engines, "on a node without its engine"
@@ -278,6 +287,10 @@ class World:
             self.send(msg.Suspend(a[1], a[2]))
         elif kind == "stop_loads":
             self.send(msg.StopLoads())
+        elif kind == "node_lost":
+            self.send(msg.NodeLost(a[1], "its raylet died"))
+        elif kind == "node_joined":
+            self.send(msg.NodeJoined(a[1], BUDGETS[a[1]] * MIB, _ENGINES[a[1]], spares=True))
 
     def tick(self, seconds: float) -> None:
         """Time passes; a tick comes at each time the step asked for on the way."""

@@ -306,7 +306,7 @@ def close(s: State, e: msg.Close, now: float, fx: Fx) -> State:
 
 
 def keep_spare(s: State, e: msg.KeepSpare, now: float, fx: Fx) -> State:
-    node = next(iter(s.nodes.values()))
-    if not node.spares or node.spare_engine is not None or not e.engine:
+    node = next(iter(s.nodes.values()), None)
+    if node is None or not node.spares or node.spare_engine is not None or not e.engine:
         return s
     return put_node(s, replace(node, spare_engine=e.engine))

@@ -25,8 +25,8 @@ SUBSCRIBER_QUEUE = 1000
 """Events a live subscriber may fall behind before it is dropped."""
 
 # The kinds a drain's reason falls in, for counting evictions by reason (a bounded label).
-DRAIN_CAUSES = ("room", "idle", "keep_alive", "operator", "removed", "crashed", "shutdown",
-                "remount", "other")
+DRAIN_CAUSES = ("room", "idle", "keep_alive", "operator", "removed", "crashed", "node_lost",
+                "shutdown", "remount", "other")
 
 
 def drain_cause(reason: str) -> str:
@@ -34,7 +34,8 @@ def drain_cause(reason: str) -> str:
     text = reason.lower()
     for needle, cause in (("re-mounted", "remount"), ("making room", "room"),
                           ("keep_alive", "keep_alive"), ("idle", "idle"), ("operator", "operator"),
-                          ("removed", "removed"), ("crash", "crashed"),
+                          ("removed", "removed"), ("was lost", "node_lost"),
+                          ("crash", "crashed"),
                           ("shutting down", "shutdown"), ("shutdown", "shutdown")):
         if needle in text:
             return cause

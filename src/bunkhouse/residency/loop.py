@@ -34,7 +34,7 @@ from bunkhouse.residency.clock import Clock, TimerHandle
 from bunkhouse.residency.events import EventLog
 from bunkhouse.residency.messages import Effect, Event
 from bunkhouse.residency.slots import SlotGate
-from bunkhouse.residency.state import State
+from bunkhouse.residency.state import LOCAL, State
 from bunkhouse.residency.step import step, wake_at
 from bunkhouse.supervisor.handle import SparePool, WorkerHandle
 
@@ -52,7 +52,8 @@ TICK_FLOOR_S = 0.1
 
 StartWorker = Callable[..., Awaitable[WorkerHandle]]
 """``start(model)``, or ``start(model, use_spare=True)`` to become the spare: a ready worker,
-or WorkerLoadFailed."""
+or WorkerLoadFailed; ``start(model, node=NODE)`` on a node other than the local one (a
+cluster's: only a front that placed models there is asked that)."""
 FlushSlots = Callable[[CatalogModel, EngineClient, SlotGate, str], Awaitable[Any]]
 """Save a draining worker's slots (kvcache/keeper.py ``SnapshotKeeper.flush``)."""
 MakeLease = Callable[[msg.Granted, WorkerHandle, SlotGate], Any]
@@ -194,7 +195,10 @@ class Executor:
 
     async def _spawn_worker(self, e: msg.Spawn) -> None:
         try:
-            start = self._start(e.spec, use_spare=True) if e.use_spare else self._start(e.spec)
+            where: dict[str, Any] = {} if e.node == LOCAL else {"node": e.node}
+            if e.use_spare:
+                where["use_spare"] = True
+            start = self._start(e.spec, **where)
             worker = await self._with_progress(e, start)
         except asyncio.CancelledError:
             self.post(msg.LoadFailed(e.model, e.worker, None))

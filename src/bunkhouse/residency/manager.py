@@ -221,6 +221,16 @@ class ResidencyManager:
 
     # -- operators -----------------------------------------------------------------------
 
+    def node_joined(self, node: str, budget: int, engines: frozenset[str] | None = None,
+                    spares: bool = False) -> None:
+        """A node that runs workers came up, or its budget (bytes) or engines changed."""
+        self._post(msg.NodeJoined(node, budget, engines, spares))
+
+    def node_lost(self, node: str, reason: str) -> None:
+        """A node is gone with its workers: their models become absent, their requests
+        fail, and their waiters are placed again on the nodes left."""
+        self._post(msg.NodeLost(node, reason))
+
     async def unload(self, model_id: str, reason: str, grace_s: float | None = None
                      ) -> bool | None:
         """Drain and stop the model (requests waiting for it when asked are served first).

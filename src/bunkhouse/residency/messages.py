@@ -3,10 +3,10 @@
 Events come from request tasks (want, cancel, release, report), from operators (commands,
 each with a ``reply`` id the caller awaits), from the executor as effects complete (a worker
 ready, a load failed, a flush or stop done, a probe answered, a spare filled or gone), from
-the worker exit watcher, from the compute gate (suspend, resume) and from the one timer
-(:class:`Tick`). Effects are carried out by residency/loop.py's executor; those that take
-time come back as events. Ids name workers, leases, waiters and replies: residency never
-holds a process, a socket or a future.
+the worker exit watcher, from the cluster (a node joined or lost), from the compute gate
+(suspend, resume) and from the one timer (:class:`Tick`). Effects are carried out by
+residency/loop.py's executor; those that take time come back as events. Ids name workers,
+leases, waiters and replies: residency never holds a process, a socket or a future.
 """
 
 from __future__ import annotations
@@ -141,6 +141,26 @@ class SpareGone:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeJoined:
+    """A node that runs workers came up (a cluster's machine joined), or its budget or
+    engines changed. Bytes; ``engines``: the worker engines it runs (None: every one)."""
+
+    node: str
+    budget: int
+    engines: frozenset[str] | None = None
+    spares: bool = False  # it keeps a spare worker
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLost:
+    """A node is gone, and every worker on it (a cluster's machine left or died): its
+    models become absent, their requests fail, their waiters are placed again elsewhere."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Suspend:
     """The compute gate stopped the model's worker (``on``) or let it go on."""
 
@@ -259,7 +279,7 @@ class KeepSpare:
 
 Event = (Want | Cancel | Release | Constrained | Report | WorkerReady | LoadFailed
          | WorkerExited | Probed | Flushed | WorkerStopped | Measured | SpareFilled
-         | SpareGone | Suspend | Tick
+         | SpareGone | NodeJoined | NodeLost | Suspend | Tick
          | Unload | Register | Mount | Reload | Pin | KeepAlive | PauseHold | OperatorPause
          | OperatorResume | AwaitQuiet | StopLoads | Open | Close | KeepSpare)
 

@@ -164,7 +164,8 @@ def too_large(m: Model, d: policy.NeverFits) -> ModelTooLarge:
         if d.pinned_bytes else ""
     need, budget = _sizes(d.need, d.budget)
     if not d.budget:
-        return ModelTooLarge(f"model {m.id!r}: no node runs its engine ({m.spec.engine})")
+        return ModelTooLarge(f"model {m.id!r}: no node that runs its engine "
+                             f"({m.spec.engine or 'its own program'}) is up")
     return ModelTooLarge(f"model {m.id!r} needs {need} but the memory budget is {budget}"
                          f"{pinned}; raise --budget or lower the model's context")
 
@@ -178,7 +179,7 @@ def _sizes(a: int, b: int) -> tuple[str, str]:
 
 def memory_error(s: State, m: Model) -> InsufficientMemory:
     node, decision, _ = place(s, m)
-    free = s.nodes[node].budget - s.used_bytes(node)
+    free = s.nodes[node].budget - s.used_bytes(node) if node in s.nodes else 0
     blocking: Iterable[str] = ()
     if isinstance(decision, policy.MustWait):
         blocking = decision.blocking
@@ -216,8 +217,11 @@ _RANK = {policy.Fits: 0, policy.Room: 1, policy.MustWait: 3, policy.NeverFits: 4
 def place(s: State, m: Model) -> tuple[str, policy.Decision, bool]:
     """The node for ``m`` and what it takes there: among the nodes that run its engine, the
     node where it fits now, else where it fits after drains alone, else after requests end,
-    else where loads under way stand in the way; NeverFits only if it fits on none."""
-    best: tuple[int, str, policy.Decision, bool] | None = None
+    else where loads under way stand in the way; NeverFits only if it fits on none. Among
+    nodes equal in that, the node its last worker served on (its KV snapshots are on that
+    node's disk), then the least used (the smallest share of its budget in use), then the
+    first by id."""
+    best: tuple[tuple[int, bool, float, str], policy.Decision, bool] | None = None
     for node in s.nodes.values():
         if node.engines is not None and m.spec.engine not in node.engines:
             continue
@@ -226,11 +230,13 @@ def place(s: State, m: Model) -> tuple[str, policy.Decision, bool]:
         rank = _RANK[type(decision)]
         if isinstance(decision, policy.Room) and decision.hold:
             rank = 2
-        if best is None or rank < best[0]:
-            best = (rank, node.id, decision, use_spare)
+        used = s.used_bytes(node.id) / node.budget if node.budget > 0 else math.inf
+        key = (rank, node.id != m.last_node, used, node.id)
+        if best is None or key < best[0]:
+            best = (key, decision, use_spare)
     if best is None:  # no node runs its engine: waiting cannot help
         return "", policy.NeverFits(m.spec.estimate, 0, 0), False
-    return best[1], best[2], best[3]
+    return best[0][3], best[1], best[2]
 
 
 def _make_room(s: State, head: Model, decision: policy.Decision, node: str, fx: Fx

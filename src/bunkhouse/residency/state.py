@@ -145,6 +145,7 @@ class Model:
     last_error: str | None = None  # for any caller: no paths, no worker output
     last_error_detail: str | None = None  # the worker's output: log and admins only
     last_load_s: float | None = None
+    last_node: str | None = None  # where its last worker served: its KV snapshots are there
     generation: int = 0  # of its settings: its slot gate is remade when this changes
 
     @property

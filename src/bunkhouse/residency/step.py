@@ -48,6 +48,7 @@ from bunkhouse.residency.schedule import place, schedule, settle, too_large
 from bunkhouse.residency.state import (
     Drain,
     Model,
+    Node,
     Phase,
     SpareStatus,
     Stage,
@@ -191,7 +192,8 @@ def _worker_ready(s: State, e: msg.WorkerReady, now: float, fx: Fx) -> State:
     worker = replace(m.worker, pid=e.pid, placement=e.placement, ready_at=now)
     load_s = now - m.worker.spawned_at
     m = replace(m, worker=worker, measured=e.measured, last_error=None,
-                last_error_detail=None, last_load_s=load_s, respawn=False, not_before=0.0)
+                last_error_detail=None, last_load_s=load_s, respawn=False, not_before=0.0,
+                last_node=worker.node)
     measured = f"{e.measured // MIB} MiB" if e.measured else "unknown"
     m = set_phase(m, Phase.READY,
                f"{e.placement}, {m.spec.model.size_bytes / MIB:.0f} MiB file, loaded in "
@@ -200,9 +202,9 @@ def _worker_ready(s: State, e: msg.WorkerReady, now: float, fx: Fx) -> State:
                load_s=round(load_s, 3))
     fx.append(msg.ResetSlots(m.id))
     s = put_health(s, m.id, supervision.fresh_worker(s.health[m.id]))
-    node = s.nodes[worker.node]
-    if m.spec.engine:  # "" : an engine's own program, which no spare becomes
-        s = put_node(s, replace(node, spare_engine=m.spec.engine, spare_failed=False))
+    node = s.nodes.get(worker.node)
+    if node is not None and m.spec.engine:  # "": an engine's own program (no spare becomes
+        s = put_node(s, replace(node, spare_engine=m.spec.engine, spare_failed=False))  # it)
     if m.drain is not None:  # cancelled while it started: it stops at once
         reason = m.drain.reason
         fx.append(msg.Stop(m.id, worker.id))
@@ -218,7 +220,8 @@ def _load_failed(s: State, e: msg.LoadFailed, now: float, fx: Fx) -> State:
     m = current(s, e.model, e.worker)
     if m is None or m.phase is not Phase.LOADING or m.worker is None:
         return s
-    if e.error is None:  # cancelled: a delete, or the front's close
+    if e.error is None or m.drain is not None:  # cancelled: a delete, the front's close, its
+        # node lost (a load that failed once cancelled is not the model's failure)
         m = replace(set_phase(m, Phase.ABSENT, "load cancelled", fx), worker=None, drain=None)
         return absent(s, m, now, fx)
     # what any reader may see; the detail (paths, output) is for the log and admins only
@@ -338,7 +341,10 @@ def _stopped(s: State, e: msg.WorkerStopped, now: float, fx: Fx) -> State:
                       m.last_error_detail)
     else:
         m = set_phase(m, Phase.ABSENT, f"stopped ({reason})", fx)
-    m = replace(m, worker=None, measured=None, drain=None)
+    # requests that came while it drained wait for its next load from now: their wait for
+    # room (and its deadline) begins once the old worker is gone (a crash, a lost node)
+    m = replace(m, worker=None, measured=None, drain=None,
+                wait_since=now if m.waiters else None)
     if m.respawn and not s.closing and not m.retired:
         delay = max(0.0, m.not_before - now)
         fx.append(msg.Publish(m.id, "respawning", f"after {delay:.0f} s backoff"))
@@ -360,7 +366,9 @@ def _measured(s: State, e: msg.Measured, now: float, fx: Fx) -> State:
 
 
 def _spare_filled(s: State, e: msg.SpareFilled, now: float, fx: Fx) -> State:
-    node = s.nodes[e.node]
+    node = s.nodes.get(e.node)
+    if node is None:  # lost meanwhile, and its spare with it
+        return s
     if node.spare is None or node.spare.status is not SpareStatus.FILLING:
         return s  # dropped meanwhile: the executor kills what the fill made
     if e.pid is None:
@@ -370,7 +378,53 @@ def _spare_filled(s: State, e: msg.SpareFilled, now: float, fx: Fx) -> State:
 
 
 def _spare_gone(s: State, e: msg.SpareGone, now: float, fx: Fx) -> State:
-    return put_node(s, replace(s.nodes[e.node], spare=None))
+    node = s.nodes.get(e.node)
+    return s if node is None else put_node(s, replace(node, spare=None))
+
+
+def _node_joined(s: State, e: msg.NodeJoined, now: float, fx: Fx) -> State:
+    node = s.nodes.get(e.node)
+    if node is None:
+        fx.append(msg.Log(logging.INFO, f"node {e.node} joined: budget {e.budget // MIB} MiB"))
+        return put_node(s, Node(e.node, e.budget, e.engines, e.spares))
+    return put_node(s, replace(node, budget=e.budget, engines=e.engines, spares=e.spares))
+
+
+def _node_lost(s: State, e: msg.NodeLost, now: float, fx: Fx) -> State:
+    """Every worker on the node is gone with it. A model loading there is cancelled (its
+    waiters wait on, and are placed again once the cancel comes back); a ready one drains
+    at once (its requests are failing already: their leases end as they do); none of it
+    counts against a model's restart budget (the node failed, not the model)."""
+    if e.node not in s.nodes:
+        return s
+    lost = sorted(m.id for m in s.models.values()
+                  if m.worker is not None and m.worker.node == e.node)
+    fx.append(msg.Log(logging.WARNING,
+                      f"node {e.node} lost ({e.reason}); its models: "
+                      f"{', '.join(lost) or 'none'}"))
+    s = replace(s, nodes={k: v for k, v in s.nodes.items() if k != e.node})
+    cause = f"its node {e.node} was lost ({e.reason})"
+    for model_id in lost:
+        m = s.models[model_id]
+        assert m.worker is not None
+        worker = replace(m.worker, alive=False)
+        # its death is known: a later exit of the same worker is not counted (nor is this)
+        s = put_health(s, m.id, replace(s.health[m.id], counted=worker.id))
+        if m.phase is Phase.LOADING:
+            if m.drain is None:
+                fx.append(msg.CancelSpawn(m.id, worker.id))
+                m = replace(m, drain=Drain(cause, Stage.STOP))
+            s = put(s, replace(m, worker=worker))
+        elif m.phase is Phase.READY:
+            fx.append(msg.Publish(m.id, "crashed", cause))
+            m = replace(set_phase(m, Phase.DRAINING, cause, fx, cause="node_lost"),
+                        worker=worker, drain=Drain(cause, Stage.STOP), last_error=cause,
+                        last_node=None)
+            fx.append(msg.Stop(m.id, worker.id))
+            s = put(s, m)
+        else:  # draining: its flush (if one is under way) comes back, then it stops
+            s = put(s, advance_drain(s, replace(m, worker=worker, last_node=None), fx))
+    return s
 
 
 def _suspend(s: State, e: msg.Suspend, now: float, fx: Fx) -> State:
@@ -388,6 +442,7 @@ _HANDLERS: Mapping[type, Callable[[State, Any, float, Fx], State]] = {  # one pe
     msg.WorkerReady: _worker_ready, msg.LoadFailed: _load_failed, msg.WorkerExited: _exited,
     msg.Probed: _probed, msg.Flushed: _flushed, msg.WorkerStopped: _stopped,
     msg.Measured: _measured, msg.SpareFilled: _spare_filled, msg.SpareGone: _spare_gone,
+    msg.NodeJoined: _node_joined, msg.NodeLost: _node_lost,
     msg.Suspend: _suspend, msg.Tick: timers.tick,
     msg.Unload: commands.unload, msg.Register: commands.register, msg.Mount: commands.mount,
     msg.Reload: commands.reload, msg.Pin: commands.pin, msg.KeepAlive: commands.keep_alive,
