@@ -233,6 +233,7 @@ class Settings:
     cache_dir: Path = field(default_factory=lambda: default_cache_dir())
     kv_cache_dir: Path = field(default_factory=lambda: default_kv_cache_dir())
     llama_server: Path | None = None  # the llama-server binary; None: llama-server on PATH
+    ray_address: str | None = None  # a Ray cluster whose nodes run the workers; None: local
     default_engine: str = DEFAULT_ENGINE  # of a GGUF model without an engine of its own
     kv_cache_max: int | None = None  # bytes; None: a share of the free disk; 0: no snapshots
     responses_db: Path = field(default_factory=lambda: default_data_dir() / "responses.db")

@@ -11,7 +11,7 @@ import argparse
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -27,6 +27,7 @@ from bunkhouse.residency.events import EventLog
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
+    from bunkhouse.cluster.front import Cluster
     from bunkhouse.front.auth import Keys
     from bunkhouse.front.response_store import ResponseStore
     from bunkhouse.kvcache.keeper import SnapshotKeeper
@@ -62,17 +63,24 @@ def serve(settings: Settings, catalog: Catalog, rebuild: Rebuild | None = None) 
     from bunkhouse.residency.estimate import default_budget_bytes
 
     budget = settings.budget_bytes or default_budget_bytes()
+    cluster = _cluster(settings, catalog)
+    if cluster is not None:
+        budget = max(n.budget for n in cluster.nodes.values())  # the preload check's
     check_before_start(settings, catalog, budget)
     events = EventLog()
-    keeper = _snapshot_keeper(settings, events)
+    keeper = _snapshot_keeper(settings, events) if cluster is None else None
+    if cluster is not None:
+        log.info("KV snapshots off: they are not kept on Ray nodes yet (docs/scaling.md)")
     launcher = _launcher(settings, keeper)
-    residency = _residency(settings, catalog, budget, launcher, events, keeper)
+    residency = _residency(settings, catalog, budget, launcher, events, keeper, cluster)
     keys = Keys(settings.api_keys, settings.admin_keys)
     app = _app(settings, catalog, residency, launcher=launcher, keeper=keeper, keys=keys,
-               rebuild=rebuild)
+               rebuild=rebuild, cluster=cluster)
     warn_at_start(settings, catalog, budget)
+    where = (f"memory budget {budget // 2**20} MiB" if cluster is None else
+             f"on {len(cluster.nodes)} Ray node(s) of {cluster.address}")
     serving = (f"serving {len(catalog)} model(s) on http://{settings.host}:{settings.port} "
-               f"(default: {catalog.default_id}), memory budget {budget // 2**20} MiB")
+               f"(default: {catalog.default_id}), {where}")
     server = Server(_uvicorn_config(app, settings), _stop_workers(residency, launcher),
                     settings.stop_grace_s, serving, on_stop=_on_stop(residency, events))
     server.run()
@@ -114,20 +122,73 @@ def _launcher(settings: Settings, keeper: SnapshotKeeper | None) -> LocalLaunche
                          snapshot_dir=keeper.store.worker_dir if keeper else None)
 
 
+def _cluster(settings: Settings, catalog: Catalog) -> Cluster | None:
+    """The Ray cluster whose nodes run the workers (``--ray``), checked before serving:
+    reachable, with a node that fits a model (a node too small for every model is named
+    with a warning); None without ``--ray``."""
+    if settings.ray_address is None:
+        return None
+    import os
+
+    from bunkhouse.cluster.front import Cluster, check_cluster
+    from bunkhouse.errors import ConfigError
+    from bunkhouse.residency.estimate import estimate
+    from bunkhouse.supervisor.process import LaunchOptions
+
+    address = settings.ray_address
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "")
+        if not address:
+            raise ConfigError("--ray auto reads RAY_ADDRESS, which is not set; pass the "
+                              "cluster's address (host:port of its head)")
+    nodes = check_cluster(address)
+    needs = sorted(estimate(m).total for m in catalog)
+    if not nodes:
+        raise ConfigError(f"--ray {address}: the Ray cluster has no alive node")
+    small = [n for n in nodes if needs and n.budget < needs[0]]
+    for n in small:
+        log.warning("Ray node %s (%s) has a budget of %d MiB, too small for every model "
+                    "(the smallest needs %d MiB): it gets no workers", n.id, n.address,
+                    n.budget // 2**20, needs[0] // 2**20)
+    if needs and len(small) == len(nodes):
+        raise ConfigError(f"--ray {address}: no node's budget fits any model (the largest "
+                          f"budget is {max(n.budget for n in nodes) // 2**20} MiB, the "
+                          f"smallest model needs {needs[0] // 2**20} MiB); set each node's "
+                          "bunkhouse_memory_mib resource (docs/scaling.md)")
+    cluster = Cluster(address, LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
+                                             settings.worker_engine))
+    cluster.nodes = {n.id: n for n in nodes}  # as checked; the agent reports them again
+    log.info("Ray cluster at %s: %s", address, ", ".join(
+        f"{n.id[:12]} ({n.address}, {n.budget // 2**20} MiB)" for n in nodes))
+    return cluster
+
+
 def _residency(settings: Settings, catalog: Catalog, budget: int, launcher: LocalLauncher,
-               events: EventLog, keeper: SnapshotKeeper | None) -> ResidencyManager:
-    """Which models are loaded, within the memory budget."""
+               events: EventLog, keeper: SnapshotKeeper | None,
+               cluster: Cluster | None = None) -> ResidencyManager:
+    """Which models are loaded, within the memory budget (each node's, with a cluster)."""
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 
+    start: Callable[..., Awaitable[Any]] = launcher.start
+    if cluster is not None:
+        start = _cluster_start(cluster)
     return ResidencyManager(
         catalog,
         ResidencyOptions(budget_bytes=budget, ttl_s=settings.ttl_s,
                          admission_wait_s=settings.admission_wait_s,
                          probe_interval_s=settings.probe_interval_s,
-                         probe_timeout_s=settings.probe_interval_s),
-        launcher.start, events=events, flush=keeper.flush if keeper else None,
-        spare=launcher if settings.spare_worker else None,
+                         probe_timeout_s=settings.probe_interval_s,
+                         local_node=cluster is None),
+        start, events=events, flush=keeper.flush if keeper and cluster is None else None,
+        spare=launcher if settings.spare_worker and cluster is None else None,
     )
+
+
+def _cluster_start(cluster: Cluster) -> Callable[..., Awaitable[Any]]:
+    async def start(model: Any, node: str = "", use_spare: bool = False) -> Any:
+        return await cluster.start_worker(model, node)
+
+    return start
 
 
 def _response_store(settings: Settings) -> ResponseStore | None:
@@ -143,7 +204,7 @@ def _response_store(settings: Settings) -> ResponseStore | None:
 
 def _app(settings: Settings, catalog: Catalog, residency: ResidencyManager, *,
          launcher: LocalLauncher, keeper: SnapshotKeeper | None, keys: Keys,
-         rebuild: Rebuild | None) -> Starlette:
+         rebuild: Rebuild | None, cluster: Cluster | None = None) -> Starlette:
     """The front's HTTP app over residency."""
     from bunkhouse.front.admin import AdminOptions
     from bunkhouse.front.admission import ComputeGate
@@ -153,7 +214,7 @@ def _app(settings: Settings, catalog: Catalog, residency: ResidencyManager, *,
     from bunkhouse.front.waiting import WaitingOptions
 
     return build_app(catalog, residency, Parts(
-        preload=settings.preload, on_shutdown=launcher.close, keeper=keeper,
+        preload=settings.preload, on_shutdown=launcher.close, keeper=keeper, cluster=cluster,
         responses=_response_store(settings), keys=keys,
         compute=ComputeGate(enabled=settings.compute_gate, turn_s=settings.compute_turn_s,
                             suspend=residency.suspend, resume=residency.resume),

@@ -204,6 +204,11 @@ def _compute(serve: argparse.ArgumentParser) -> None:
                        help="on: while the host is idle, keep a worker process with the "
                             "engine imported and no model (64 MiB of the budget), so that "
                             "the next load pays only for its model (%(default)s)")
+    serve.add_argument("--ray", metavar="ADDRESS", default=None,
+                       help="place models on the nodes of a running Ray cluster (host:port of "
+                            "its head, or 'auto': $RAY_ADDRESS); each node's budget is its "
+                            "bunkhouse_memory_mib resource, else half its memory. Needs "
+                            "pip install 'bunkhouse[ray]' (docs/scaling.md)")
     serve.add_argument("--worker-engine", default=None, metavar="MODULE:CLASS",
                        help="load this worker engine class for every model instead of each "
                             "model's own (for tests and experiments; models pick their engine "

@@ -58,6 +58,7 @@ def _serve_settings(settings: Settings, args: argparse.Namespace) -> Settings:
                          "--admin-key"),
         max_body_bytes=args.max_body,
         max_audio_bytes=args.max_audio,
+        ray_address=args.ray,
         kv_cache_max=args.kv_cache_max,
         responses_keep=args.responses_keep,
         responses_max_age_s=args.responses_days * 86400,

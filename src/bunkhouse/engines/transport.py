@@ -34,8 +34,15 @@ class WorkerTransport(httpx.AsyncBaseTransport):
     RemoteProtocolError (all TransportError).
     """
 
-    def __init__(self, uds: str) -> None:
+    def __init__(self, uds: str | None = None, *, url: str | None = None,
+                 secret: str | None = None) -> None:
+        """``uds``: the worker's Unix socket; or ``url`` (``http://HOST:PORT``), a worker's
+        relay on a cluster node (cluster/relay.py), sent ``secret`` as a bearer token."""
+        if (uds is None) == (url is None):
+            raise ValueError("a worker transport needs a Unix socket or a URL, not both")
         self.uds = uds
+        self._url = httpx.URL(url) if url is not None else None
+        self._auth = {"Authorization": f"Bearer {secret}"} if secret else {}
         self._session: aiohttp.ClientSession | None = None
         self._open: set[aiohttp.ClientResponse] = set()  # answers still being read
         self._closed = False
@@ -44,9 +51,12 @@ class WorkerTransport(httpx.AsyncBaseTransport):
         if self._closed:  # never a new connection once closed (its worker is stopping)
             raise httpx.ConnectError("the worker's client is closed", request=request)
         if self._session is None:  # made on first use, inside the running loop
+            connector: aiohttp.BaseConnector = (
+                aiohttp.UnixConnector(path=self.uds, force_close=True, limit=0)
+                if self.uds is not None else aiohttp.TCPConnector(force_close=True, limit=0))
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=self.uds, force_close=True, limit=0),
-                auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
+                connector=connector, auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None))
         return self._session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -54,12 +64,17 @@ class WorkerTransport(httpx.AsyncBaseTransport):
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.get("connect"),
                                         sock_read=timeouts.get("read"))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
+        headers.update(self._auth)
+        url = request.url
+        if self._url is not None:
+            url = url.copy_with(scheme=self._url.scheme, host=self._url.host,
+                                port=self._url.port)
         # bytes as they are; a streamed body (an upload) as aiohttp's async iterable payload
         data: Any = (request.content if isinstance(request.stream, httpx.ByteStream)
                      else request.stream)
         try:
             resp = await self._client(request).request(
-                request.method, str(request.url), data=data, headers=headers, timeout=timeout,
+                request.method, str(url), data=data, headers=headers, timeout=timeout,
                 allow_redirects=False, skip_auto_headers=("Content-Type",))
         except Exception as e:
             raise _httpx_error(e, request, connecting=True) from e

@@ -11,7 +11,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -57,6 +57,9 @@ from bunkhouse.front.watch import EventStream
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import ResidencyManager
 
+if TYPE_CHECKING:
+    from bunkhouse.cluster.front import Cluster
+
 log = logging.getLogger(__name__)
 
 
@@ -89,7 +92,9 @@ class Parts:
     off when None. ``responses``: where Responses API answers are stored (opened at startup).
     ``reloader``: how the configuration is re-read, on ``POST /admin/reload`` and on SIGHUP.
     ``constraints``: what measures requests' constraints (front/constraints.py; default: a
-    probe process per model). ``on_shutdown``: called last when the app stops."""
+    probe process per model). ``cluster``: the Ray cluster whose nodes run the workers
+    (started before the preloads, closed after residency). ``on_shutdown``: called last
+    when the app stops."""
 
     preload: Sequence[str] = ()
     compute: ComputeGate | None = None
@@ -98,6 +103,7 @@ class Parts:
     responses: ResponseStore | None = None
     reloader: Reloader | None = None
     constraints: ConstraintGate | None = None
+    cluster: Cluster | None = None
     on_shutdown: Callable[[], None] | None = None
 
 
@@ -245,6 +251,8 @@ async def _lifespan(pipeline: Pipeline, parts: Parts, app: Starlette) -> AsyncIt
     hangups = _on_hangup(parts.reloader)
     if parts.responses is not None:
         await _open_responses(parts.responses)
+    if parts.cluster is not None:
+        await parts.cluster.start(residency)
     try:
         for model_id in parts.preload:
             try:
@@ -261,6 +269,8 @@ async def _lifespan(pipeline: Pipeline, parts: Parts, app: Starlette) -> AsyncIt
             await parts.keeper.close()  # idle saves stop; each drain saves what is unsaved
         pipeline.constraints.close()
         await residency.close()
+        if parts.cluster is not None:
+            await parts.cluster.close()  # the agent, and what Ray ran for it, end
         residency.events.close()  # every event stream ends
         if parts.keeper is not None:
             parts.keeper.log_shutdown([m.id for m in catalog])

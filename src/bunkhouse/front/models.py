@@ -14,6 +14,7 @@ from bunkhouse.front.auth import Keys, Level
 from bunkhouse.front.metrics import DraftTally
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import ResidencyManager
+from bunkhouse.residency.state import LOCAL
 
 
 class ModelViews:
@@ -65,6 +66,8 @@ class ModelViews:
             "pid": status.pid,
             "last_error": status.last_error,
         }
+        if status.node is not None and status.node != LOCAL:  # a cluster's node (Ray's id)
+            described["node"] = status.node
         if base.refused and status.state in ("absent", "failed"):  # listed, never loaded
             described.update(state="failed", last_error=f"cannot be served under its "
                              f"options: {base.refused}")
@@ -109,8 +112,10 @@ class ModelViews:
     async def stats(self, request: Request) -> Response:
         r = self.residency
         detail = self.is_admin(request)
-        budget, used = r.options.budget_bytes, r.used_bytes()
+        nodes = r.nodes()
+        budget, used = sum(n["budget_bytes"] for n in nodes), r.used_bytes()
         return JSONResponse({
+            "nodes": nodes,
             "budget_bytes": budget,
             "used_bytes": used,
             "free_bytes": budget - used,

@@ -55,6 +55,7 @@ class ModelStatus:
     last_error: str | None
     last_error_detail: str | None = None  # for admin-key callers only
     waiting: int = 0  # requests waiting for a lease: the model's load, memory, a pause
+    node: str | None = None  # where its worker runs (None: none runs; "local": this host)
 
 
 class Lease:
@@ -369,7 +370,15 @@ class ResidencyManager:
             measured_bytes=m.measured, pinned=m.pinned, leases=len(m.leases),
             last_used=m.last_used + self._wall_offset if m.last_used else None,
             pid=w.pid if w is not None else None, last_error=m.last_error,
-            last_error_detail=m.last_error_detail, waiting=len(m.waiters))
+            last_error_detail=m.last_error_detail, waiting=len(m.waiters),
+            node=w.node if w is not None else None)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Each node: its id, budget and the bytes its models (and spare) hold."""
+        s = self._loop.state
+        return [{"id": n.id, "budget_bytes": n.budget, "used_bytes": s.used_bytes(n.id),
+                 "models": sorted(m.id for m in s.models.values() if m.node == n.id)}
+                for n in s.nodes.values()]
 
     def statuses(self) -> list[ModelStatus]:
         return [self.status(model_id) for model_id in self._loop.state.models]

@@ -51,6 +51,7 @@ class ResidencyOptions:
     """How residency decides. Seconds, bytes; defaults from bunkhouse.defaults."""
 
     budget_bytes: int  # the local node's
+    local_node: bool = True  # false: workers run only on the nodes that join (a cluster's)
     ttl_s: float = 0.0  # global idle unload; 0: never
     admission_wait_s: float = defaults.ADMISSION_WAIT_S
     drain_grace_s: float = defaults.DRAIN_GRACE_S
@@ -250,8 +251,10 @@ class State:
 
 def initial(options: ResidencyOptions, specs: list[Spec], *, spares: bool = False,
             flush: bool = False) -> State:
-    """The state of a host that has loaded nothing yet: one local node."""
-    node = Node(LOCAL, options.budget_bytes, spares=spares)
-    return State(options, {LOCAL: node},
+    """The state of a host that has loaded nothing yet: one local node (none with a cluster:
+    its nodes join as events)."""
+    nodes = {LOCAL: Node(LOCAL, options.budget_bytes, spares=spares)} \
+        if options.local_node else {}
+    return State(options, nodes,
                  {s.model.id: Model(s, pinned=s.model.pinned) for s in specs},
                  {s.model.id: Health() for s in specs}, flush=flush)

@@ -1,0 +1,81 @@
+"""What runs on a cluster node for one worker: a Ray actor (the agent makes it, pinned to
+the node) that starts the worker exactly as the front starts a local one
+(supervisor/process.py: the model file opened and checked, the ready deadline, the output
+kept, SIGTERM then SIGKILL, the parent-death signal) and puts the relay (cluster/relay.py)
+in front of its Unix socket.
+
+The worker is the actor process's child and the actor the raylet's: when the raylet goes
+(its node lost), the actor's parent-death signal ends it, and the worker's ends the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bunkhouse.catalog import CatalogModel
+from bunkhouse.cluster.relay import Relay
+from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess
+from bunkhouse.worker.lifeline import hold
+
+
+class WorkerHost:
+    """One worker on this node. Each method is an actor call from the agent."""
+
+    def __init__(self) -> None:
+        # The actor process is the raylet's child: it dies with the raylet (a lost node's
+        # actors would otherwise run on, orphaned, for as long as Ray takes to notice), and
+        # its worker with it.
+        hold(os.getppid(), lambda: os._exit(1))
+        self._dir = Path(tempfile.mkdtemp(prefix="bunkhouse-node-"))  # mode 0700
+        self._worker: WorkerProcess | None = None
+        self._relay: Relay | None = None
+        self._exited = asyncio.Event()
+
+    async def start(self, model: CatalogModel, options: LaunchOptions, secret: str,
+                    host: str, snapshot_dir: str | None) -> dict[str, Any]:
+        """Start the worker and its relay on ``host`` (this node's address); returns
+        ``{"port", "pid", "adapter_versions"}``; raises WorkerLoadFailed as locally."""
+        snapshots = Path(snapshot_dir) if snapshot_dir else None
+        if snapshots is not None:
+            snapshots.mkdir(parents=True, exist_ok=True, mode=0o700)
+        worker = WorkerProcess(model, WorkerLaunch(self._dir / "w.sock", options, snapshots))
+        worker.on_exit = self._exited.set
+        self._worker = worker
+        await worker.start()
+        self._relay = Relay(str(self._dir / "w.sock"), secret)
+        port = await self._relay.start(host)
+        return {"port": port, "pid": worker.pid,
+                "adapter_versions": dict(worker.adapter_versions)}
+
+    async def exited(self) -> dict[str, Any]:
+        """Returns once the worker died by itself: why, and its last output."""
+        await self._exited.wait()
+        worker = self._worker
+        assert worker is not None
+        return {"cause": worker.exit_cause, "detail": worker.exit_detail}
+
+    def memory(self) -> tuple[int, int] | None:
+        """The worker's resident bytes now and at its peak (None: not running)."""
+        memory = self._worker.memory() if self._worker is not None else None
+        return (memory.resident, memory.peak) if memory is not None else None
+
+    def signal(self, suspend: bool) -> None:
+        """The compute gate's time slice: SIGSTOP (``suspend``) or SIGCONT."""
+        if self._worker is not None:
+            self._worker.suspend() if suspend else self._worker.resume()
+
+    async def stop(self) -> None:
+        """Stop the relay (its streams end), then the worker (SIGTERM, the grace, SIGKILL);
+        returns once it is reaped."""
+        if self._relay is not None:
+            with contextlib.suppress(Exception):
+                await self._relay.close()
+        if self._worker is not None:
+            await self._worker.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)

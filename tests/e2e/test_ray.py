@@ -1,0 +1,223 @@
+"""Scale-out on Ray end to end: a local cluster of 3 nodes on this machine
+(``ray.cluster_utils.Cluster``, one CPU each, a ``bunkhouse_memory_mib`` budget of 1,200 MiB
+so that Qwen (1,058 MiB estimated) and Gemma (646) cannot share a node), and
+`bunkhouse serve --ray ADDRESS` over it.
+
+The packaged models answer through the openai SDK, each from its own node (``node`` in
+/v1/models is Ray's node id); a third model goes to the third node; a fourth evicts the model
+on a node where it then fits. A worker's relay answers 401 to a request without its secret.
+A node removed while a stream runs on it: the stream ends with an error event, /health
+never stops answering, the next request is served from another node, and nothing of the
+lost node is left running. Bad configurations are refused before anything starts.
+Skipped, saying why, where Ray is not installed (it is the ``ray`` extra)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from bunkhouse.catalog import Catalog
+from tests.e2e.server import Server, serve
+from tests.e2e.shared import post_stream
+from tests.helpers import wait_for
+from tests.models import GEMMA, QWEN
+
+pytestmark = pytest.mark.slow
+cluster_utils = pytest.importorskip("ray.cluster_utils", reason="the 'ray' extra is not "
+                                    "installed (pip install -e '.[ray]')")
+
+NODE_MIB = 1200
+EXTRA = ("gemma-b", "gemma-c")  # the packaged Gemma's file under other ids
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    c = cluster_utils.Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"bunkhouse_memory_mib": NODE_MIB}})
+    for _ in range(2):
+        c.add_node(num_cpus=1, resources={"bunkhouse_memory_mib": NODE_MIB})
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(cluster: Any, tmp_path_factory: pytest.TempPathFactory,
+           packaged_catalog: Catalog) -> Iterator[Server]:
+    gemma = packaged_catalog.get(GEMMA).path
+    workdir = tmp_path_factory.mktemp("ray")
+    config = workdir / "bunkhouse.toml"
+    config.write_text("hf_cache = false\nollama = false\nlmstudio = false\n"
+                      "[defaults]\nthreads = 1\n"
+                      + "".join(f'[[models]]\nid = "{m}"\npath = "{gemma}"\n' for m in EXTRA))
+    with serve(workdir, "--config", str(config), "--ray", cluster.address,
+               "--spare-worker", "off", "--compute-gate", "off") as s:
+        yield s
+
+
+def _node(server: Server, model_id: str) -> str | None:
+    node: str | None = server.model(model_id).get("node")
+    return node
+
+
+def _complete(server: Server, model_id: str) -> str:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300)
+    answer = client.completions.create(model=model_id, prompt="The capital of France is",
+                                       max_tokens=4)
+    return answer.choices[0].text
+
+
+def _http_status(url: str) -> int | None:
+    """The HTTP status ``url`` answers with; None where what listens speaks no HTTP (Ray's
+    own ports in a worker host's process)."""
+    try:
+        return httpx.get(url, timeout=10).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def _relay_ports() -> list[int]:
+    """The TCP ports the worker hosts on this machine listen on (their relays, and Ray's
+    own)."""
+    ports = []
+    for proc in psutil.process_iter(["name"]):
+        if "WorkerHost" not in (proc.info["name"] or ""):
+            continue
+        try:
+            ports += [c.laddr.port for c in proc.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    return ports
+
+
+def test_models_are_placed_on_nodes_by_fit_and_answer_through_their_relays(
+        server: Server, cluster: Any) -> None:
+    nodes = {n.node_id for n in cluster.list_all_nodes()}
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300)
+    chat = client.chat.completions.create(
+        model=QWEN, messages=[{"role": "user", "content": "Say hello in one word."}],
+        max_tokens=8)
+    assert chat.choices[0].message.content
+    assert _complete(server, GEMMA)
+    qwen_node, gemma_node = _node(server, QWEN), _node(server, GEMMA)
+    assert qwen_node in nodes and gemma_node in nodes and qwen_node != gemma_node
+
+    assert _complete(server, EXTRA[0])  # the third model: on the third node, the empty one
+    third = _node(server, EXTRA[0])
+    assert third in nodes - {qwen_node, gemma_node}
+    stats = server.stats()
+    assert {n["id"] for n in stats["nodes"]} == nodes
+    assert all(n["budget_bytes"] == NODE_MIB * 2**20 for n in stats["nodes"])
+    for model_id in (QWEN, GEMMA, EXTRA[0]):  # read on its node, every second
+        wait_for(lambda m=model_id: server.model(m)["measured_bytes"], 60,
+                 f"{model_id}'s memory as its node measured it")
+
+    assert _complete(server, EXTRA[1])  # fits no node as they are: one Gemma makes room
+    fourth = _node(server, EXTRA[1])
+    assert fourth in (gemma_node, third)
+    evicted = GEMMA if fourth == gemma_node else EXTRA[0]
+    kept = EXTRA[0] if evicted == GEMMA else GEMMA
+    assert server.model(evicted)["state"] == "absent"
+    assert server.model(kept)["state"] == "ready" and server.model(QWEN)["state"] == "ready"
+
+    host = cluster.address.split(":")[0]
+    answers = {port: _http_status(f"http://{host}:{port}/health") for port in _relay_ports()}
+    relays = {port: status for port, status in answers.items() if status is not None}
+    assert len(relays) == 3, answers  # one per worker: Qwen, a Gemma, the fourth
+    assert set(relays.values()) == {401}
+    for port in relays:
+        answer = httpx.get(f"http://{host}:{port}/v1/models", timeout=30,
+                           headers={"Authorization": "Bearer not-its-secret"})
+        assert answer.status_code == 401
+
+
+def test_a_node_lost_mid_stream_ends_the_stream_and_its_model_moves(
+        server: Server, cluster: Any) -> None:
+    head = cluster.head_node.node_id  # it holds the cluster: another node is lost
+    model_id = next(m for m in (GEMMA, EXTRA[0], EXTRA[1])
+                    if server.model(m)["state"] == "ready" and _node(server, m) != head)
+    lost = _node(server, model_id)
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == lost)
+    raylet = node.all_processes["raylet"][0].process.pid
+    lost_hosts = {p for p in _worker_hosts() if psutil.Process(p).ppid() == raylet}
+    assert len(lost_hosts) == 1  # the worker host of the model on the node to lose
+
+    health: list[int] = []
+    stop = threading.Event()
+
+    def watch_health() -> None:
+        while not stop.is_set():
+            try:
+                health.append(httpx.get(f"{server.url}/health", timeout=10).status_code)
+            except httpx.HTTPError:
+                health.append(0)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    first = threading.Event()
+    result: dict[str, Any] = {}
+
+    def stream() -> None:
+        result["status"], result["lines"] = post_stream(
+            server.url, "/v1/completions",
+            {"model": model_id, "prompt": "Once upon a time", "max_tokens": 2000}, first)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    try:
+        assert first.wait(300), "the stream never started"
+        cluster.remove_node(node)
+        streamer.join(120)
+        assert not streamer.is_alive(), "the stream did not end after its node was lost"
+    finally:
+        stop.set()
+        watcher.join(30)
+    lines = result["lines"]
+    assert result["status"] == 200 and "data: [DONE]" not in lines
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "error" in events[-1], lines[-3:]
+    assert health and set(health) == {200}
+
+    assert _complete(server, model_id)  # from a node still there
+    assert _node(server, model_id) not in (None, lost)
+    wait_for(lambda: not lost_hosts & _worker_hosts() or None, 60,
+             "the lost node's worker host to be gone")
+    orphans = [p for p in psutil.process_iter(["cmdline"])
+               if f"--model-id {model_id}" in " ".join(p.info["cmdline"] or [])
+               and p.ppid() not in _worker_hosts()]
+    assert not orphans, "a worker of the lost node runs on"
+
+
+def _worker_hosts() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"])
+            if "WorkerHost" in (p.info["name"] or "")}
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--ray", "127.0.0.1:1"], "cannot reach the Ray cluster"),
+    (["--ray", "auto"], "RAY_ADDRESS, which is not set"),
+])
+def test_a_cluster_that_cannot_be_used_is_refused_before_serving(
+        args: list[str], says: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "bunkhouse", "serve", "--port", "1", *args],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert says in done.stderr
+
