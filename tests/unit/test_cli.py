@@ -181,6 +181,27 @@ def test_ps_shows_adapters_under_their_base() -> None:
                                                         ["g", "absent"]]
 
 
+def test_ps_shows_each_models_node_and_each_nodes_budget_on_a_cluster() -> None:
+    from bunkhouse.cli.output import format_ps
+
+    base = {"pinned": False, "estimated_bytes": 2**20, "measured_bytes": None, "pid": 7,
+            "leases": 0, "last_used": None}
+    stats = {"budget_bytes": 2**31, "used_bytes": 2**20, "free_bytes": 2**31 - 2**20,
+             "peak_used_bytes": 2**20,
+             "nodes": [{"id": "c3d5f2a89ea40cbc741b", "budget_bytes": 2**30,
+                        "used_bytes": 2**20, "models": ["q"]},
+                       {"id": "d32c7aaeaaf6e99014e6", "budget_bytes": 2**30,
+                        "used_bytes": 0, "models": []}],
+             "models": [{**base, "id": "q", "state": "ready", "node": "c3d5f2a89ea40cbc741b"},
+                        {**base, "id": "g", "state": "absent", "pid": None}]}
+    lines = format_ps(stats).splitlines()
+    assert lines[0].split()[-2:] == ["NODE", "ACCEPTED"]
+    assert lines[1].split()[-2:] == ["c3d5f2a89ea4", "-"]
+    assert lines[2].split()[-2:] == ["-", "-"]
+    assert "node c3d5f2a89ea4: budget 1024 MiB, used 1 MiB: q" in lines
+    assert "node d32c7aaeaaf6: budget 1024 MiB, used 0 MiB: no model" in lines
+
+
 def test_ps_watch_waits_for_an_unreachable_server_until_interrupted(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import bunkhouse.cli.remote

@@ -109,21 +109,23 @@ def _idle(model: dict[str, Any], now: float) -> str:
 
 def format_ps(stats: dict[str, Any]) -> str:
     """``bunkhouse ps``: a server's ``/stats`` as a table of models, then its memory."""
+    models = stats["models"]
+    nodes = any(m.get("node") for m in models)  # a cluster's: the NODE column (its id's head)
     header = ("ID", "STATE", "PINNED", "LEASES", "RUN/QUEUE/WAIT", "ESTIMATED", "MEASURED",
-              "IDLE", "PID", "ACCEPTED")
+              "IDLE", "PID", *(("NODE",) if nodes else ()), "ACCEPTED")
     now = time.time()
     rows = [header]
-    models = stats["models"]
     for m in models:
         if m.get("parent"):
             continue
+        node = (printable(str(m["node"])[:12]) if m.get("node") else "-",) if nodes else ()
         rows.append((printable(str(m["id"])), printable(str(m["state"])),
                      "yes" if m["pinned"] else "no", str(m["leases"]),
                      f"{m.get('running', 0)}/{m.get('queued', 0)}/{m.get('waiting', 0)}",
                      mib(m["estimated_bytes"]), mib(m["measured_bytes"]),
-                     _idle(m, now), str(m["pid"] or "-"), _acceptance(m)))
+                     _idle(m, now), str(m["pid"] or "-"), *node, _acceptance(m)))
         rows += [(f"  + {printable(str(a['id']))}", "adapter", "", "", "", "", "", "", "",
-                  _acceptance(a))
+                  *(("",) if nodes else ()), _acceptance(a))
                  for a in models if a.get("parent") == m["id"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -147,6 +149,11 @@ def _memory_lines(stats: dict[str, Any]) -> list[str]:
                      "the next model to load takes it")
     lines.append(f"budget {mib(stats['budget_bytes'])}, used {mib(stats['used_bytes'])}, "
                  f"free {mib(stats['free_bytes'])}, peak {mib(stats['peak_used_bytes'])}")
+    for node in stats.get("nodes") or []:
+        if node.get("id") != "local":  # a cluster's nodes, each with its own budget
+            lines.append(f"node {printable(str(node['id'])[:12])}: budget "
+                         f"{mib(node['budget_bytes'])}, used {mib(node['used_bytes'])}: "
+                         f"{printable(', '.join(node['models'])) or 'no model'}")
     pause = stats.get("pause") or {}
     if pause.get("paused"):
         until = time.strftime("%H:%M:%S", time.localtime(pause["resumes_at"]))

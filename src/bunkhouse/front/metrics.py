@@ -123,11 +123,22 @@ class StateCollector(Collector):
     def _host(self) -> Iterator[Metric]:
         """The memory budget, residency's events and evictions, an operator's pause."""
         r = self.residency
+        nodes = r.nodes()
         for name, doc, value in (
-                ("budget_bytes", "memory all workers together may use", r.options.budget_bytes),
+                ("budget_bytes", "memory all workers together may use (every node's)",
+                 sum(n["budget_bytes"] for n in nodes)),
                 ("used_bytes", "memory the resident models hold", r.used_bytes()),
                 ("peak_used_bytes", "the most they held at once", r.peak_bytes)):
             yield GaugeMetricFamily(f"bunkhouse_{name}", doc, value=value)
+        budget = GaugeMetricFamily("bunkhouse_node_budget_bytes", "each node's budget (one "
+                                   "node, local, without --ray)", labels=["node"])
+        used = GaugeMetricFamily("bunkhouse_node_used_bytes", "what each node's models hold",
+                                 labels=["node"])
+        for n in nodes:
+            budget.add_metric([n["id"]], n["budget_bytes"])
+            used.add_metric([n["id"]], n["used_bytes"])
+        yield budget
+        yield used
         events = CounterMetricFamily(
             "bunkhouse_residency_events", "residency events by model and kind (loading is a "
             "load begun, ready one done, crashed a worker's death, respawning a restart)",
@@ -138,7 +149,7 @@ class StateCollector(Collector):
         yield events
         evictions = CounterMetricFamily(
             "bunkhouse_evictions", "models drained, by cause (room, idle, keep_alive, operator, "
-            "removed, crashed, shutdown, remount, other)", labels=["model", "cause"])
+            "removed, crashed, node_lost, shutdown, remount, other)", labels=["model", "cause"])
         for (model, cause), count in sorted(r.events.drains.items()):
             evictions.add_metric([model, cause], count)
         yield evictions
