@@ -194,6 +194,11 @@ def test_a_node_lost_mid_stream_ends_the_stream_and_its_model_moves(
     assert "error" in events[-1], lines[-3:]
     assert health and set(health) == {200}
 
+    wait_for(lambda: server.model(model_id)["state"] == "absent" or None, 60,
+             f"{model_id} to be absent: nobody asked for it again yet")
+    events = [e for e in server.stats()["events"] if e["model"] == model_id]
+    kinds = [e["kind"] for e in events[[e["kind"] for e in events].index("crashed"):]]
+    assert "respawning" not in kinds and "gave_up" not in kinds  # the node's loss, not its
     assert _complete(server, model_id)  # from a node still there
     assert _node(server, model_id) not in (None, lost)
     wait_for(lambda: not lost_hosts & _worker_hosts() or None, 60,

@@ -62,3 +62,17 @@ def test_ray_auto_needs_ray_address(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ConfigError, match="RAY_ADDRESS, which is not set"):
         compose._cluster(Settings(ray_address="auto"), Catalog([model("m")], None))
+
+
+@pytest.mark.parametrize(("given", "says"), [
+    ("", "is not host:port"), ("headnode", "is not host:port"), (":6379", "is not host:port"),
+    ("ray://head:10001", "is a Ray Client address"),
+])
+def test_a_ray_address_that_cannot_be_one_is_refused_by_the_parser(
+        given: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from bunkhouse.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--ray", given])
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err

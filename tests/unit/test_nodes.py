@@ -167,3 +167,38 @@ def test_the_manager_starts_a_worker_on_the_node_residency_chose() -> None:
         assert host.manager.snapshot().models["a"].node == "n2"
 
     asyncio.run(run())
+
+
+def test_a_worker_lost_with_its_host_is_not_the_models_failure_nor_reloaded_unasked() -> None:
+    host = Host({"n1": 1000, "n2": 1000})
+    host.load("a")
+    worker = host.state.models["a"].worker
+    assert worker is not None
+    host.send(msg.WorkerExited("a", worker.id, "its host process is gone", lost=True))
+    a = host.state.models["a"]
+    assert a.phase is Phase.DRAINING and not a.respawn
+    assert host.state.health["a"].failures == ()
+    host.send(msg.WorkerStopped("a", worker.id))
+    assert host.state.models["a"].phase is Phase.ABSENT
+    assert len(host.of(msg.Spawn, model="a")) == 1  # nobody asked: nothing loads
+    # the node's loss reported after the worker's: counted once, as nothing
+    host.send(msg.NodeLost("n1", "removed"))
+    assert host.state.health["a"].failures == ()
+
+
+def test_an_operators_load_is_not_refused_by_a_crash_loops_cool_down() -> None:
+    from bunkhouse.errors import ModelFailed
+
+    host = Host({"n1": 1000})
+    s = host.state  # a crash loop gave up on "a" a moment ago: it cools down for 60 s
+    host.state = dataclasses.replace(
+        s, models={**s.models, "a": dataclasses.replace(s.models["a"], phase=Phase.FAILED,
+                                                        last_error="crashed")},
+        health={**s.health, "a": dataclasses.replace(s.health["a"], failed_until=60.0)})
+    waiter = host.want("a")  # a client's request is refused, saying when
+    assert isinstance(host.of(msg.Resolve, id=waiter)[0].value, ModelFailed)
+    assert not host.of(msg.Spawn, model="a")
+    host.ids += 1
+    host.send(msg.Want("a", host.ids, lease=False, reset=True))  # POST .../load
+    assert not host.of(msg.Resolve, id=host.ids)
+    assert host.of(msg.Spawn, model="a")  # tried at once

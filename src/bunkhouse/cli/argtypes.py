@@ -106,3 +106,19 @@ def _number(text: str) -> float:
         return float(text)
     except ValueError:
         return -1.0
+
+
+def ray_address(text: str) -> str:
+    """``--ray``: a Ray cluster's ``host:port``, or ``auto``; Ray Client's ``ray://`` is not
+    a driver's address."""
+    text = text.strip()
+    if text.startswith("ray://"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a Ray Client address; give the head's GCS address, host:port "
+            "(ray start --head prints it), or 'auto' for $RAY_ADDRESS")
+    if text != "auto" and (":" not in text or not text.rsplit(":", 1)[1].isdigit()
+                           or not text.rsplit(":", 1)[0]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not host:port (the head's address: ray start --head prints it) "
+            "or 'auto'")
+    return text

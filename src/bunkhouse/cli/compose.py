@@ -65,6 +65,9 @@ def serve(settings: Settings, catalog: Catalog, rebuild: Rebuild | None = None) 
     budget = settings.budget_bytes or default_budget_bytes()
     cluster = _cluster(settings, catalog)
     if cluster is not None:
+        if settings.budget_bytes:
+            log.warning("--budget is not used with --ray: each node's budget is its "
+                        "bunkhouse_memory_mib resource, else half its memory")
         budget = max(n.budget for n in cluster.nodes.values())  # the preload check's
     check_before_start(settings, catalog, budget)
     events = EventLog()

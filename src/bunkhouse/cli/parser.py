@@ -204,7 +204,7 @@ def _compute(serve: argparse.ArgumentParser) -> None:
                        help="on: while the host is idle, keep a worker process with the "
                             "engine imported and no model (64 MiB of the budget), so that "
                             "the next load pays only for its model (%(default)s)")
-    serve.add_argument("--ray", metavar="ADDRESS", default=None,
+    serve.add_argument("--ray", metavar="ADDRESS", default=None, type=argtypes.ray_address,
                        help="place models on the nodes of a running Ray cluster (host:port of "
                             "its head, or 'auto': $RAY_ADDRESS); each node's budget is its "
                             "bunkhouse_memory_mib resource, else half its memory. Needs "

@@ -145,7 +145,7 @@ class Agent:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the actor died: stopped, killed, or its node lost
-            exited = {"cause": "its host process on its node is gone",
+            exited = {"cause": "its host process on its node is gone", "lost": True,
                       "detail": f"{type(e).__name__}: {str(e)[:500]}"}
             if await self._node_gone(self._nodes_of.get(worker, "")):
                 return  # the node's loss says it all (the front fails what ran there)

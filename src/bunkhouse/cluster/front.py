@@ -96,6 +96,7 @@ class RemoteWorker:
         self.on_exit: Callable[[], None] | None = None
         self.exit_cause: str | None = None
         self.exit_detail: str | None = None
+        self.exit_lost = False  # it went with its node or its host process, not by itself
         self._alive = True
         self._stopping: asyncio.Future[None] | None = None
         self._closing: asyncio.Future[None] | None = None
@@ -121,13 +122,13 @@ class RemoteWorker:
     def measured(self, resident: int, peak: int) -> None:
         self._memory = WorkerMemory(resident, max(peak, resident))
 
-    def died(self, cause: str, detail: str | None = None) -> None:
-        """It is gone (it exited, its node was lost, the agent ended): requests on it fail
-        now (its connections are closed) and residency hears it once."""
+    def died(self, cause: str, detail: str | None = None, lost: bool = False) -> None:
+        """It is gone (it exited; ``lost``: its node or host process went, the agent ended):
+        requests on it fail now (its connections are closed) and residency hears it once."""
         if not self._alive:
             return
         self._alive = False
-        self.exit_cause, self.exit_detail = cause, detail
+        self.exit_cause, self.exit_detail, self.exit_lost = cause, detail, lost
         self._closing = asyncio.ensure_future(self._engine.aclose())
         if self._stopping is None and self.on_exit is not None:
             self.on_exit()
@@ -209,9 +210,9 @@ class Cluster:
             if self._closed:
                 return
             code = await self._run_agent()
-            self._all_lost(f"the Ray agent exited (code {code})")
             if self._closed:
                 return
+            self._all_lost(f"the Ray agent exited (code {code})")
             delay = RESTART_DELAYS_S[min(attempt, len(RESTART_DELAYS_S) - 1)]
             log.warning("Ray agent exited with code %s; starting it again in %.0f s",
                         code, delay)
@@ -235,6 +236,9 @@ class Cluster:
         finally:
             self._writer.close()
             self._writer = None
+            if self._closed:  # the front stops: the agent stops its workers, then exits
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), self.launch.stop_grace_s + 20)
             for reply in self._replies.values():
                 if not reply.done():
                     reply.set_exception(ConnectionError("the Ray agent exited"))
@@ -288,7 +292,8 @@ class Cluster:
         elif event == "exited":
             worker = self._workers.get(m["worker"])
             if worker is not None:
-                worker.died(m.get("cause") or "its worker exited", m.get("detail"))
+                worker.died(m.get("cause") or "its worker exited", m.get("detail"),
+                            lost=bool(m.get("lost")))
         elif event == "ready":
             log.info("connected to the Ray cluster at %s", self.address)
 
@@ -311,10 +316,10 @@ class Cluster:
 
     def _lost(self, node_id: str, reason: str) -> None:
         assert self._residency is not None
-        for worker in [w for w in self._workers.values() if w.node == node_id]:
-            worker.died(f"its node {node_id} was lost ({reason})")
-        self._residency.node_lost(node_id, reason)
+        self._residency.node_lost(node_id, reason)  # first: then its workers' deaths are known
         self.nodes.pop(node_id, None)
+        for worker in [w for w in self._workers.values() if w.node == node_id]:
+            worker.died(f"its node {node_id} was lost ({reason})", lost=True)
 
     def _all_lost(self, reason: str) -> None:
         for node_id in sorted(self.nodes):

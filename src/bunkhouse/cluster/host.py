@@ -20,6 +20,7 @@ from typing import Any
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.cluster.relay import Relay
+from bunkhouse.supervisor.launcher import owned_socket_dir
 from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess
 from bunkhouse.worker.lifeline import hold
 
@@ -32,7 +33,9 @@ class WorkerHost:
         # actors would otherwise run on, orphaned, for as long as Ray takes to notice), and
         # its worker with it.
         hold(os.getppid(), lambda: os._exit(1))
-        self._dir = Path(tempfile.mkdtemp(prefix="bunkhouse-node-"))  # mode 0700
+        # mode 0700, named by this process: the next host on the node removes it if this
+        # one was killed (its node's raylet gone) before it could
+        self._dir = owned_socket_dir(Path(tempfile.gettempdir()), "bunkhouse-node-")
         self._worker: WorkerProcess | None = None
         self._relay: Relay | None = None
         self._exited = asyncio.Event()

@@ -98,6 +98,7 @@ class WorkerExited:
     worker: int
     cause: str | None = None
     detail: str | None = None
+    lost: bool = False  # it went with its host (a cluster node's): not the model's failure
 
 
 @dataclass(frozen=True, slots=True)

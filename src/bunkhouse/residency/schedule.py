@@ -167,7 +167,8 @@ def too_large(m: Model, d: policy.NeverFits) -> ModelTooLarge:
         return ModelTooLarge(f"model {m.id!r}: no node that runs its engine "
                              f"({m.spec.engine or 'its own program'}) is up")
     return ModelTooLarge(f"model {m.id!r} needs {need} but the memory budget is {budget}"
-                         f"{pinned}; raise --budget or lower the model's context")
+                         f"{pinned}; raise --budget (on a Ray cluster: a node's "
+                         "bunkhouse_memory_mib) or lower the model's context")
 
 
 def _sizes(a: int, b: int) -> tuple[str, str]:

@@ -74,7 +74,7 @@ def step(state: State, event: Event, now: float) -> tuple[State, tuple[Effect, .
 
 def _want(s: State, e: msg.Want, now: float, fx: Fx) -> State:
     m = s.models.get(e.model)
-    error = _refusal(s, m, e.model, now)
+    error = _refusal(s, m, e.model, now, reset=e.reset)
     if error is not None:
         fx.append(msg.Resolve(e.waiter, error))
         return s
@@ -96,8 +96,10 @@ def _mounts(m: Model, adapter: str) -> bool:
     return any(a.id == adapter for a in (m.pending or m.spec).model.adapters)
 
 
-def _refusal(s: State, m: Model | None, model_id: str, now: float) -> Exception | None:
-    """Why a request for the model is refused at once, if it is."""
+def _refusal(s: State, m: Model | None, model_id: str, now: float,
+             reset: bool = False) -> Exception | None:
+    """Why a request for the model is refused at once, if it is (``reset``: an operator's
+    load, which a crash loop's cool-down does not refuse)."""
     if m is None or m.retired:
         return ModelNotFound(f"model {model_id!r} is being removed", param="model")
     if s.closing:
@@ -109,7 +111,7 @@ def _refusal(s: State, m: Model | None, model_id: str, now: float) -> Exception 
             "in the config file and reload (POST /admin/reload)", param="model")
     if s.stopping and (s.paused or m.phase not in (Phase.READY, Phase.LOADING)):
         return ShuttingDown(model_id)  # no model is loaded any more, no pause is resumed
-    if m.phase is Phase.FAILED:
+    if m.phase is Phase.FAILED and not reset:
         left = supervision.cooling_s(s.health[m.id], now)
         if left is not None:
             return cooling(m, max(1, math.ceil(left)))
@@ -289,7 +291,9 @@ def _exited(s: State, e: msg.WorkerExited, now: float, fx: Fx) -> State:
     if m.phase is Phase.DRAINING:  # it was being stopped anyway: no respawn, no flush
         return put(s, advance_drain(s, m, fx))
     served_s = now - (worker.ready_at or now)
-    if worker.stalled_by:  # a request's constraint stalled it (_probed): no failure of its own
+    if e.lost:  # its host went (a cluster node): the next request loads it where it fits
+        s = put(s, replace(m, respawn=False, last_node=None))
+    elif worker.stalled_by:  # a request's constraint stalled it (_probed): not its own failure
         s = put(s, replace(m, respawn=True))
     else:
         s = _count_failure(s, m, cause, e.detail, now, fx, served_s=served_s)

@@ -76,11 +76,7 @@ class LocalLauncher:
         self.options = options
         self._snapshot_dir = snapshot_dir
         self._spawner = spawner
-        root = tmp_dir or Path(tempfile.gettempdir())
-        remove_orphaned_socket_dirs(root)
-        self.socket_dir = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=root))  # mode 0700
-        me = psutil.Process()
-        (self.socket_dir / _OWNER).write_text(f"{me.pid} {me.create_time()}")
+        self.socket_dir = owned_socket_dir(tmp_dir or Path(tempfile.gettempdir()))
         self._count = 0
         self._spare: _Spare | None = None
         self._filling = 0  # fills under way: one at a time
@@ -182,6 +178,17 @@ class LocalLauncher:
         self._closed = True
         self.drop_spare()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def owned_socket_dir(root: Path, prefix: str = _PREFIX) -> Path:
+    """A new private directory (mode 0700) under ``root`` that names this process as its
+    owner, after removing those whose owner is gone (:func:`remove_orphaned_socket_dirs`):
+    a process killed outright cannot remove its own."""
+    remove_orphaned_socket_dirs(root)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    me = psutil.Process()
+    (path / _OWNER).write_text(f"{me.pid} {me.create_time()}")
+    return path
 
 
 def remove_orphaned_socket_dirs(root: Path) -> list[Path]:
