@@ -50,6 +50,7 @@ class FakeWorker:
         self.engine = LlamaCppClient(transport or httpx.MockTransport(self._slots), m.id)
         self.on_exit: Callable[[], None] | None = None
         self.exit_cause: str | None = None
+        self.exit_lost = False
         self.exit_detail: str | None = None
         self.answers = True  # to probes
         self.suspended = False

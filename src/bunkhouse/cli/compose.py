@@ -172,9 +172,9 @@ def _residency(settings: Settings, catalog: Catalog, budget: int, launcher: Loca
     """Which models are loaded, within the memory budget (each node's, with a cluster)."""
     from bunkhouse.residency.manager import ResidencyManager, ResidencyOptions
 
-    start: Callable[..., Awaitable[Any]] = launcher.start
-    if cluster is not None:
-        start = _cluster_start(cluster)
+    # a cluster's start takes the node residency chose (``node=``): StartWorker's contract
+    start: Callable[..., Awaitable[Any]] = \
+        launcher.start if cluster is None else cluster.start_worker
     return ResidencyManager(
         catalog,
         ResidencyOptions(budget_bytes=budget, ttl_s=settings.ttl_s,
@@ -186,12 +186,6 @@ def _residency(settings: Settings, catalog: Catalog, budget: int, launcher: Loca
         spare=launcher if settings.spare_worker and cluster is None else None,
     )
 
-
-def _cluster_start(cluster: Cluster) -> Callable[..., Awaitable[Any]]:
-    async def start(model: Any, node: str = "", use_spare: bool = False) -> Any:
-        return await cluster.start_worker(model, node)
-
-    return start
 
 
 def _response_store(settings: Settings) -> ResponseStore | None:

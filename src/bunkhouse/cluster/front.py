@@ -88,10 +88,8 @@ class RemoteWorker:
                  adapter_versions: Mapping[str, str]) -> None:
         self._cluster = cluster
         self.id = worker_id
-        self.model = model
         self.node = node
         self._pid = pid
-        self.url = url
         self.adapter_versions = dict(adapter_versions)
         self.on_exit: Callable[[], None] | None = None
         self.exit_cause: str | None = None

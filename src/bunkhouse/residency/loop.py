@@ -220,8 +220,7 @@ class Executor:
             self._spawns.pop(e.worker, None)
         self.workers[e.worker] = worker
         worker.on_exit = lambda: self.post(msg.WorkerExited(
-            e.model, e.worker, worker.exit_cause, worker.exit_detail,
-            lost=getattr(worker, "exit_lost", False)))  # a remote worker's host went
+            e.model, e.worker, worker.exit_cause, worker.exit_detail, worker.exit_lost))
         memory = worker.memory()
         self.post(msg.WorkerReady(e.model, e.worker, worker.placement.pid,
                                   str(worker.placement), memory.peak if memory else None,

@@ -103,7 +103,8 @@ class Lease:
         """Its worker was dead when the lease was handed over (before its exit watcher said
         so): counted once, whoever tells first."""
         self._post(msg.WorkerExited(self.model_id, self._granted.worker,
-                                    self.worker.exit_cause, self.worker.exit_detail))
+                                    self.worker.exit_cause, self.worker.exit_detail,
+                                    self.worker.exit_lost))
 
 
 class ResidencyManager:

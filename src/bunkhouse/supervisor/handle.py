@@ -83,6 +83,7 @@ class WorkerHandle(Protocol):
         are now."""
     exit_cause: str | None  # why it exited, for any caller (no output, no paths)
     exit_detail: str | None  # its last output: for the log and admin-key callers
+    exit_lost: bool  # it went with its host (a cluster node's), not by a fault of its own
 
     @property
     def placement(self) -> Placement: ...

@@ -291,6 +291,7 @@ class WorkerProcess:
         self.on_exit: Callable[[], None] | None = None  # called once if it dies while ready
         self.adapter_versions: dict[str, str] = {}  # its adapters' files when it started
         self.exit_cause: str | None = None  # why it exited, for any caller
+        self.exit_lost = False  # a local worker never goes with its host: the front is that
         self.exit_detail: str | None = None  # its last output: for the log and admins
         self._proc: asyncio.subprocess.Process | None = None
         self._stderr: deque[str] = deque(maxlen=_STDERR_LINES)
