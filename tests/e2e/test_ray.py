@@ -8,7 +8,9 @@ The packaged models answer through the openai SDK, each from its own node (``nod
 on a node where it then fits. A worker's relay answers 401 to a request without its secret.
 A node removed while a stream runs on it: the stream ends with an error event, /health
 never stops answering, the next request is served from another node, and nothing of the
-lost node is left running. Bad configurations are refused before anything starts.
+lost node is left running. A conversation of about 600 tokens is restored from its node's KV
+snapshots when Qwen loads there again, and starts cold (counted as a miss naming that node)
+on another. Bad configurations are refused before anything starts.
 Skipped, saying why, where Ray is not installed (it is the ``ray`` extra)."""
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ cluster_utils = pytest.importorskip("ray.cluster_utils", reason="the 'ray' extra
                                     "installed (pip install -e '.[ray]')")
 
 NODE_MIB = 1200
+ADMIN = "test-admin-key"
 EXTRA = ("gemma-b", "gemma-c")  # the packaged Gemma's file under other ids
 
 
@@ -65,7 +68,7 @@ def server(cluster: Any, tmp_path_factory: pytest.TempPathFactory,
                       "[defaults]\nthreads = 1\n"
                       + "".join(f'[[models]]\nid = "{m}"\npath = "{gemma}"\n' for m in EXTRA))
     with serve(workdir, "--config", str(config), "--ray", cluster.address,
-               "--spare-worker", "off", "--compute-gate", "off") as s:
+               "--spare-worker", "off", "--admin-key", ADMIN) as s:
         yield s
 
 
@@ -146,6 +149,63 @@ def test_models_are_placed_on_nodes_by_fit_and_answer_through_their_relays(
         assert answer.status_code == 401
 
 
+MODULE = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(36))
+CHAT = [{"role": "user", "content": f"Here is a module:\n{MODULE}\nWhich function returns "
+                                    "x * 12 + 5?"}]  # about 600 tokens for Qwen
+QUESTION = {"role": "user", "content": "And which one returns x * 13 + 6?"}
+
+
+def _chat(server: Server, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """Qwen's greedy answer and the engine's timings (prompt_n: the tokens it prefilled;
+    cache_n: those it reused)."""
+    answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
+        "model": QWEN, "messages": messages, "max_tokens": 16, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    data = answer.json()
+    return data["choices"][0]["message"]["content"], data["timings"]
+
+
+def _unload(server: Server, model_id: str) -> None:
+    answer = httpx.post(f"{server.url}/v1/models/{model_id}/unload", timeout=120,
+                        headers={"Authorization": f"Bearer {ADMIN}"})
+    assert answer.status_code == 204, answer.text
+    wait_for(lambda: server.model(model_id)["state"] == "absent" or None, 120,
+             f"{model_id} to be unloaded")
+
+
+def test_a_conversation_is_restored_on_its_node_and_starts_cold_on_another(
+        server: Server) -> None:
+    home = _node(server, QWEN)
+    assert home is not None and server.model(QWEN)["state"] == "ready"
+    first, timings = _chat(server, CHAT)
+    assert timings["prompt_n"] > 500  # the conversation is as long as meant
+    follow_up = [*CHAT, {"role": "assistant", "content": first}, QUESTION]
+    _unload(server, QWEN)  # its slot is saved on its node
+    assert server.model(QWEN)["kv_cache"]["last_flush"]["saved"] == 1
+
+    expected, timings = _chat(server, follow_up)  # loaded again on its (empty) node
+    assert _node(server, QWEN) == home
+    assert timings["prompt_n"] < 100 and timings["cache_n"] > 500, timings
+    assert server.model(QWEN)["kv_cache"]["restored"] == 1
+
+    # Qwen's node taken by a Gemma that streams (a model in use is not evicted while
+    # another node has one idle): Qwen loads on another node, from a cold start
+    _unload(server, QWEN)
+    gemma = next(m for m in (GEMMA, *EXTRA) if server.model(m)["state"] == "absent")
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=300, json={
+            "model": gemma, "prompt": "Once upon a time", "max_tokens": 2000,
+            "stream": True}) as streaming:
+        assert streaming.status_code == 200
+        next(streaming.iter_lines())
+        assert _node(server, gemma) == home
+        answer, timings = _chat(server, follow_up)
+    assert _node(server, QWEN) not in (None, home)
+    assert answer == expected  # correct from a cold start
+    assert timings["prompt_n"] > 500 and timings["cache_n"] == 0, timings
+    missed = server.model(QWEN)["kv_cache"]["missed"]
+    assert missed == {f"its snapshots are on node {home}, its worker on another": 1}
+
+
 def test_a_node_lost_mid_stream_ends_the_stream_and_its_model_moves(
         server: Server, cluster: Any) -> None:
     head = cluster.head_node.node_id  # it holds the cluster: another node is lost
@@ -203,6 +263,9 @@ def test_a_node_lost_mid_stream_ends_the_stream_and_its_model_moves(
     assert _node(server, model_id) not in (None, lost)
     wait_for(lambda: not lost_hosts & _worker_hosts() or None, 60,
              "the lost node's worker host to be gone")
+    snapshots = server.log.parent / "kv" / "nodes"  # a node's id is never used again
+    wait_for(lambda: not (snapshots / str(lost)).exists() or None, 60,
+             "the lost node's KV snapshot directory to be removed")
     orphans = [p for p in psutil.process_iter(["cmdline"])
                if f"--model-id {model_id}" in " ".join(p.info["cmdline"] or [])
                and p.ppid() not in _worker_hosts()]
@@ -221,6 +284,7 @@ def _worker_hosts() -> set[int]:
 def test_a_cluster_that_cannot_be_used_is_refused_before_serving(
         args: list[str], says: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["BUNKHOUSE_RAY_CONNECT_S"] = "5"  # nothing answers there: no need to wait 30 s
     done = subprocess.run([sys.executable, "-m", "bunkhouse", "serve", "--port", "1", *args],
                           capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]

@@ -15,7 +15,12 @@ from bunkhouse.catalog import CatalogModel
 from bunkhouse.config import EngineOptions
 from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.errors import ContextLengthExceeded, InvalidRequest, QueueFull
-from bunkhouse.front.admission import ComputeGate, check_fits, refuse_before_load
+from bunkhouse.front.admission import (
+    ComputeGate,
+    ComputeGates,
+    check_fits,
+    refuse_before_load,
+)
 from bunkhouse.gguf.meta import GGUFInfo
 from bunkhouse.residency.slots import SlotGate
 
@@ -401,3 +406,20 @@ def test_a_ceiling_past_the_slot_is_the_slot_however_short_the_prompt(ceiling: i
         assert worker.calls == []
 
     run(fit())
+
+
+def test_models_on_different_nodes_compute_at_once_and_on_one_node_take_turns() -> None:
+    async def go() -> None:
+        gates = ComputeGates(batch_window_s=0)
+        await gates.of("node-a").enter("a")
+        await asyncio.wait_for(gates.of("node-b").enter("b"), 5)  # its own node's cores
+        waiting = asyncio.ensure_future(gates.of("node-a").enter("c"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and gates.waits == 1  # behind a, on the same node
+        gates.of("node-a").leave("a")
+        await asyncio.wait_for(waiting, 5)
+        gates.of("node-a").leave("c")
+        gates.of("node-b").leave("b")
+        assert gates.of("node-a").owner is None and gates.of("node-b").owner is None
+
+    asyncio.run(go())

@@ -71,9 +71,7 @@ def serve(settings: Settings, catalog: Catalog, rebuild: Rebuild | None = None) 
         budget = max(n.budget for n in cluster.nodes.values())  # the preload check's
     check_before_start(settings, catalog, budget)
     events = EventLog()
-    keeper = _snapshot_keeper(settings, events) if cluster is None else None
-    if cluster is not None:
-        log.info("KV snapshots off: they are not kept on Ray nodes yet (docs/scaling.md)")
+    keeper = _snapshot_keeper(settings, events, cluster)
     launcher = _launcher(settings, keeper)
     residency = _residency(settings, catalog, budget, launcher, events, keeper, cluster)
     keys = Keys(settings.api_keys, settings.admin_keys)
@@ -90,9 +88,12 @@ def serve(settings: Settings, catalog: Catalog, rebuild: Rebuild | None = None) 
     return 0 if server.started else 1
 
 
-def _snapshot_keeper(settings: Settings, events: EventLog) -> SnapshotKeeper | None:
-    """The KV snapshot keeper over its store, or None when snapshots are off."""
+def _snapshot_keeper(settings: Settings, events: EventLog,
+                     cluster: Cluster | None = None) -> SnapshotKeeper | None:
+    """The KV snapshot keeper over its store (a store per node, with a cluster), or None
+    when snapshots are off."""
     from bunkhouse.kvcache.keeper import SnapshotKeeper
+    from bunkhouse.kvcache.nodes import NodeStores
     from bunkhouse.kvcache.store import SnapshotStore
 
     root = settings.kv_cache_dir
@@ -105,6 +106,13 @@ def _snapshot_keeper(settings: Settings, events: EventLog) -> SnapshotKeeper | N
         if limit is None:
             free = shutil.disk_usage(root).free
             limit = min(int(free * defaults.KV_CACHE_DISK_SHARE), defaults.KV_CACHE_MAX_BYTES)
+        if cluster is not None:
+            nodes = NodeStores.open(root, limit)
+            nodes.prune(set(cluster.nodes))
+            cluster.snapshots = nodes
+            log.info("KV snapshots per node in %s, at most %d MiB each (on the nodes that "
+                     "see it: docs/scaling.md)", nodes.root, limit // 2**20)
+            return SnapshotKeeper(nodes, events)
         store = SnapshotStore(root, limit)
     except OSError as e:
         log.warning("KV snapshots off: cannot use %s: %s; pass another --kv-cache-dir DIR",
@@ -117,12 +125,15 @@ def _snapshot_keeper(settings: Settings, events: EventLog) -> SnapshotKeeper | N
 
 def _launcher(settings: Settings, keeper: SnapshotKeeper | None) -> LocalLauncher:
     """What starts worker processes (and keeps the spare one)."""
+    from bunkhouse.kvcache.keeper import OneStore
     from bunkhouse.supervisor.launcher import LocalLauncher
     from bunkhouse.supervisor.process import LaunchOptions
 
+    local = keeper.stores if keeper is not None and isinstance(keeper.stores, OneStore) \
+        else None  # with a cluster, each node's: its workers start there (cluster/front.py)
     return LocalLauncher(LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
                                        settings.worker_engine),
-                         snapshot_dir=keeper.store.worker_dir if keeper else None)
+                         snapshot_dir=local.worker_dir if local is not None else None)
 
 
 def _cluster(settings: Settings, catalog: Catalog) -> Cluster | None:
@@ -182,7 +193,7 @@ def _residency(settings: Settings, catalog: Catalog, budget: int, launcher: Loca
                          probe_interval_s=settings.probe_interval_s,
                          probe_timeout_s=settings.probe_interval_s,
                          local_node=cluster is None),
-        start, events=events, flush=keeper.flush if keeper and cluster is None else None,
+        start, events=events, flush=keeper.flush if keeper else None,
         spare=launcher if settings.spare_worker and cluster is None else None,
     )
 
@@ -204,7 +215,7 @@ def _app(settings: Settings, catalog: Catalog, residency: ResidencyManager, *,
          rebuild: Rebuild | None, cluster: Cluster | None = None) -> Starlette:
     """The front's HTTP app over residency."""
     from bunkhouse.front.admin import AdminOptions
-    from bunkhouse.front.admission import ComputeGate
+    from bunkhouse.front.admission import ComputeGates
     from bunkhouse.front.app import FrontOptions, Parts, build_app
     from bunkhouse.front.reload import Reloader
     from bunkhouse.front.site import SitePolicy
@@ -213,8 +224,8 @@ def _app(settings: Settings, catalog: Catalog, residency: ResidencyManager, *,
     return build_app(catalog, residency, Parts(
         preload=settings.preload, on_shutdown=launcher.close, keeper=keeper, cluster=cluster,
         responses=_response_store(settings), keys=keys,
-        compute=ComputeGate(enabled=settings.compute_gate, turn_s=settings.compute_turn_s,
-                            suspend=residency.suspend, resume=residency.resume),
+        compute=ComputeGates(enabled=settings.compute_gate, turn_s=settings.compute_turn_s,
+                             suspend=residency.suspend, resume=residency.resume),
         reloader=Reloader(rebuild, residency, keys) if rebuild else None,
     ), FrontOptions(
         max_body_bytes=settings.max_body_bytes, max_audio_bytes=settings.max_audio_bytes,

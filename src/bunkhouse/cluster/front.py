@@ -34,6 +34,7 @@ from bunkhouse.supervisor.handle import Placement, WorkerMemory
 from bunkhouse.supervisor.process import LaunchOptions, spawn_local
 
 if TYPE_CHECKING:
+    from bunkhouse.kvcache.nodes import NodeStores
     from bunkhouse.residency.manager import ResidencyManager
 
 log = logging.getLogger("bunkhouse.cluster")
@@ -173,6 +174,7 @@ class Cluster:
         self._first_nodes: asyncio.Event | None = None
         self._closed = False
         self._gone: set[str] = set()  # nodes found gone before Ray said so
+        self.snapshots: NodeStores | None = None  # KV snapshots per node (None: off)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -202,6 +204,8 @@ class Cluster:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.snapshots is not None:
+            self.snapshots.close()
 
     async def _keep_agent(self) -> None:
         for attempt in itertools.count():
@@ -312,16 +316,20 @@ class Cluster:
         if self._first_nodes is not None:
             self._first_nodes.set()
 
-    def _lost(self, node_id: str, reason: str) -> None:
+    def _lost(self, node_id: str, reason: str, dead: bool = True) -> None:
+        """``dead``: Ray says it is gone for good (a node id is never reused: its KV
+        snapshots go with it); else only out of reach (the agent is down)."""
         assert self._residency is not None
         self._residency.node_lost(node_id, reason)  # first: then its workers' deaths are known
         self.nodes.pop(node_id, None)
+        if dead and self.snapshots is not None:
+            asyncio.get_running_loop().run_in_executor(None, self.snapshots.lost, node_id)
         for worker in [w for w in self._workers.values() if w.node == node_id]:
             worker.died(f"its node {node_id} was lost ({reason})", lost=True)
 
     def _all_lost(self, reason: str) -> None:
         for node_id in sorted(self.nodes):
-            self._lost(node_id, reason)
+            self._lost(node_id, reason, dead=False)
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -337,8 +345,10 @@ class Cluster:
             raise WorkerLoadFailed(f"model {model.id!r}: its node {node} is gone")
         worker_id = uuid.uuid4().hex[:12]
         secret = secrets.token_urlsafe(32)
+        snapshot_dir = None if self.snapshots is None else \
+            await asyncio.to_thread(self.snapshots.worker_dir, model.id, node)
         message = {"op": "start", "worker": worker_id, "node": node, "address": info.address,
-                   "secret": secret, "snapshot_dir": None,
+                   "secret": secret, "snapshot_dir": str(snapshot_dir) if snapshot_dir else None,
                    "model": base64.b64encode(pickle.dumps(model)).decode(),
                    "options": base64.b64encode(pickle.dumps(self.launch)).decode()}
         log.info("model %s: starting its worker on node %s (%s)", model.id, node,
@@ -361,6 +371,8 @@ class Cluster:
             raise WorkerLoadFailed(error.get("message") or f"model {model.id!r} failed to "
                                    f"load on node {node}", param=error.get("param"),
                                    detail=error.get("detail"))
+        if snapshot_dir is not None and self.snapshots is not None:
+            self.snapshots.placed(model.id, node, bool(reply.get("snapshots")))
         url = f"http://{info.address}:{reply['port']}"
         worker = RemoteWorker(self, worker_id, model, node, url, secret, reply.get("pid"),
                               reply.get("adapter_versions") or {})

@@ -43,10 +43,13 @@ class WorkerHost:
     async def start(self, model: CatalogModel, options: LaunchOptions, secret: str,
                     host: str, snapshot_dir: str | None) -> dict[str, Any]:
         """Start the worker and its relay on ``host`` (this node's address); returns
-        ``{"port", "pid", "adapter_versions"}``; raises WorkerLoadFailed as locally."""
+        ``{"port", "pid", "adapter_versions", "snapshots"}``; raises WorkerLoadFailed as
+        locally. ``snapshot_dir``: the model's directory in this node's KV snapshot store,
+        which the front made just before: where this node does not see it (the front's
+        filesystem is not this node's), the worker saves none (``"snapshots": false``)."""
         snapshots = Path(snapshot_dir) if snapshot_dir else None
-        if snapshots is not None:
-            snapshots.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if snapshots is not None and not snapshots.is_dir():
+            snapshots = None
         worker = WorkerProcess(model, WorkerLaunch(self._dir / "w.sock", options, snapshots))
         worker.on_exit = self._exited.set
         self._worker = worker
@@ -54,7 +57,8 @@ class WorkerHost:
         self._relay = Relay(str(self._dir / "w.sock"), secret)
         port = await self._relay.start(host)
         return {"port": port, "pid": worker.pid,
-                "adapter_versions": dict(worker.adapter_versions)}
+                "adapter_versions": dict(worker.adapter_versions),
+                "snapshots": snapshots is not None}
 
     async def exited(self) -> dict[str, Any]:
         """Returns once the worker died by itself: why, and its last output."""

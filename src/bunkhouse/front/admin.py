@@ -235,10 +235,10 @@ class Admin:
         keeper = self._snapshots()
         model_id = request.path_params.get("model_id")
         if model_id is not None and model_id not in self.catalog \
-                and not keeper.store.model_stats(model_id)[0]:
+                and not keeper.model_stats(model_id)[0]:
             raise NotFound(f"no model {model_id[:200]!r} and no snapshots of it",
                            param="model")
-        removed = await asyncio.to_thread(keeper.store.purge, model_id)
+        removed = await asyncio.to_thread(keeper.purge, model_id)
         log.info("KV snapshots purged by an operator: %d of %s", removed,
                  model_id or "every model")
         return JSONResponse({"removed": removed, "kv_cache": keeper.report(detail=True)})

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -244,6 +245,43 @@ class ComputeGate:
 # prompt is templated and tokenized by the worker, exactly.
 _PER_MESSAGE_BYTES = 256
 _TEMPLATE_BYTES = 1024
+
+
+class ComputeGates:
+    """A :class:`ComputeGate` per node: the models on one node take turns on its cores, as
+    on one machine; models on different nodes (a cluster's, ``--ray``) compute at once.
+    Made on a node's first request, each with the same options."""
+
+    def __init__(self, enabled: bool = True, batch_window_s: float = 0.25,
+                 turn_s: float = 0.0, suspend: Callable[[str], None] | None = None,
+                 resume: Callable[[str], None] | None = None) -> None:
+        self.enabled = enabled
+        self._make = functools.partial(ComputeGate, enabled, batch_window_s, turn_s, suspend,
+                                       resume)
+        self._gates: dict[str, ComputeGate] = {}
+
+    def of(self, node: str) -> ComputeGate:
+        """The gate of ``node`` (residency's node id: ``local`` without a cluster)."""
+        gate = self._gates.get(node)
+        if gate is None:
+            gate = self._gates[node] = self._make()
+        return gate
+
+    @property
+    def waits(self) -> int:
+        return sum(g.waits for g in self._gates.values())
+
+    @property
+    def wait_s(self) -> float:
+        return sum(g.wait_s for g in self._gates.values())
+
+    @property
+    def preemptions(self) -> int:
+        return sum(g.preemptions for g in self._gates.values())
+
+    @property
+    def suspended(self) -> set[str]:
+        return set().union(*(g.suspended for g in self._gates.values()))
 
 
 def slot_context(model: CatalogModel) -> int:

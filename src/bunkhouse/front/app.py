@@ -31,7 +31,7 @@ from bunkhouse.catalog import Catalog
 from bunkhouse.errors import BunkhouseError, MethodNotAllowed, NotFound, log_line
 from bunkhouse.front.access import AccessLog
 from bunkhouse.front.admin import Admin, AdminOptions
-from bunkhouse.front.admission import ComputeGate
+from bunkhouse.front.admission import ComputeGates
 from bunkhouse.front.anthropic import AnthropicRoutes
 from bunkhouse.front.audio import Transcriptions
 from bunkhouse.front.auth import Keys, Level, access
@@ -97,7 +97,7 @@ class Parts:
     when the app stops."""
 
     preload: Sequence[str] = ()
-    compute: ComputeGate | None = None
+    compute: ComputeGates | None = None
     keys: Keys | None = None
     keeper: SnapshotKeeper | None = None
     responses: ResponseStore | None = None
@@ -113,7 +113,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, parts: Parts | None
     parts = parts or Parts()
     options = options or FrontOptions()
     keys = parts.keys or Keys()
-    pipeline = Pipeline(catalog, residency, parts.compute or ComputeGate(),
+    pipeline = Pipeline(catalog, residency, parts.compute or ComputeGates(),
                         BodyReader(keys, options.max_body_bytes), keys, parts.keeper,
                         options.strict_context, options.waiting, parts.constraints)
     drafts = DraftTally()

@@ -40,7 +40,7 @@ from starlette.responses import Response
 from starlette.types import Scope
 
 from bunkhouse.engines.contract import Timings
-from bunkhouse.front.admission import ComputeGate
+from bunkhouse.front.admission import ComputeGates
 from bunkhouse.front.cors import admin_route
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.events import Event
@@ -73,7 +73,7 @@ def protocol_of(route: str, method: str = "POST") -> str:
 
 
 class StateCollector(Collector):
-    def __init__(self, residency: ResidencyManager, compute: ComputeGate,
+    def __init__(self, residency: ResidencyManager, compute: ComputeGates,
                  keeper: SnapshotKeeper | None) -> None:
         self.residency = residency
         self.compute = compute
@@ -114,7 +114,7 @@ class StateCollector(Collector):
             gauges["waiting_requests"].add_metric([s.id], s.waiting)
             gauges["pinned"].add_metric([s.id], 1.0 if s.pinned else 0.0)
             if self.keeper is not None:
-                count, size = self.keeper.store.model_stats(s.id)
+                count, size = self.keeper.model_stats(s.id)
                 gauges["kv_snapshots"].add_metric([s.id], count)
                 gauges["kv_snapshot_bytes"].add_metric([s.id], size)
         yield state
@@ -179,13 +179,13 @@ class StateCollector(Collector):
 class Metrics:
     """The registry behind ``GET /metrics``, and the observers that feed it."""
 
-    def __init__(self, residency: ResidencyManager, compute: ComputeGate | None = None,
+    def __init__(self, residency: ResidencyManager, compute: ComputeGates | None = None,
                  keeper: SnapshotKeeper | None = None, drafts: DraftTally | None = None
                  ) -> None:
         self.residency = residency
         self.drafts = drafts or DraftTally()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StateCollector(residency, compute or ComputeGate(), keeper))
+        self.registry.register(StateCollector(residency, compute or ComputeGates(), keeper))
         reg = self.registry
         self.requests = Counter("bunkhouse_requests", "client requests answered, by route, "
                                 "protocol, status and model", ["route", "protocol", "status",

@@ -15,8 +15,8 @@ whatever its protocol (the route modules translate in front of it and answer aft
 5. **Tokens and fit**: the prompt tokenized when KV snapshots need it, then checked to fit
    one slot with its ``max_tokens`` (lowered to the room left when that is a ceiling).
 6. **Slot**: one of the model's slots, its place in line kept until one is free.
-7. **Compute turn**: on a CPU host one model computes at a time (front/admission.py
-   ``ComputeGate``).
+7. **Compute turn**: on a CPU host one model computes at a time on each node
+   (front/admission.py ``ComputeGate``, one per node: ``ComputeGates``).
 8. **Restore**: the slot's KV state from the snapshot sharing most of the prompt
    (kvcache/keeper.py), and the request pinned to that slot.
 9. **Generate**: sent through the engine contract and relayed (front/proxy.py), in the
@@ -57,7 +57,7 @@ from bunkhouse.errors import (
 )
 from bunkhouse.front.admission import (
     Admitted,
-    ComputeGate,
+    ComputeGates,
     Held,
     check_fits,
     drop_admission,
@@ -88,7 +88,7 @@ class Pipeline:
     """The stages of a request to a model (see the module docstring), over one catalog and
     one residency manager."""
 
-    def __init__(self, catalog: Catalog, residency: ResidencyManager, compute: ComputeGate,
+    def __init__(self, catalog: Catalog, residency: ResidencyManager, compute: ComputeGates,
                  bodies: BodyReader, keys: Keys | None = None,
                  keeper: SnapshotKeeper | None = None, strict_context: bool = False,
                  waiting: WaitingOptions | None = None,
@@ -194,8 +194,9 @@ class Pipeline:
             slot = await slots.enter(admitted.tokens, place, admitted.setting)
             admitted.slot = slot
             held.push(functools.partial(self._leave, model, admitted.engine, slots, slot))
-            await self.compute.enter(model.id)
-            held.push(lambda: self.compute.leave(model.id))
+            gate = self.compute.of(lease.worker.placement.node)  # its node's cores
+            await gate.enter(model.id)
+            held.push(lambda: gate.leave(model.id))
             request.state.queue_s = time.monotonic() - queued  # load, slot and compute turn
             if await request.is_disconnected():  # gone while it waited: never started
                 raise ClientGone("the client disconnected while its request waited")

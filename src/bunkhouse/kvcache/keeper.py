@@ -1,7 +1,8 @@
 """The snapshot keeper: when slots are saved to the snapshot store, and when one is restored.
 
-One keeper per front, over one :class:`SnapshotStore`. It owns the decisions; the store owns
-the files, the slot gate (residency/slots.py) what each slot holds.
+One keeper per front, over one :class:`SnapshotStore` (with a cluster, one per node:
+kvcache/nodes.py, each model's snapshots in its worker's node's store). It owns the
+decisions; the store owns the files, the slot gate (residency/slots.py) what each slot holds.
 
 - **Restore.** A request whose prompt is at least :attr:`KeeperOptions.min_tokens` tokens is
   tokenized by its model's worker (template and tokenizer); the slot gate gives it the slot
@@ -14,7 +15,8 @@ the files, the slot gate (residency/slots.py) what each slot holds.
   (``Timings.cached_tokens``) tells whether a restore saved the prefill. One that did not (a
   sliding-window model that prefills everything again, for one) is a *miss*: counted, logged
   with its reason, and the model's snapshots are not restored again under that key (a
-  changed configuration makes a new key).
+  changed configuration makes a new key). A model whose worker runs on another node than
+  its snapshots starts cold: a miss too, once per node, with that reason.
 - **Save.** A slot that stays idle for :attr:`KeeperOptions.idle_flush_s` after a request is
   saved in the background (so a worker killed later loses at most its last turn); every
   unsaved slot is saved when its model is drained (eviction, ttl, unload, shutdown), one
@@ -33,6 +35,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bunkhouse import defaults
@@ -41,11 +44,13 @@ from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import engine_for
 from bunkhouse.engines.contract import EngineClient, Timings
 from bunkhouse.errors import BunkhouseError
+from bunkhouse.kvcache.nodes import NodeStores
 from bunkhouse.kvcache.store import (
     Snapshot,
     SnapshotKey,
     SnapshotRefused,
     SnapshotStore,
+    StoreStats,
     TooLarge,
     common_prefix,
 )
@@ -119,14 +124,36 @@ class ModelCounts:
         return self.recent[-1] if self.recent else None
 
 
+class OneStore:
+    """The front's one store (no cluster): every model's snapshots are in it."""
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self.root = store.root
+        self.max_bytes = store.max_bytes
+        self._store = store
+
+    def of(self, model_id: str) -> SnapshotStore:
+        return self._store
+
+    def worker_dir(self, model_id: str) -> Path | None:
+        return self._store.worker_dir(model_id)
+
+    def elsewhere(self, model_id: str) -> str | None:
+        return None
+
+    def all(self) -> list[SnapshotStore]:
+        return [self._store]
+
+
 class SnapshotKeeper:
-    def __init__(self, store: SnapshotStore, events: EventLog,
+    def __init__(self, store: SnapshotStore | NodeStores, events: EventLog,
                  options: KeeperOptions | None = None) -> None:
-        self.store = store
+        self.stores = store if isinstance(store, NodeStores) else OneStore(store)
         self.events = events
         self.options = options or KeeperOptions()
         self._counts: dict[str, ModelCounts] = {}
         self._disabled: dict[SnapshotKey, str] = {}  # key -> why its restores missed
+        self._cold: set[tuple[str, Path]] = set()  # (model, store) counted as placed away
         self._flushing = asyncio.Lock()  # drains flush one model at a time
         self._timers: set[asyncio.TimerHandle] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -136,7 +163,8 @@ class SnapshotKeeper:
         """A model gone for good: its counts go, and its directory if it holds no snapshot
         (snapshots stay until they are purged or pushed out, for an id registered again)."""
         self._counts.pop(model_id, None)
-        self.store.drop_empty(model_id)
+        for store in self.stores.all():
+            store.drop_empty(model_id)
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -160,7 +188,8 @@ class SnapshotKeeper:
 
     def active(self, model: CatalogModel) -> bool:
         key = self.key(model)
-        return key is not None and key not in self._disabled
+        return key is not None and key not in self._disabled \
+            and self.stores.of(model.id) is not None
 
     def counts(self, model_id: str) -> ModelCounts:
         return self._counts.setdefault(model_id, ModelCounts())
@@ -207,7 +236,8 @@ class SnapshotKeeper:
         before a restore into a slot last run under another (an engine drops a slot's KV
         state when the setting changes: it must do so before the restore, not after)."""
         key = self.key(model, setting)
-        if key is None or slot.id < 0:
+        store = self.stores.of(model.id)
+        if key is None or slot.id < 0 or store is None:
             return None
         restore = None
         async with slot.lock:
@@ -217,9 +247,11 @@ class SnapshotKeeper:
             if slot.dirty and slot.held is not None and displaced is not None \
                     and len(slot.held) - live >= self.options.min_tokens:
                 await self._save(model, engine, slot, displaced, slot.version, "displaced")
-            if tokens and key not in self._disabled and self.store.has(model.id):
-                restore = await self._restore(model, engine, slot, key, tokens, live,
+            if tokens and key not in self._disabled and store.has(model.id):
+                restore = await self._restore(model, store, engine, slot, key, tokens, live,
                                               prime if slot.setting != setting else None)
+            elif tokens and key not in self._disabled:
+                self._placed_away(model.id, store)
             slot.held = tuple(tokens) if tokens else None
             slot.setting = setting
         return restore
@@ -231,12 +263,26 @@ class SnapshotKeeper:
             return self.key(model)
         return None if slot.setting is None else self.key(model, slot.setting)
 
-    async def _restore(self, model: CatalogModel, engine: EngineClient, slot: Slot,
-                       key: SnapshotKey, tokens: Sequence[int], live: int,
+    def _placed_away(self, model_id: str, store: SnapshotStore) -> None:
+        """The model has no snapshot in its worker's node's store: if another node holds
+        some, it starts cold here, counted once as a miss saying where they are."""
+        if (model_id, store.root) in self._cold:
+            return
+        node = self.stores.elsewhere(model_id)
+        if node is None:
+            return
+        self._cold.add((model_id, store.root))
+        reason = f"its snapshots are on node {node}, its worker on another"
+        self.counts(model_id).missed[reason] += 1
+        log.info("model %s: %s: it starts cold there", model_id, reason)
+        self.events.emit(model_id, "restore_missed", reason)
+
+    async def _restore(self, model: CatalogModel, store: SnapshotStore, engine: EngineClient,
+                       slot: Slot, key: SnapshotKey, tokens: Sequence[int], live: int,
                        prime: Prime | None = None) -> Restore | None:
         least = max(self.options.min_tokens, live + self.options.min_tokens)
         try:
-            snapshot = await asyncio.to_thread(self.store.find, model.id, key, tokens, least)
+            snapshot = await asyncio.to_thread(store.find, model.id, key, tokens, least)
         except OSError as e:  # the directory itself: the request goes on without it
             self.counts(model.id).failed += 1
             log.warning("model %s: snapshots not searched: %s", model.id, e)
@@ -362,11 +408,14 @@ class SnapshotKeeper:
         """Save one slot into the store. Never raises but CancelledError: a failure is
         counted, logged and put in ``report``."""
         report = report or FlushReport(why)
+        store = self.stores.of(model.id)
+        if store is None:  # its node keeps none
+            return
         started = time.monotonic()
-        model_dir = self.store.root
-        staged = self.store.staging_name()
+        model_dir = store.root
+        staged = store.staging_name()
         try:
-            model_dir = self.store.model_dir(model.id)
+            model_dir = store.model_dir(model.id)
             await engine.save_slot(slot.id, staged)
             tokens = await asyncio.to_thread(engine_for(model).saved_tokens, model_dir / staged)
             if len(tokens) < self.options.min_tokens:
@@ -375,7 +424,7 @@ class SnapshotKeeper:
                 if slot.version == version:
                     slot.held, slot.dirty = tuple(tokens), False
                 return
-            snapshot = await asyncio.to_thread(self.store.commit, model.id, staged, key, tokens)
+            snapshot = await asyncio.to_thread(store.commit, model.id, staged, key, tokens)
         except TooLarge as e:
             report.skipped += 1
             log.info("model %s: slot %d not kept (%s): %s; raise --kv-cache-max to keep "
@@ -385,7 +434,7 @@ class SnapshotKeeper:
             (model_dir / staged).unlink(missing_ok=True)
             message = getattr(e, "message", None) or str(e)
             with contextlib.suppress(OSError):
-                free = shutil.disk_usage(self.store.root).free
+                free = shutil.disk_usage(store.root).free
                 if free < 1 << 30:
                     message += f" ({free // MIB} MiB free on the snapshot disk)"
             self.counts(model.id).failed += 1
@@ -404,10 +453,33 @@ class SnapshotKeeper:
 
     # -- reporting, shutdown -----------------------------------------------------------------
 
+    def model_stats(self, model_id: str) -> tuple[int, int]:
+        """(snapshots, bytes) kept for the model, on every node."""
+        stats = [store.model_stats(model_id) for store in self.stores.all()]
+        return sum(n for n, _ in stats), sum(b for _, b in stats)
+
+    def purge(self, model_id: str | None = None) -> int:
+        """Remove every snapshot (of one model), on every node; returns how many. Blocking
+        file work: run it on a thread."""
+        return sum(store.purge(model_id) for store in self.stores.all())
+
+    def _stats(self) -> dict[str, Any]:
+        """The stores' counts together (StoreStats' fields)."""
+        total: dict[str, Any] = {}
+        for store in self.stores.all():
+            for name, value in store.stats.as_dict().items():
+                if isinstance(value, dict):
+                    merged = Counter(total.get(name) or {})
+                    merged.update(value)
+                    total[name] = dict(merged)
+                else:
+                    total[name] = total.get(name, 0) + value
+        return total or StoreStats().as_dict()
+
     def model_report(self, model_id: str, detail: bool = False) -> dict[str, Any]:
         """The model's snapshot counts; ``detail`` (admins): failure messages too."""
         counts = self.counts(model_id)
-        snapshots, size = self.store.model_stats(model_id)
+        snapshots, size = self.model_stats(model_id)
         return {
             "snapshots": snapshots, "bytes": size, "saved": counts.saved,
             "restored": counts.restored, "missed": dict(counts.missed),
@@ -418,9 +490,9 @@ class SnapshotKeeper:
 
     def report(self, detail: bool = False) -> dict[str, Any]:
         """The store's counts; ``detail`` (admins): its directory too."""
-        stats = self.store.stats.as_dict()
-        where = {"dir": str(self.store.root)} if detail else {}
-        return {**where, "max_bytes": self.store.max_bytes,
+        stats = self._stats()
+        where = {"dir": str(self.stores.root)} if detail else {}
+        return {**where, "max_bytes": self.stores.max_bytes,
                 "min_tokens": self.options.min_tokens, **stats,
                 "disabled": sorted(set(self._disabled.values()))}
 
@@ -435,8 +507,8 @@ class SnapshotKeeper:
                              f"({flush.saved_bytes // MIB} MiB){failed}")
         if parts:
             log.info("KV snapshots at shutdown: %s; %d kept in %s (%d MiB)", "; ".join(parts),
-                     len(self.store.snapshots()), self.store.root,
-                     self.store.stats.bytes // MIB)
+                     sum(len(s.snapshots()) for s in self.stores.all()), self.stores.root,
+                     self._stats()["bytes"] // MIB)
 
     async def close(self) -> None:
         """Stop the idle saves (a drain's flush saves what they would have)."""

@@ -291,7 +291,7 @@ class SnapshotStore:
         self._read_only = read_only
         self._held: Path | None = None
         if not read_only:
-            self._claim(root)
+            self.claim(root)
             self._held = _hold(root)
         elif not (root / MARKER).is_file():
             raise NotAStore(f"{root} is not a bunkhouse KV snapshot directory")
@@ -301,7 +301,9 @@ class SnapshotStore:
                 self._make_room(0)  # a budget lowered since the last run
 
     @staticmethod
-    def _claim(root: Path) -> None:
+    def claim(root: Path) -> None:
+        """Make ``root`` a store's directory (new, empty, or a store's already): NotAStore
+        for any other, OSError where it cannot be made."""
         if root.exists() and not (root / MARKER).is_file():
             if not root.is_dir():
                 raise NotAStore(f"{root} is not a directory")
