@@ -12,7 +12,9 @@ conversation's follow-up after its model was evicted: restored KV state vs the r
 prefill again, at 1K, 4K and 8K tokens), reliability
 (chaos, a 1,000-request flood, schemathesis), transcribe (the Whisper worker vs faster-whisper
 called directly: time and memory), adapters, speculative, llama_server (bunkhouse on the
-engine llama-server against the binary alone, the router and xllamacpp's worker). A full
+engine llama-server against the binary alone, the router and xllamacpp's worker), ray (a
+worker on a Ray node against a local one: time to first token, decode, the relay's CPU per
+token, the time to place and load). A full
 run takes about 20 minutes on 2 cores, --quick under 10. Every process's log goes to
 benchmarks/results/.
 """
@@ -41,6 +43,7 @@ from benchmarks import (
     kv_restore,
     llama_server_engine,
     overhead,
+    ray_nodes,
     reliability,
     report,
     speculative,
@@ -51,7 +54,7 @@ from benchmarks import (
 from benchmarks.common import PROFILES, Profile
 
 SECTIONS = ("overhead", "throughput", "hol", "swap", "kv", "reliability", "transcribe",
-            "adapters", "speculative", "llama_server")
+            "adapters", "speculative", "llama_server", "ray")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -105,6 +108,7 @@ def run_sections(profile: Profile, sections: list[str], llama_server: str | None
         "adapters": lambda: adapters.measure(profile),
         "speculative": lambda: speculative.measure(profile),
         "llama_server": lambda: llama_server_engine.measure(profile, llama_server),
+        "ray": lambda: ray_nodes.measure(profile),
     }
     for name in sections:
         print(f"== {name} ({profile.name})", file=sys.stderr, flush=True)

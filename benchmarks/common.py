@@ -72,6 +72,9 @@ class Profile:
     spec_tokens: int = 256
     spec_memory: bool = True  # also load Qwen at 32K context with f16 and q8_0 KV caches
     spec_draft: bool = True  # also the draft-model target (a second model in its worker)
+    ray_rounds: int = 6  # a Ray node's worker against a local one: streamed rounds of each
+    ray_tokens: int = 64
+    ray_load_rounds: int = 3  # unload, then load on each target, alternating
 
 
 PROFILES = {
@@ -86,7 +89,7 @@ PROFILES = {
                      flood_concurrency=64, fuzz_examples=10, fuzz_seconds=45,
                      kv_lengths=(1000, 4000), transcribe_rounds=3, marginal_rounds=3,
                      hol_runs=1, hol_tokens=400, adapter_rounds=3, adapter_tokens=32,
-                     spec_rounds=3, spec_tokens=160),
+                     spec_rounds=3, spec_tokens=160, ray_rounds=3, ray_load_rounds=2),
     # Only for the test suite: checks that every section runs end to end, measures nothing.
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
@@ -97,7 +100,7 @@ PROFILES = {
                     fuzz_max_tokens=4, fuzz_phases="examples,fuzzing", adapter_rounds=1,
                     adapter_tokens=4,
                     adapter_functions=21, spec_rounds=1, spec_tokens=8, spec_memory=False,
-                    spec_draft=False),
+                    spec_draft=False, ray_rounds=1, ray_tokens=4, ray_load_rounds=1),
 }
 
 

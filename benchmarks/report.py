@@ -836,6 +836,8 @@ def render(results: dict[str, Any]) -> str:
         body += _speculative(sec["speculative"], goals)
     if "llama_server" in sec:
         body += _llama_server(sec["llama_server"], env.get("llama_server", ""), goals)
+    if "ray" in sec:
+        body += _ray(sec["ray"], goals)
     for name, err in results.get("errors", {}).items():
         body += [f"## Section `{name}` failed", "", "```", err.strip()[-2000:], "```", ""]
     cmd = "python -m benchmarks run" + ("" if results["profile"] == "full"
@@ -871,6 +873,70 @@ def render(results: dict[str, Any]) -> str:
     ]
     head += _table(["goal", "measured", ""], goals)
     return "\n".join(head + body).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------- ray
+
+def _ray(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    st = overhead_stats(r)
+    n = len(next(iter(r["rounds"].values())))
+    lines = [
+        "## 13. A worker on a Ray node against a local worker",
+        "",
+        f"`bunkhouse serve` (client -> front -> worker on a Unix socket) against `bunkhouse "
+        f"serve --ray` over a one-node Ray cluster on this machine (client -> front -> the "
+        f"worker host's relay over TCP, its secret checked -> worker on a Unix socket), both "
+        f"serving {r['model']} with the same options. Streamed chat completions of "
+        f"{r['tokens']} tokens (`ignore_eos`), C requests at once, targets alternating; a "
+        f"round's figure is the median of its requests; median (min-max) of {n} rounds. The "
+        f"node shares this machine, so the figures are the relay's and the extra hop's cost, "
+        f"not a network's (add the network's round trip to time to first token, and nothing "
+        f"per token: tokens stream in one response).",
+        "",
+    ]
+    measured = r.get("measured")
+    if measured:
+        lines += [f"Measured on its own on {measured['started'][:10]} at commit "
+                  f"{measured['commit']} (`python -m benchmarks run --only ray`, merged into "
+                  f"this page's results).", ""]
+    rows = []
+    for c in r["concurrency"]:
+        (lt, ld), (rt, rd) = st[f"local c={c}"], st[f"ray c={c}"]
+        rows.append([str(c), _f(lt, 1, 1000), _f(rt, 1, 1000),
+                     f"{(rt.median - lt.median) * 1000:+.1f} ms", _f(ld, 2), _f(rd, 2),
+                     f"**{rd.median / ld.median:.3f}**"])
+    lines += _table(["concurrent", "local TTFT ms", "Ray node TTFT ms", "TTFT difference",
+                     "local decode tok/s", "Ray node decode tok/s", "decode ratio"], rows)
+    cpu, tokens = r["cpu_s"], r["relayed_tokens"]
+
+    def per_token(seconds: float, count: int) -> str:
+        return f"{seconds * 1000 / max(count, 1):.2f} ms"
+
+    lines += _table(["CPU per streamed token", "local", "Ray node"], [
+        ["the front", per_token(cpu["local"], tokens["local"]),
+         per_token(cpu["ray"], tokens["ray"])],
+        ["the relay (the worker host on the node)", "none",
+         per_token(cpu["relay"], tokens["ray"])],
+    ])
+    lines += [f"The worker host's own CPU while idle ({r['host_idle_cpu_per_s'] * 1000:.1f} ms "
+              f"a second: the memory readings the agent asks for every second) is left out "
+              f"of the relay's.", ""]
+    loads = {name: Spread.of(times) for name, times in r["loads"].items()}
+    lines += ["Time to place and load: the model unloaded, then loaded by the admin API "
+              "(`POST /v1/models/{id}/load`, which answers once it is ready), targets "
+              f"alternating, {len(r['loads']['local'])} rounds: a local process spawned, "
+              "against a Ray actor made on the node that then spawns the worker and its relay "
+              "(the agent's round trips included). Neither keeps a spare worker.", ""]
+    lines += _table(["target", "load s", "vs local"], [
+        ["local worker", _f(loads["local"], 2), "1.00"],
+        ["worker on a Ray node", _f(loads["ray"], 2),
+         f"**{loads['ray'].median / loads['local'].median:.2f}x**"],
+    ])
+    (_, ld), (_, rd) = st["local c=1"], st["ray c=1"]
+    ratio = rd.median / ld.median
+    goals.append(["a Ray node's worker decodes within 5% of a local one, 1 request",
+                  f"ratio {ratio:.3f}", _yes(ratio >= 0.95)])
+    return lines
 
 
 # ---------------------------------------------------------------- engine llama-server

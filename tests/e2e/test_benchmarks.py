@@ -39,7 +39,7 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
     assert results["errors"] == {}
     assert set(results["sections"]) == {"overhead", "throughput", "hol", "swap", "kv",
                                         "reliability", "transcribe", "adapters",
-                                        "speculative", "llama_server"}
+                                        "speculative", "llama_server", "ray"}
     remount = results["sections"]["adapters"]["remount"]  # the conversation kept its KV state
     assert remount["follow_up_prompt_n"] < remount["follow_up_cache_n"], remount
     assert results["sections"]["hol"]["runs"]["time slice"][0]["long_tokens"] == 80
@@ -59,7 +59,8 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
                     "## 6. A conversation's follow-up after eviction",
                     "## 7. Transcription", "## 8. Head-of-line blocking across models",
                     "## 9. Where a cold load's time goes", "## 10. LoRA adapters",
-                    "## 11. Speculative decoding", "## 12. The llama-server engine"):
+                    "## 11. Speculative decoding", "## 12. The llama-server engine",
+                    "## 13. A worker on a Ray node"):
         assert heading in page
     assert "xllamacpp disabled the router" in page  # the reason the wheel cannot be the peer
     for png in ("throughput.png", "swap-timeline.png"):
