@@ -28,7 +28,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
 TIMEOUT_MS = 240_000  # a loaded machine loads a model slowly; each wait ends at its event
 
 
-def _browser_or_skip() -> None:
+def browser_or_skip() -> None:
     if Path(CHROMIUM).exists():
         return
     message = f"no chromium at {CHROMIUM} (apt install chromium; .ci/run installs it)"
@@ -39,7 +39,7 @@ def _browser_or_skip() -> None:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    _browser_or_skip()
+    browser_or_skip()
     config = tmp_path / "bunkhouse.toml"  # a chat model that embeds too
     config.write_text(f'[[models]]\nid = "{QWEN}"\nembeddings = true\n')
     with serve(tmp_path, "--context", "8192", "--admin-key", "admin-secret",
@@ -126,7 +126,7 @@ def test_console_in_headless_chromium(server: Server, tmp_path: Path) -> None:
 
 
 def test_console_with_client_keys_asks_for_one_and_clears_its_note(tmp_path: Path) -> None:
-    _browser_or_skip()
+    browser_or_skip()
     from playwright.sync_api import sync_playwright
 
     errors: list[str] = []

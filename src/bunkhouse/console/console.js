@@ -1,7 +1,7 @@
-// bunkhouse's web console: the memory budget, each model's state, the recent residency
-// events (live from GET /admin/events), operator buttons and a chat box. Plain script, no
-// build step, no outside resources. Keys are kept in this tab's sessionStorage only and sent
-// in the Authorization header, never in a URL.
+// bunkhouse's web console: the memory budget (each node's, with --ray), each model's
+// state, the recent residency events (live from GET /admin/events), operator buttons and a
+// chat box. Plain script, no build step, no outside resources. Keys are kept in this tab's
+// sessionStorage only and sent in the Authorization header, never in a URL.
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
@@ -109,27 +109,47 @@ function render() {
   if (!stats) return;
   const now = Date.now() / 1000;
   const budget = stats.budget_bytes;
+  const nodes = stats.nodes || [];
+  // a cluster's nodes (--ray): a bar each, its models in it; one machine: one bar
+  const clustered = nodes.some((n) => n.id !== "local");
   $("#memory-figures").textContent = mib(stats.used_bytes) + " used of " + mib(budget) +
+    (clustered ? " on " + nodes.length + " node" + (nodes.length === 1 ? "" : "s") : "") +
     " (peak " + mib(stats.peak_used_bytes) + ")" +
     (stats.spare_worker ? ", " + mib(stats.spare_worker.bytes) + " for a spare worker" : "");
   const bar = $("#bar");
   bar.replaceChildren();
+  bar.hidden = clustered;
+  const nodeBars = new Map();
+  const nodeList = $("#nodes");
+  nodeList.replaceChildren();
+  for (const n of clustered ? nodes : []) {
+    const row = el("div", { class: "node-bar", role: "img", "data-node": n.id,
+                            "aria-label": "node " + n.id + ": its budget by model" });
+    nodeBars.set(n.id, [row, n.budget_bytes]);
+    nodeList.append(el("div", { class: "node", "data-node": n.id },
+      el("div", { class: "node-label", title: n.id },
+         "node " + n.id.slice(0, 12) + ": " + mib(n.used_bytes) + " used of " +
+         mib(n.budget_bytes) + (n.models.length ? " (" + n.models.join(", ") + ")" : "")),
+      row));
+  }
   const legend = $("#legend");
   legend.replaceChildren();
   for (const m of state.models) {
     if (!["loading", "ready", "draining"].includes(m.state)) continue;
+    const [where, room] = clustered ? (nodeBars.get(m.node) || [null, 0]) : [bar, budget];
+    if (!where) continue;
     const held = Math.max(m.estimated_bytes || 0, m.measured_bytes || 0);
     const seg = el("div", { class: "seg", "data-model": m.id,
                             title: m.id + ": measured " + mib(m.measured_bytes) +
                                    ", estimated " + mib(m.estimated_bytes) });
-    seg.style.width = (100 * held / budget) + "%";
+    seg.style.width = (100 * held / room) + "%";
     const est = el("div", { class: "estimate" });
     est.style.background = colorOf(m.id);
     const measured = el("div", { class: "measured" });
     measured.style.background = colorOf(m.id);
     measured.style.width = held ? (100 * (m.measured_bytes || 0) / held) + "%" : "0";
     seg.append(est, measured);
-    bar.append(seg);
+    where.append(seg);
     const swatch = el("span", { class: "swatch" });
     swatch.style.background = colorOf(m.id);
     legend.append(el("span", {}, swatch, m.id + " " + m.state));
