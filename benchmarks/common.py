@@ -75,6 +75,7 @@ class Profile:
     ray_rounds: int = 6  # a Ray node's worker against a local one: streamed rounds of each
     ray_tokens: int = 64
     ray_load_rounds: int = 3  # unload, then load on each target, alternating
+    ray_idle_s: float = 5.0  # the quiet window for the worker host's own CPU
 
 
 PROFILES = {
@@ -94,13 +95,14 @@ PROFILES = {
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
                     chaos_runs=1, chaos_seconds=5, flood_runs=1, flood_requests=100,
-                    flood_concurrency=16, fuzz_examples=2, fuzz_seconds=20,
+                    flood_concurrency=16, fuzz_examples=2, fuzz_seconds=10,
                     kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0,
                     marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=80,
                     fuzz_max_tokens=4, fuzz_phases="examples,fuzzing", adapter_rounds=1,
                     adapter_tokens=4,
                     adapter_functions=21, spec_rounds=1, spec_tokens=8, spec_memory=False,
-                    spec_draft=False, ray_rounds=1, ray_tokens=4, ray_load_rounds=1),
+                    spec_draft=False, ray_rounds=1, ray_tokens=4, ray_load_rounds=1,
+                    ray_idle_s=1.0),
 }
 
 

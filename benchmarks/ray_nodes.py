@@ -37,7 +37,6 @@ from benchmarks.overhead import stream_once
 CONCURRENCY = (1, 4)
 NODE_MIB = 4096  # the Ray node's budget: Qwen fits
 ADMIN = "bench-admin-key"
-IDLE_S = 5.0  # the quiet window for the worker host's own CPU (memory polls)
 
 
 def _config(folder: Path) -> Path:
@@ -104,8 +103,8 @@ def measure(profile: Profile) -> dict[str, Any]:
                 stream_once(url, "", "Say hello.", 4)
             host = _worker_host()
             before = _cpu(host)
-            time.sleep(IDLE_S)
-            idle_cpu_per_s = (_cpu(host) - before) / IDLE_S
+            time.sleep(profile.ray_idle_s)  # quiet: its own CPU (the memory polls)
+            idle_cpu_per_s = (_cpu(host) - before) / profile.ray_idle_s
             rounds: dict[str, list[list[list[float]]]] = {}
             cpu = {name: 0.0 for name, _, _ in targets} | {"relay": 0.0}
             relayed = {name: 0 for name, _, _ in targets}

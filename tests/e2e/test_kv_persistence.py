@@ -22,10 +22,10 @@ ONE_MODEL = "900MiB"  # Qwen (about 860 MiB here) or Gemma, never both
 BOTH = "2GiB"
 ADMIN = "test-admin-key"
 
-MODULE = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(170))
+MODULE = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(85))
 CHAT = [{"role": "system", "content": "You are a careful code reviewer."},
         {"role": "user", "content": f"Here is a module:\n{MODULE}\nWhich function returns "
-                                    "x * 42 + 0?"}]  # about 3,050 tokens for Qwen
+                                    "x * 42 + 0?"}]  # about 1,550 tokens for Qwen
 QUESTION = {"role": "user", "content": "And which one returns x * 43 + 1?"}
 
 
@@ -62,7 +62,7 @@ def test_a_conversation_survives_eviction_restart_and_a_killed_worker(tmp_path: 
     # The reference: a budget for both, so Qwen is never evicted.
     with serve(tmp_path / "reference", "--config", config, "--budget", BOTH) as server:
         first, timings = _chat(server, CHAT)
-        assert timings["prompt_n"] > 3000  # the conversation is as long as meant
+        assert timings["prompt_n"] > 1400  # the conversation is as long as meant
         follow_up = [*CHAT, {"role": "assistant", "content": first}, QUESTION]
         _gemma(server)
         assert server.model(QWEN)["state"] == "ready"
@@ -78,14 +78,14 @@ def test_a_conversation_survives_eviction_restart_and_a_killed_worker(tmp_path: 
         assert flush["saved"] == 1 and "making room" in flush["reason"], flush
         answer, timings = _chat(server, follow_up)
         assert answer == expected
-        assert timings["prompt_n"] < 100 and timings["cache_n"] > 3000, timings
+        assert timings["prompt_n"] < 100 and timings["cache_n"] > 1400, timings
         assert _kv(server)["restored"] == 1
 
     with serve(tmp_path / "restarted", "--config", config, "--budget", ONE_MODEL,
                "--kv-cache-dir", kv) as server:
         answer, timings = _chat(server, follow_up)  # saved by the last front's shutdown
         assert answer == expected
-        assert timings["prompt_n"] < 100 and timings["cache_n"] > 3000, timings
+        assert timings["prompt_n"] < 100 and timings["cache_n"] > 1400, timings
         # once its slot is idle, it is saved in the background; then its worker is killed
         wait_for(lambda: (_kv(server)["last_flush"] or {}).get("reason") == "idle", 120,
                  "the idle slot to be saved")
@@ -95,7 +95,7 @@ def test_a_conversation_survives_eviction_restart_and_a_killed_worker(tmp_path: 
                  and server.model(QWEN)["state"] == "ready", 120, "Qwen to be restarted")
         answer, timings = _chat(server, follow_up)
         assert answer == expected
-        assert timings["prompt_n"] < 100 and timings["cache_n"] > 3000, timings
+        assert timings["prompt_n"] < 100 and timings["cache_n"] > 1400, timings
         stats = server.stats()["kv_cache"]
         assert stats["restored"] >= 2 and not stats["skipped"] and not stats["disabled"]
 
