@@ -10,7 +10,8 @@ A node removed while a stream runs on it: the stream ends with an error event, /
 never stops answering, the next request is served from another node, and nothing of the
 lost node is left running. A conversation of about 600 tokens is restored from its node's KV
 snapshots when Qwen loads there again, and starts cold (counted as a miss naming that node)
-on another. Bad configurations are refused before anything starts.
+on another. The front outlives its Ray agent (the driver Ray ends when its GCS is lost) and
+connects again. Bad configurations are refused before anything starts.
 Skipped, saying why, where Ray is not installed (it is the ``ray`` extra)."""
 
 from __future__ import annotations
@@ -287,8 +288,8 @@ def test_a_node_lost_mid_stream_ends_the_stream_and_its_model_moves(
     wait_for(lambda: server.model(model_id)["state"] == "absent" or None, 60,
              f"{model_id} to be absent: nobody asked for it again yet")
     events = [e for e in server.stats()["events"] if e["model"] == model_id]
-    kinds = [e["kind"] for e in events[[e["kind"] for e in events].index("crashed"):]]
-    assert "respawning" not in kinds and "gave_up" not in kinds  # the node's loss, not its
+    kinds = [e["kind"] for e in events[[e["kind"] for e in events].index("lost"):]]
+    assert "crashed" not in kinds and "respawning" not in kinds and "gave_up" not in kinds
     assert _complete(server, model_id)  # from a node still there
     assert _node(server, model_id) not in (None, lost)
     wait_for(lambda: not lost_hosts & _worker_hosts() or None, 60,
@@ -305,6 +306,45 @@ def test_a_node_lost_mid_stream_ends_the_stream_and_its_model_moves(
 def _worker_hosts() -> set[int]:
     return {p.pid for p in psutil.process_iter(["name"])
             if "WorkerHost" in (p.info["name"] or "")}
+
+
+def test_the_front_outlives_its_ray_agent_and_connects_again(server: Server) -> None:
+    """The agent (the front's Ray driver) killed, as Ray ends a driver that lost its GCS:
+    /health answers throughout, the nodes come back once the front has started it again,
+    their KV snapshots are kept (the nodes were out of reach, not gone), and the model is
+    served again; nothing the old agent started runs on."""
+    nodes = {n["id"] for n in server.stats()["nodes"]}
+    kept = {p.name for p in (server.log.parent / "kv" / "nodes").iterdir() if p.is_dir()}
+    [agent] = [p for p in psutil.Process(server.proc.pid).children()
+               if "bunkhouse.cluster.agent" in " ".join(p.cmdline())]
+    old_hosts = _worker_hosts()
+    health: list[int] = []
+    stop = threading.Event()
+
+    def watch_health() -> None:
+        while not stop.is_set():
+            try:
+                health.append(httpx.get(f"{server.url}/health", timeout=10).status_code)
+            except httpx.HTTPError:
+                health.append(0)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    try:
+        agent.kill()
+        wait_for(lambda: not psutil.pid_exists(agent.pid) or agent.status() == "zombie"
+                 or None, 60, "the agent to end")
+        wait_for(lambda: {n["id"] for n in server.stats()["nodes"]} == nodes or None, 180,
+                 "the nodes to be back")
+        assert _complete(server, QWEN)
+    finally:
+        stop.set()
+        watcher.join(30)
+    assert health and set(health) == {200}
+    assert kept <= {p.name for p in (server.log.parent / "kv" / "nodes").iterdir()}
+    wait_for(lambda: not old_hosts & _worker_hosts() or None, 120,
+             "the old agent's worker hosts to be gone")
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -66,7 +66,8 @@ def test_ray_auto_needs_ray_address(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 @pytest.mark.parametrize(("given", "says"), [
     ("", "is not host:port"), ("headnode", "is not host:port"), (":6379", "is not host:port"),
-    ("ray://head:10001", "is a Ray Client address"),
+    ("ray://head:10001", "is a Ray Client address"), ("head:99999", "is not host:port"),
+    ("head:0", "is not host:port"),
 ])
 def test_a_ray_address_that_cannot_be_one_is_refused_by_the_parser(
         given: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,3 +77,13 @@ def test_a_ray_address_that_cannot_be_one_is_refused_by_the_parser(
         main(["serve", "--ray", given])
     assert exited.value.code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["abc", "0", "-5", "inf"])
+def test_a_connect_limit_that_is_not_seconds_is_refused(
+        given: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bunkhouse.cluster.agent import _connect_s
+
+    monkeypatch.setenv("BUNKHOUSE_RAY_CONNECT_S", given)
+    with pytest.raises(SystemExit, match="BUNKHOUSE_RAY_CONNECT_S"):
+        _connect_s()

@@ -157,7 +157,7 @@ class World:
                 self.pending.append(("exit", msg.WorkerExited(e.model, e.worker, "killed")))
         elif isinstance(e, msg.FillSpare | msg.DropSpare):
             self.pending.append((type(e).__name__.lower(), e))
-        elif isinstance(e, msg.Publish) and e.kind == "crashed":
+        elif isinstance(e, msg.Publish) and e.kind in ("crashed", "lost"):
             worker = self.state.models[e.model].worker
             assert worker is not None and worker.id not in self.crashed, "death counted twice"
             self.crashed.add(worker.id)

@@ -116,8 +116,8 @@ def ray_address(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r} is a Ray Client address; give the head's GCS address, host:port "
             "(ray start --head prints it), or 'auto' for $RAY_ADDRESS")
-    if text != "auto" and (":" not in text or not text.rsplit(":", 1)[1].isdigit()
-                           or not text.rsplit(":", 1)[0]):
+    host, _, port = text.rpartition(":")
+    if text != "auto" and (not host or not port.isdigit() or not 0 < int(port) < 65536):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not host:port (the head's address: ray start --head prints it) "
             "or 'auto'")

@@ -96,23 +96,29 @@ def warn_at_start(settings: Settings, catalog: Catalog, budget: int) -> None:
         log.warning("--allow-runtime-load has no effect without an --admin-key")
     if settings.api_keys:
         log.info("inference endpoints need one of %d client key(s)", len(settings.api_keys))
-    warn_never_fit(catalog, budget)
+    warn_never_fit(catalog, budget, cluster=settings.ray_address is not None)
 
 
-def warn_never_fit(catalog: Catalog, budget: int) -> None:
-    """Say at start which models the budget can never hold (each would answer 503)."""
+def warn_never_fit(catalog: Catalog, budget: int, cluster: bool = False) -> None:
+    """Say at start which models the budget can never hold (each would answer 503);
+    ``cluster``: ``budget`` is the largest Ray node's."""
     import psutil
 
     from bunkhouse.residency.estimate import estimate
 
     ram = psutil.virtual_memory().total
-    if budget > ram:
+    if budget > ram and not cluster:
         log.warning("the memory budget of %d MiB is more than this machine's %d MiB of RAM: "
                     "models may be loaded until the system runs out of memory",
                     budget // 2**20, ram // 2**20)
     for model in catalog.bases():  # an adapter counts in its base's estimate
         need = estimate(model).total
-        if need > budget:
+        if need > budget and cluster:
+            log.warning("model %s needs about %d MiB, more than the largest node's budget of "
+                        "%d MiB: every request for it will fail; raise that node's "
+                        "bunkhouse_memory_mib resource or lower the model's context",
+                        model.id, need // 2**20, budget // 2**20)
+        elif need > budget:
             log.warning("model %s needs about %d MiB, more than the whole memory budget of %d "
                         "MiB: every request for it will fail; raise --budget or lower its "
                         "context", model.id, need // 2**20, budget // 2**20)

@@ -24,11 +24,13 @@ import base64
 import contextlib
 import json
 import logging
+import math
 import os
 import pickle
 import socket
 import sys
-from typing import Any
+import time
+from typing import Any, NoReturn
 
 log = logging.getLogger("bunkhouse.cluster.agent")
 
@@ -38,10 +40,29 @@ BUDGET_RESOURCE = "bunkhouse_memory_mib"
 MEMORY_SHARE = 0.5
 """A node's budget without that resource: this share of its memory as Ray reports it."""
 EXIT_UNREACHABLE = 3
-CONNECT_S = float(os.environ.get("BUNKHOUSE_RAY_CONNECT_S") or 30.0)
-"""Seconds to reach the cluster: Ray's own ``ray.init`` retries an address where nothing
-answers for minutes. ``BUNKHOUSE_RAY_CONNECT_S`` sets another (a slow network; the tests'
-unreachable address)."""
+EXIT_LOST = 4
+"""The agent's exit once it lost the cluster (its GCS silent, or its own node gone): the
+front starts it again."""
+GCS_S = 10.0
+"""Seconds the cluster's node list may take before the agent counts the cluster lost (Ray
+itself ends a driver only after 60 s)."""
+NODE_DEATH_S = 30.0
+"""Seconds a start whose actor died waits for Ray to say whether its node is dead (its
+health checks take about 15 s): a node's death is not the model's failure."""
+
+
+def _connect_s() -> float:
+    """Seconds to reach the cluster: Ray's own ``ray.init`` retries an address where nothing
+    answers for minutes. ``BUNKHOUSE_RAY_CONNECT_S`` sets another (a slow network; the
+    tests' unreachable address)."""
+    raw = os.environ.get("BUNKHOUSE_RAY_CONNECT_S") or "30"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise SystemExit(f"BUNKHOUSE_RAY_CONNECT_S={raw!r}: give a number of seconds above 0")
+    return value
 
 
 def node_budget(resources: dict[str, float]) -> int:
@@ -74,9 +95,17 @@ class Agent:
     async def watch_nodes(self) -> None:
         import ray
 
+        own = ray.get_runtime_context().get_node_id()  # the node this driver is attached to
         last: list[dict[str, Any]] | None = None
         while True:
-            nodes = alive_nodes(await asyncio.to_thread(ray.nodes))
+            try:
+                nodes = alive_nodes(await asyncio.wait_for(asyncio.to_thread(ray.nodes),
+                                                           GCS_S))
+            except Exception as e:  # its GCS is silent or gone: Ray would end this driver
+                _lost(f"the cluster's node list did not come within {GCS_S:.0f} s "
+                      f"({type(e).__name__}: {e})")
+            if all(n["id"] != own for n in nodes):  # every call through it would hang
+                _lost(f"the node this agent is attached to ({own}) is gone")
             if nodes != last:
                 self.send({"event": "nodes", "nodes": nodes})
                 last = nodes
@@ -131,7 +160,11 @@ class Agent:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
             error = _error(e)
-            if error["kind"] == "ActorUnschedulableError" or await self._node_gone(c["node"]):
+            # its host process died under it: its node's doing, if Ray soon says so
+            patience = NODE_DEATH_S if error["kind"] in ("ActorDiedError",
+                                                         "ActorUnavailableError") else 0.0
+            if error["kind"] == "ActorUnschedulableError" \
+                    or await self._node_gone(c["node"], patience):
                 error["node_gone"] = True  # not the model's failure: another node may do
             self.send({"id": c["id"], "ok": False, "error": error})
             return
@@ -153,18 +186,22 @@ class Agent:
         if worker in self._actors:
             self.send({"event": "exited", "worker": worker, **exited})
 
-    async def _node_gone(self, node: str) -> bool:
-        """Whether Ray already counts ``node`` dead (its list is then sent at once). Its
-        health checks take about 15 s to notice a raylet gone; a worker's death is not
-        held back for that: the front places the model again, and a start on a node that
-        is gone fails at once as such."""
+    async def _node_gone(self, node: str, patience_s: float = 0.0) -> bool:
+        """Whether Ray counts ``node`` dead (its list is then sent at once), asking again
+        every second for up to ``patience_s``. Its health checks take about 15 s to notice
+        a raylet gone; a worker's death is not held back for that (the front places the
+        model again, and a start on a node that is gone fails as such)."""
         import ray
 
-        nodes = alive_nodes(await asyncio.to_thread(ray.nodes))
-        if all(n["id"] != node for n in nodes):
-            self.send({"event": "nodes", "nodes": nodes})
-            return True
-        return False
+        deadline = time.monotonic() + patience_s
+        while True:
+            nodes = alive_nodes(await asyncio.to_thread(ray.nodes))
+            if all(n["id"] != node for n in nodes):
+                self.send({"event": "nodes", "nodes": nodes})
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(1.0)
 
     async def _stop(self, c: dict[str, Any]) -> None:
         import ray
@@ -197,6 +234,12 @@ class Agent:
                                for w in list(self._actors)), return_exceptions=True)
 
 
+def _lost(why: str) -> NoReturn:
+    """End the agent: the front counts every node out of reach and starts it again."""
+    print(f"lost the Ray cluster: {why}", file=sys.stderr, flush=True)
+    os._exit(EXIT_LOST)  # Ray's threads would hold a normal exit
+
+
 def _error(e: BaseException) -> dict[str, Any]:
     """A failed start for the front: the worker's own error if it came through Ray."""
     cause = getattr(e, "cause", None) or e
@@ -209,16 +252,17 @@ def _error(e: BaseException) -> dict[str, Any]:
 
 
 async def connect(address: str) -> bool:
-    """``ray.init`` within :data:`CONNECT_S`; False (said on stderr) if it failed."""
+    """``ray.init`` within :func:`_connect_s`; False (said on stderr) if it failed."""
     import ray
 
+    connect_s = _connect_s()
     try:
         await asyncio.wait_for(asyncio.to_thread(
             ray.init, address=address, namespace="bunkhouse", log_to_driver=False,
-            logging_level=logging.WARNING), CONNECT_S)
+            logging_level=logging.WARNING), connect_s)
     except TimeoutError:
         print(f"cannot reach the Ray cluster at {address}: no answer within "
-              f"{CONNECT_S:.0f} s", file=sys.stderr, flush=True)
+              f"{connect_s:.0f} s", file=sys.stderr, flush=True)
         os._exit(EXIT_UNREACHABLE)  # ray.init's thread would hold the exit
     except Exception as e:
         print(f"cannot reach the Ray cluster at {address}: {e}", file=sys.stderr)

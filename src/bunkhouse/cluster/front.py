@@ -174,6 +174,7 @@ class Cluster:
         self._first_nodes: asyncio.Event | None = None
         self._closed = False
         self._gone: set[str] = set()  # nodes found gone before Ray said so
+        self._connected = False  # the running agent reached the cluster
         self.snapshots: NodeStores | None = None  # KV snapshots per node (None: off)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -195,6 +196,8 @@ class Cluster:
         if self._writer is not None:
             self._writer.close()
         proc = self._proc
+        if proc is not None and proc.returncode is None and not self._connected:
+            proc.kill()  # still connecting (the cluster is out of reach): it started nothing
         if proc is not None and proc.returncode is None:
             try:
                 await asyncio.wait_for(proc.wait(), self.launch.stop_grace_s + 20)
@@ -214,7 +217,6 @@ class Cluster:
             code = await self._run_agent()
             if self._closed:
                 return
-            self._all_lost(f"the Ray agent exited (code {code})")
             delay = RESTART_DELAYS_S[min(attempt, len(RESTART_DELAYS_S) - 1)]
             log.warning("Ray agent exited with code %s; starting it again in %.0f s",
                         code, delay)
@@ -238,6 +240,9 @@ class Cluster:
         finally:
             self._writer.close()
             self._writer = None
+            self._connected = False
+            if not self._closed:  # before its calls fail: a load cut off is then a cancel
+                self._all_lost("the Ray agent exited (it lost the cluster, or was killed)")
             if self._closed:  # the front stops: the agent stops its workers, then exits
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), self.launch.stop_grace_s + 20)
@@ -297,6 +302,7 @@ class Cluster:
                 worker.died(m.get("cause") or "its worker exited", m.get("detail"),
                             lost=bool(m.get("lost")))
         elif event == "ready":
+            self._connected = True
             log.info("connected to the Ray cluster at %s", self.address)
 
     def _nodes_now(self, nodes: dict[str, NodeInfo]) -> None:
@@ -312,6 +318,9 @@ class Cluster:
                          node.budget // 2**20, "" if node.named else
                          " (half its memory; set the bunkhouse_memory_mib resource to choose)")
                 self._residency.node_joined(node.id, node.budget)
+        if self.snapshots is not None and set(nodes) != set(self.nodes):
+            # the snapshots of nodes gone while the agent was down go too
+            asyncio.get_running_loop().run_in_executor(None, self.snapshots.prune, set(nodes))
         self.nodes = nodes
         if self._first_nodes is not None:
             self._first_nodes.set()

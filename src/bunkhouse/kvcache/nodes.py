@@ -126,7 +126,11 @@ class NodeStores:
     def prune(self, alive: set[str]) -> list[str]:
         """Remove the directories of nodes no longer alive (those another front holds
         stay); returns their ids."""
-        removed = []
+        with self._lock:
+            dead = [node for node in self._stores if node not in alive]
+        for node in dead:
+            self.lost(node)
+        removed = dead
         for path in sorted(self.root.iterdir()) if self.root.is_dir() else []:
             if path.name in alive or not _NODE_ID.fullmatch(path.name) \
                     or not (path / MARKER).is_file() or path.is_symlink():

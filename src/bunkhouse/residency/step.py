@@ -285,7 +285,8 @@ def _exited(s: State, e: msg.WorkerExited, now: float, fx: Fx) -> State:
         return put(s, replace(m, last_error=cause, last_error_detail=e.detail)) \
             if e.cause else s
     s = put_health(s, m.id, replace(h, counted=e.worker))
-    fx.append(msg.Publish(m.id, "crashed", cause, detail=e.detail))
+    # "lost": gone with its node or host process (a cluster's), not the model's crash
+    fx.append(msg.Publish(m.id, "lost" if e.lost else "crashed", cause, detail=e.detail))
     worker = replace(m.worker, alive=False)
     m = replace(m, worker=worker, last_error=cause, last_error_detail=e.detail)
     if m.phase is Phase.DRAINING:  # it was being stopped anyway: no respawn, no flush
@@ -300,8 +301,9 @@ def _exited(s: State, e: msg.WorkerExited, now: float, fx: Fx) -> State:
     m = s.models[m.id]
     if m.retired:
         m = replace(m, respawn=False)
-    m = replace(set_phase(m, Phase.DRAINING, "crashed", fx, cause="crashed"),
-                drain=Drain("crashed", Stage.STOP))
+    why = "node_lost" if e.lost else "crashed"
+    m = replace(set_phase(m, Phase.DRAINING, cause if e.lost else "crashed", fx, cause=why),
+                drain=Drain(cause if e.lost else "crashed", Stage.STOP))
     assert m.worker is not None
     fx.append(msg.Stop(m.id, m.worker.id))  # its requests are failing already
     return put(s, m)
@@ -420,7 +422,7 @@ def _node_lost(s: State, e: msg.NodeLost, now: float, fx: Fx) -> State:
                 m = replace(m, drain=Drain(cause, Stage.STOP))
             s = put(s, replace(m, worker=worker))
         elif m.phase is Phase.READY:
-            fx.append(msg.Publish(m.id, "crashed", cause))
+            fx.append(msg.Publish(m.id, "lost", cause))
             m = replace(set_phase(m, Phase.DRAINING, cause, fx, cause="node_lost"),
                         worker=worker, drain=Drain(cause, Stage.STOP), last_error=cause,
                         last_node=None)
