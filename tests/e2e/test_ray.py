@@ -11,7 +11,8 @@ never stops answering, the next request is served from another node, and nothing
 lost node is left running. A conversation of about 600 tokens is restored from its node's KV
 snapshots when Qwen loads there again, and starts cold (counted as a miss naming that node)
 on another. The front outlives its Ray agent (the driver Ray ends when its GCS is lost) and
-connects again. Bad configurations are refused before anything starts.
+connects again; with the cluster's GCS lost, requests fail at once and /health answers. Bad
+configurations are refused before anything starts.
 Skipped, saying why, where Ray is not installed (it is the ``ray`` extra)."""
 
 from __future__ import annotations
@@ -345,6 +346,30 @@ def test_the_front_outlives_its_ray_agent_and_connects_again(server: Server) -> 
     assert kept <= {p.name for p in (server.log.parent / "kv" / "nodes").iterdir()}
     wait_for(lambda: not old_hosts & _worker_hosts() or None, 120,
              "the old agent's worker hosts to be gone")
+
+
+def test_a_lost_cluster_fails_requests_at_once_and_health_answers(
+        server: Server, cluster: Any) -> None:
+    """The cluster's GCS killed (the module's last use of the cluster): the agent counts
+    the cluster lost within its 10 s, so a request for a model fails at once with a 503
+    (never a hang or a 500), /health answers throughout, and the front's stop (the serve
+    fixture's SIGTERM) does not wait for the agent, which keeps trying to connect."""
+    gcs = cluster.head_node.all_processes["gcs_server"][0].process
+    absent = next(m for m in (GEMMA, *EXTRA) if server.model(m)["state"] == "absent")
+    gcs.kill()
+    statuses: list[int] = []
+    health: list[int] = []
+
+    def failed_cleanly() -> bool | None:
+        health.append(httpx.get(f"{server.url}/health", timeout=30).status_code)
+        answer = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": absent, "prompt": "Hello", "max_tokens": 2})
+        statuses.append(answer.status_code)
+        return (answer.status_code == 503 and "no node" in answer.text) or None
+
+    wait_for(failed_cleanly, 180, "a quick 503 once the cluster is lost")
+    assert set(health) == {200}
+    assert set(statuses) <= {503}, statuses  # each a clean refusal, none a server error
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -29,6 +29,7 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 from typing import Any, NoReturn
 
@@ -95,17 +96,9 @@ class Agent:
     async def watch_nodes(self) -> None:
         import ray
 
-        own = ray.get_runtime_context().get_node_id()  # the node this driver is attached to
         last: list[dict[str, Any]] | None = None
         while True:
-            try:
-                nodes = alive_nodes(await asyncio.wait_for(asyncio.to_thread(ray.nodes),
-                                                           GCS_S))
-            except Exception as e:  # its GCS is silent or gone: Ray would end this driver
-                _lost(f"the cluster's node list did not come within {GCS_S:.0f} s "
-                      f"({type(e).__name__}: {e})")
-            if all(n["id"] != own for n in nodes):  # every call through it would hang
-                _lost(f"the node this agent is attached to ({own}) is gone")
+            nodes = alive_nodes(await asyncio.to_thread(ray.nodes))
             if nodes != last:
                 self.send({"event": "nodes", "nodes": nodes})
                 last = nodes
@@ -234,6 +227,27 @@ class Agent:
                                for w in list(self._actors)), return_exceptions=True)
 
 
+def watchdog() -> None:
+    """Every second, on a thread of its own (Ray's calls can block the event loop's thread
+    once the cluster is gone): end the agent if the cluster's node list does not come
+    within :data:`GCS_S`, or lists the node this driver is attached to as gone (every call
+    through it would hang)."""
+    import ray
+
+    own = ray.get_runtime_context().get_node_id()
+    while True:
+        got: list[list[dict[str, Any]]] = []
+        asking = threading.Thread(target=lambda into=got: into.append(
+            alive_nodes(ray.nodes())), daemon=True)  # type: ignore[no-untyped-call]
+        asking.start()
+        asking.join(GCS_S)
+        if not got:  # silent, or it raised: its GCS is gone (Ray would end this driver)
+            _lost(f"the cluster's node list did not come within {GCS_S:.0f} s")
+        if all(n["id"] != own for n in got[0]):
+            _lost(f"the node this agent is attached to ({own}) is gone")
+        time.sleep(1.0)
+
+
 def _lost(why: str) -> NoReturn:
     """End the agent: the front counts every node out of reach and starts it again."""
     print(f"lost the Ray cluster: {why}", file=sys.stderr, flush=True)
@@ -279,6 +293,7 @@ async def run(address: str) -> int:
     reader, writer = await asyncio.open_unix_connection(sock=channel)
     agent = Agent(writer)
     agent.send({"event": "ready", "address": address})
+    threading.Thread(target=watchdog, name="cluster-watchdog", daemon=True).start()
     nodes = asyncio.ensure_future(agent.watch_nodes())
     try:
         while line := await reader.readline():
