@@ -15,8 +15,7 @@ in a quiet window), give the CPU each relayed token costs.
 Then the time to place and load: per round, the model unloaded, then loaded by the admin
 API (``POST /v1/models/{id}/load`` returns once it is ready) on each target in turn: a
 local process spawned against an actor made on the node, which then spawns the worker.
-The local front keeps no spare worker here (nor does a Ray node yet), so that both loads
-start a worker from nothing.
+Neither front keeps a spare worker here, so that both loads start a worker from nothing.
 """
 
 from __future__ import annotations
@@ -96,7 +95,7 @@ def measure(profile: Profile) -> dict[str, Any]:
                        ADMIN, "--kv-cache-dir", str(folder / "kv-local"),
                        "--spare-worker", "off") as (local, front), \
                 bunkhouse("ray-ray", "--config", config, "--preload", QWEN, "--admin-key",
-                          ADMIN, "--ray", cluster.address,
+                          ADMIN, "--ray", cluster.address, "--spare-worker", "off",
                           "--kv-cache-dir", str(folder / "kv-ray")) as (remote, ray_front):
             targets = [("local", local, front.pid), ("ray", remote, ray_front.pid)]
             for _, url, _ in targets:  # warm-up, not counted

@@ -101,20 +101,16 @@ class FakeSpares:
         self.engine: str | None = None
         self.log: list[str] = []
 
-    @property
-    def spare_pid(self) -> int | None:
-        return 4242 if self.engine else None
-
     def engine_of(self, m: CatalogModel) -> str:
         return "whisper" if m.id.startswith("w") else "llama"
 
-    async def fill_spare(self, engine: str) -> None:
-        if self.engine == engine:
-            return
-        self.engine = engine
-        self.log.append(f"+{engine}")
+    async def fill_spare(self, engine: str, node: str = "local") -> int | None:
+        if self.engine != engine:
+            self.engine = engine
+            self.log.append(f"+{engine}")
+        return 4242
 
-    def drop_spare(self) -> None:
+    def drop_spare(self, node: str = "local") -> None:
         if self.engine:
             self.log.append(f"-{self.engine}")
         self.engine = None

@@ -6,11 +6,12 @@ so that Qwen (1,058 MiB estimated) and Gemma (646) cannot share a node), and
 The packaged models answer through the openai SDK, each from its own node (``node`` in
 /v1/models is Ray's node id); a third model goes to the third node; a fourth evicts the model
 on a node where it then fits. A worker's relay answers 401 to a request without its secret.
-A node removed while a stream runs on it: the stream ends with an error event, /health
-never stops answering, the next request is served from another node, and nothing of the
-lost node is left running. A conversation of about 600 tokens is restored from its node's KV
-snapshots when Qwen loads there again, and starts cold (counted as a miss naming that node)
-on another. The front outlives its Ray agent (the driver Ray ends when its GCS is lost) and
+The console draws a bar per node. A node removed while a stream runs on it: the stream ends
+with an error event, /health never stops answering, the next request is served from another
+node, and nothing of the lost node is left running. A conversation of about 600 tokens is
+restored from its node's KV snapshots when Qwen loads there again, and starts cold (counted
+as a miss naming that node) on another. A node keeps a spare worker that its next load
+becomes. The front outlives its Ray agent (the driver Ray ends when its GCS is lost) and
 connects again; with the cluster's GCS lost, requests fail at once and /health answers. Bad
 configurations are refused before anything starts.
 Skipped, saying why, where Ray is not installed (it is the ``ray`` extra)."""
@@ -346,6 +347,32 @@ def test_the_front_outlives_its_ray_agent_and_connects_again(server: Server) -> 
     assert kept <= {p.name for p in (server.log.parent / "kv" / "nodes").iterdir()}
     wait_for(lambda: not old_hosts & _worker_hosts() or None, 120,
              "the old agent's worker hosts to be gone")
+
+
+def test_a_node_keeps_a_spare_worker_that_its_next_load_becomes(
+        cluster: Any, tmp_path: Path) -> None:
+    """A front of its own (spare workers on) over the same nodes: a node keeps a spare
+    worker in a worker host of its own, a load placed there becomes it (the same process),
+    and after the load the node keeps another, which the model's next load there becomes."""
+    config = tmp_path / "bunkhouse.toml"
+    config.write_text("hf_cache = false\nollama = false\nlmstudio = false\n"
+                      "[defaults]\nthreads = 1\n")
+    with serve(tmp_path, "--config", str(config), "--ray", cluster.address,
+               "--admin-key", ADMIN) as server:
+        first = wait_for(lambda: server.stats().get("spare_worker"), 120,
+                         "the spare worker kept from the start")
+        host = psutil.Process(first["pid"]).parent()
+        assert host is not None and "WorkerHost" in host.name()
+        assert _complete(server, GEMMA)
+        assert server.model(GEMMA)["pid"] == first["pid"]  # placed where the spare was
+        node = _node(server, GEMMA)
+        second = wait_for(lambda: server.stats().get("spare_worker"), 120,
+                          "another spare on the model's node")
+        assert second["pid"] != first["pid"]
+        _unload(server, GEMMA)
+        assert _complete(server, GEMMA)  # back on its node, which has the spare
+        assert _node(server, GEMMA) == node
+        assert server.model(GEMMA)["pid"] == second["pid"]
 
 
 def test_a_lost_cluster_fails_requests_at_once_and_health_answers(

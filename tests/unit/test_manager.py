@@ -781,9 +781,9 @@ def test_a_spare_still_being_made_is_waited_for_without_spinning() -> None:
             super().__init__()
             self.release = asyncio.Event()
 
-        async def fill_spare(self, engine: str) -> None:
+        async def fill_spare(self, engine: str, node: str = "local") -> int | None:
             await self.release.wait()
-            await super().fill_spare(engine)
+            return await super().fill_spare(engine, node)
 
     async def go() -> None:
         spares = SlowSpares()

@@ -170,7 +170,8 @@ def _cluster(settings: Settings, catalog: Catalog) -> Cluster | None:
                           f"smallest model needs {needs[0] // 2**20} MiB); set each node's "
                           "bunkhouse_memory_mib resource (docs/scaling.md)")
     cluster = Cluster(address, LaunchOptions(settings.ready_timeout_s, settings.stop_grace_s,
-                                             settings.worker_engine))
+                                             settings.worker_engine),
+                      spares=settings.spare_worker)
     cluster.nodes = {n.id: n for n in nodes}  # as checked; the agent reports them again
     log.info("Ray cluster at %s: %s", address, ", ".join(
         f"{n.id[:12]} ({n.address}, {n.budget // 2**20} MiB)" for n in nodes))
@@ -194,7 +195,7 @@ def _residency(settings: Settings, catalog: Catalog, budget: int, launcher: Loca
                          probe_timeout_s=settings.probe_interval_s,
                          local_node=cluster is None),
         start, events=events, flush=keeper.flush if keeper else None,
-        spare=launcher if settings.spare_worker and cluster is None else None,
+        spare=(launcher if cluster is None else cluster) if settings.spare_worker else None,
     )
 
 

@@ -89,6 +89,7 @@ class Agent:
         self._watches: dict[str, asyncio.Task[None]] = {}
         self._stops: set[asyncio.Future[None]] = set()
         self._nodes_of: dict[str, str] = {}  # worker id -> its node
+        self._spares: dict[str, Any] = {}  # node -> the host holding its spare worker
 
     def send(self, message: dict[str, Any]) -> None:
         self._writer.write(json.dumps(message).encode() + b"\n")
@@ -125,20 +126,63 @@ class Agent:
             actor = self._actors.get(c["worker"])
             if actor is not None:
                 actor.signal.remote(bool(c["suspend"]))
+        elif op == "fill_spare":
+            fill = asyncio.ensure_future(self._fill(c))
+            self._stops.add(fill)
+            fill.add_done_callback(self._stops.discard)
+        elif op == "drop_spare":
+            self._drop(c["node"])
 
-    async def _start(self, c: dict[str, Any]) -> None:
+    @staticmethod
+    def _host(node: str) -> Any:
+        """A new WorkerHost actor pinned to ``node`` (no CPU reserved: the worker's threads
+        are the model's own setting)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from bunkhouse.cluster.host import WorkerHost
 
+        return ray.remote(WorkerHost).options(
+            num_cpus=0, max_concurrency=64, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote()
+
+    async def _fill(self, c: dict[str, Any]) -> None:
+        """The node's spare worker, in a host of its own that the next load on that node
+        may take over (``use_spare``); replies its pid (None: none)."""
+        node = c["node"]
+        actor = self._spares.get(node)
+        if actor is None:
+            actor = self._spares[node] = self._host(node)
+        pid = None
+        try:
+            options = pickle.loads(base64.b64decode(c["options"]))
+            pid = await actor.fill_spare.remote(options, c["engine"])
+        except Exception as e:
+            log.info("node %s: no spare worker (%s: %s)", node, type(e).__name__, e)
+            self._drop(node)
+        if self._spares.get(node) is not actor:  # dropped, or taken by a start, meanwhile
+            pid = None
+        self.send({"id": c["id"], "ok": pid is not None, "pid": pid})
+
+    def _drop(self, node: str) -> None:
+        """Kill the node's spare (its host, and with it the spare process)."""
+        import ray
+
+        actor = self._spares.pop(node, None)
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+    async def _start(self, c: dict[str, Any]) -> None:
+        import ray
+
         worker = c["worker"]
         actor: Any = None
         try:
-            actor = ray.remote(WorkerHost).options(
-                num_cpus=0, max_concurrency=64, max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(c["node"], soft=False),
-            ).remote()
+            # the node's spare's host, when residency counted the spare for this load
+            actor = (self._spares.pop(c["node"], None) if c.get("use_spare") else None) \
+                or self._host(c["node"])
             self._actors[worker] = actor
             self._nodes_of[worker] = c["node"]
             model = pickle.loads(base64.b64decode(c["model"]))
@@ -223,6 +267,8 @@ class Agent:
 
     async def stop_all(self) -> None:
         """Stop every worker (the front closed the socket: it is stopping)."""
+        for node in list(self._spares):
+            self._drop(node)
         await asyncio.gather(*(self._stop({"worker": w, "grace_s": 5})
                                for w in list(self._actors)), return_exceptions=True)
 

@@ -31,7 +31,7 @@ from bunkhouse.engines.contract import EngineClient
 from bunkhouse.engines.transport import WorkerTransport
 from bunkhouse.errors import ConfigError, WorkerLoadFailed
 from bunkhouse.supervisor.handle import Placement, WorkerMemory
-from bunkhouse.supervisor.process import LaunchOptions, spawn_local
+from bunkhouse.supervisor.process import LaunchOptions, spawn_local, worker_engine
 
 if TYPE_CHECKING:
     from bunkhouse.kvcache.nodes import NodeStores
@@ -160,9 +160,12 @@ class RemoteWorker:
 class Cluster:
     """The agent, the nodes it reports and the workers started through it."""
 
-    def __init__(self, address: str, launch: LaunchOptions) -> None:
+    def __init__(self, address: str, launch: LaunchOptions, spares: bool = False) -> None:
+        """``spares``: each node keeps a spare worker (residency says when, for which
+        engine; this is its pool: supervisor/handle.py ``SparePool``)."""
         self.address = address
         self.launch = launch
+        self.spares = spares
         self.nodes: dict[str, NodeInfo] = {}  # alive, as the agent last said
         self._residency: ResidencyManager | None = None
         self._workers: dict[str, RemoteWorker] = {}
@@ -317,7 +320,7 @@ class Cluster:
                 log.info("node %s (%s): budget %d MiB%s", node.id, node.address,
                          node.budget // 2**20, "" if node.named else
                          " (half its memory; set the bunkhouse_memory_mib resource to choose)")
-                self._residency.node_joined(node.id, node.budget)
+                self._residency.node_joined(node.id, node.budget, spares=self.spares)
         if self.snapshots is not None and set(nodes) != set(self.nodes):
             # the snapshots of nodes gone while the agent was down go too
             asyncio.get_running_loop().run_in_executor(None, self.snapshots.prune, set(nodes))
@@ -343,6 +346,28 @@ class Cluster:
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
+    # -- spare workers: a SparePool --------------------------------------------------------
+
+    def engine_of(self, model: CatalogModel) -> str:
+        return worker_engine(model, self.launch)
+
+    async def fill_spare(self, engine: str, node: str) -> int | None:
+        """Start ``node``'s spare worker for ``engine`` (in a worker host of its own that
+        the node's next load takes over); its pid (None: none was made)."""
+        if node not in self.nodes:
+            return None
+        try:
+            reply = await self.call({"op": "fill_spare", "node": node, "engine": engine,
+                                     "options": base64.b64encode(
+                                         pickle.dumps(self.launch)).decode()})
+        except ConnectionError:
+            return None
+        pid = reply.get("pid")
+        return pid if isinstance(pid, int) else None
+
+    def drop_spare(self, node: str) -> None:
+        self.send({"op": "drop_spare", "node": node})
+
     # -- starting workers -----------------------------------------------------------------
 
     async def start_worker(self, model: CatalogModel, node: str,
@@ -357,6 +382,7 @@ class Cluster:
         snapshot_dir = None if self.snapshots is None else \
             await asyncio.to_thread(self.snapshots.worker_dir, model.id, node)
         message = {"op": "start", "worker": worker_id, "node": node, "address": info.address,
+                   "use_spare": use_spare,
                    "secret": secret, "snapshot_dir": str(snapshot_dir) if snapshot_dir else None,
                    "model": base64.b64encode(pickle.dumps(model)).decode(),
                    "options": base64.b64encode(pickle.dumps(self.launch)).decode()}

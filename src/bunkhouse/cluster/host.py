@@ -20,13 +20,14 @@ from typing import Any
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.cluster.relay import Relay
-from bunkhouse.supervisor.launcher import owned_socket_dir
+from bunkhouse.supervisor.launcher import LocalLauncher, owned_socket_dir
 from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess
 from bunkhouse.worker.lifeline import hold
 
 
 class WorkerHost:
-    """One worker on this node. Each method is an actor call from the agent."""
+    """One worker on this node (first, maybe, the node's spare worker, which the worker
+    then becomes). Each method is an actor call from the agent."""
 
     def __init__(self) -> None:
         # The actor process is the raylet's child: it dies with the raylet (a lost node's
@@ -38,7 +39,15 @@ class WorkerHost:
         self._dir = owned_socket_dir(Path(tempfile.gettempdir()), "bunkhouse-node-")
         self._worker: WorkerProcess | None = None
         self._relay: Relay | None = None
+        self._spares: LocalLauncher | None = None  # the node's spare, while this host has it
         self._exited = asyncio.Event()
+
+    async def fill_spare(self, options: LaunchOptions, engine: str) -> int | None:
+        """Start the node's spare worker for ``engine`` (module:Class), as the front does
+        locally (supervisor/launcher.py); its pid (None: none was made)."""
+        if self._spares is None:
+            self._spares = LocalLauncher(options, tmp_dir=self._dir)
+        return await self._spares.fill_spare(engine)
 
     async def start(self, model: CatalogModel, options: LaunchOptions, secret: str,
                     host: str, snapshot_dir: str | None) -> dict[str, Any]:
@@ -50,7 +59,10 @@ class WorkerHost:
         snapshots = Path(snapshot_dir) if snapshot_dir else None
         if snapshots is not None and not snapshots.is_dir():
             snapshots = None
-        worker = WorkerProcess(model, WorkerLaunch(self._dir / "w.sock", options, snapshots))
+        launch = WorkerLaunch(self._dir / "w.sock", options, snapshots)
+        # this host's spare becomes the worker if it can (else a process is spawned)
+        worker = WorkerProcess(model, launch, self._spares.spawner(True)) \
+            if self._spares is not None else WorkerProcess(model, launch)
         worker.on_exit = self._exited.set
         self._worker = worker
         await worker.start()
@@ -85,4 +97,6 @@ class WorkerHost:
                 await self._relay.close()
         if self._worker is not None:
             await self._worker.stop()
+        if self._spares is not None:
+            self._spares.close()
         shutil.rmtree(self._dir, ignore_errors=True)

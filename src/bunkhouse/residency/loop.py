@@ -298,8 +298,7 @@ class Executor:
         pid = None
         try:
             if self._spare is not None:
-                await self._spare.fill_spare(e.engine)
-                pid = self._spare.spare_pid
+                pid = await self._spare.fill_spare(e.engine, e.node)
         finally:
             self._fills.pop(e.node, None)
             self.post(msg.SpareFilled(e.node, pid))
@@ -307,7 +306,7 @@ class Executor:
     async def _drop(self, e: msg.DropSpare) -> None:
         try:
             if self._spare is not None:
-                self._spare.drop_spare()  # a fill under way kills what it makes
+                self._spare.drop_spare(e.node)  # a fill under way kills what it makes
             fill = self._fills.get(e.node)
             if fill is not None:
                 await asyncio.gather(asyncio.shield(fill), return_exceptions=True)

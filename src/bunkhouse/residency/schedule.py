@@ -220,9 +220,10 @@ def place(s: State, m: Model) -> tuple[str, policy.Decision, bool]:
     node where it fits now, else where it fits after drains alone, else after requests end,
     else where loads under way stand in the way; NeverFits only if it fits on none. Among
     nodes equal in that, the node its last worker served on (its KV snapshots are on that
-    node's disk), then the least used (the smallest share of its budget in use), then the
-    first by id. A model that fits no node is refused against the largest one."""
-    best: tuple[tuple[int, int, bool, float, str], policy.Decision, bool] | None = None
+    node's disk), then a node whose spare worker it can become, then the least used (the
+    smallest share of its budget in use), then the first by id. A model that fits no node
+    is refused against the largest one."""
+    best: tuple[tuple[int, int, bool, bool, float, str], policy.Decision, bool] | None = None
     for node in s.nodes.values():
         if node.engines is not None and m.spec.engine not in node.engines:
             continue
@@ -233,12 +234,12 @@ def place(s: State, m: Model) -> tuple[str, policy.Decision, bool]:
             rank = 2
         used = s.used_bytes(node.id) / node.budget if node.budget > 0 else math.inf
         largest = -node.budget if isinstance(decision, policy.NeverFits) else 0
-        key = (rank, largest, node.id != m.last_node, used, node.id)
+        key = (rank, largest, node.id != m.last_node, not use_spare, used, node.id)
         if best is None or key < best[0]:
             best = (key, decision, use_spare)
     if best is None:  # no node runs its engine: waiting cannot help
         return "", policy.NeverFits(m.spec.estimate, 0, 0), False
-    return best[0][4], best[1], best[2]
+    return best[0][5], best[1], best[2]
 
 
 def _make_room(s: State, head: Model, decision: policy.Decision, node: str, fx: Fx

@@ -110,17 +110,15 @@ class WorkerHandle(Protocol):
 class SparePool(Protocol):
     """Spare workers (supervisor/launcher.py): an engine imported, no model, for the next
     load. Residency decides when one is kept, counts its share of the budget and says
-    which load becomes it; the pool makes, hands over and kills it."""
-
-    @property
-    def spare_pid(self) -> int | None:
-        """The spare's process id (None: none)."""
+    which load becomes it; the pool makes, hands over and kills it. One spare per node
+    (residency's node id: ``local`` on one machine, a cluster's otherwise)."""
 
     def engine_of(self, model: CatalogModel) -> str:
         """The worker engine a worker for ``model`` runs (module:Class)."""
 
-    async def fill_spare(self, engine: str) -> None:
-        """Start a spare for ``engine`` unless there is one."""
+    async def fill_spare(self, engine: str, node: str) -> int | None:
+        """Start a spare for ``engine`` on ``node`` unless there is one; its process id
+        (None: none was made)."""
 
-    def drop_spare(self) -> None:
-        """Kill the spare, if any."""
+    def drop_spare(self, node: str) -> None:
+        """Kill ``node``'s spare, if any."""

@@ -27,6 +27,7 @@ import psutil
 
 from bunkhouse.catalog import CatalogModel
 from bunkhouse.engines import engine_for
+from bunkhouse.residency.state import LOCAL
 from bunkhouse.supervisor.process import (
     LaunchOptions,
     Spawner,
@@ -95,8 +96,7 @@ class LocalLauncher:
                  " ".join(engine_for(model).worker_args(model)))
         snapshots = self._snapshot_dir(model.id) if self._snapshot_dir else None
         launch = WorkerLaunch(self._next_socket(), self.options, snapshots)
-        worker = WorkerProcess(model, launch, functools.partial(self._spawn_or_adopt,
-                                                                use_spare))
+        worker = WorkerProcess(model, launch, self.spawner(use_spare))
         await worker.start()
         return worker
 
@@ -110,10 +110,14 @@ class LocalLauncher:
     def spare_pid(self) -> int | None:
         return self._spare.proc.pid if self._spare is not None else None
 
-    async def fill_spare(self, engine: str) -> None:
+    async def fill_spare(self, engine: str, node: str = LOCAL) -> int | None:
         """Start a spare worker for ``engine`` (module:Class), unless one is there already;
         one with another engine is replaced. Only with the real spawner (a test's spawner
-        starts no spares)."""
+        starts no spares). Returns its pid (None: none). ``node``: this machine's."""
+        await self._fill(engine)
+        return self.spare_pid
+
+    async def _fill(self, engine: str) -> None:
         if self._closed or self._spawner is not spawn_local or self._filling or not engine:
             return  # (no engine: the model's worker is the engine's own program)
         if self._spare is not None:
@@ -140,14 +144,19 @@ class LocalLauncher:
         self._spare = _Spare(engine, proc, ours)
         log.info("spare worker pid %d started (%s)", proc.pid, engine)
 
-    def drop_spare(self) -> None:
+    def drop_spare(self, node: str = LOCAL) -> None:
         """Kill the spare worker, if there is one (its budget share is free at once: it held
-        no model)."""
+        no model). ``node``: this machine's."""
         spare, self._spare = self._spare, None
         self._drops += 1
         if spare is not None:
             log.info("spare worker pid %d dropped", spare.proc.pid)
             spare.kill()
+
+    def spawner(self, use_spare: bool) -> Spawner:
+        """What spawns a worker's process: the spare, if ``use_spare`` and it can become
+        it, else a new process."""
+        return functools.partial(self._spawn_or_adopt, use_spare)
 
     async def _spawn_or_adopt(self, use_spare: bool, argv: Sequence[str],
                               pass_fds: Sequence[int]) -> asyncio.subprocess.Process:
