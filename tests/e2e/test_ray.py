@@ -50,6 +50,8 @@ EXTRA = ("gemma-b", "gemma-c")  # the packaged Gemma's file under other ids
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
+    # the nodes' processes inherit it: a host the agent left ends within 10 s, not 30
+    os.environ["BUNKHOUSE_RAY_HEARTBEAT_S"] = "10"
     c = cluster_utils.Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"bunkhouse_memory_mib": NODE_MIB}})
     for _ in range(2):
@@ -59,6 +61,7 @@ def cluster() -> Iterator[Any]:
         yield c
     finally:
         c.shutdown()
+        os.environ.pop("BUNKHOUSE_RAY_HEARTBEAT_S", None)
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +376,11 @@ def test_a_node_keeps_a_spare_worker_that_its_next_load_becomes(
         assert _complete(server, GEMMA)  # back on its node, which has the spare
         assert _node(server, GEMMA) == node
         assert server.model(GEMMA)["pid"] == second["pid"]
+        spares = wait_for(lambda: [n["spare"] for n in server.stats()["nodes"] if n["spare"]],
+                          120, "the node's next spare, in its node's entry")
+        hosts = {psutil.Process(s["pid"]).ppid() for s in spares}
+    # the front stopped (serve's SIGTERM): its hosts and their spares went with it
+    wait_for(lambda: not hosts & _worker_hosts() or None, 60, "the spares' hosts to end")
 
 
 def test_a_lost_cluster_fails_requests_at_once_and_health_answers(
@@ -397,6 +405,13 @@ def test_a_lost_cluster_fails_requests_at_once_and_health_answers(
     wait_for(failed_cleanly, 180, "a quick 503 once the cluster is lost")
     assert set(health) == {200}
     assert set(statuses) <= {503}, statuses  # each a clean refusal, none a server error
+    # Ray cannot end the agent's actors without its GCS: each ends itself, with its worker,
+    # once the agent stops calling it
+    wait_for(lambda: not _worker_hosts() or None, 120, "the worker hosts to end")
+    orphans = [p for p in psutil.process_iter(["cmdline"])
+               if "bunkhouse.worker" in " ".join(p.info["cmdline"] or [])
+               and p.ppid() != server.proc.pid]
+    assert not orphans, orphans
 
 
 @pytest.mark.parametrize(("args", "says"), [

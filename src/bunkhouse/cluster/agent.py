@@ -111,6 +111,9 @@ class Agent:
                     if memory is not None:
                         self.send({"event": "memory", "worker": worker,
                                    "resident": memory[0], "peak": memory[1]})
+            for actor in list(self._spares.values()):  # a heartbeat (host.py HEARTBEAT_S)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(actor.memory.remote(), 5)
             await asyncio.sleep(1.0)
 
     def command(self, c: dict[str, Any]) -> None:

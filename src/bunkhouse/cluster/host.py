@@ -6,6 +6,10 @@ in front of its Unix socket.
 
 The worker is the actor process's child and the actor the raylet's: when the raylet goes
 (its node lost), the actor's parent-death signal ends it, and the worker's ends the worker.
+Once it serves (or holds the node's spare), the host also ends itself, and with it its
+worker, when the agent has not called it for :data:`HEARTBEAT_S` (its memory readings
+come every second): an agent gone while the cluster's GCS was down (a front stopped then,
+or killed) leaves no worker behind, which Ray cannot end without its GCS.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,10 @@ from bunkhouse.cluster.relay import Relay
 from bunkhouse.supervisor.launcher import LocalLauncher, owned_socket_dir
 from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess
 from bunkhouse.worker.lifeline import hold
+
+HEARTBEAT_S = float(os.environ.get("BUNKHOUSE_RAY_HEARTBEAT_S") or 30.0)
+"""Seconds without a call from the agent after which a serving host ends itself (the
+node's environment may set another: the tests' cluster does)."""
 
 
 class WorkerHost:
@@ -40,6 +50,8 @@ class WorkerHost:
         self._worker: WorkerProcess | None = None
         self._relay: Relay | None = None
         self._spares: LocalLauncher | None = None  # the node's spare, while this host has it
+        self._armed = False
+        self._heard = time.monotonic()  # the agent's last call
         self._exited = asyncio.Event()
 
     async def fill_spare(self, options: LaunchOptions, engine: str) -> int | None:
@@ -47,7 +59,9 @@ class WorkerHost:
         locally (supervisor/launcher.py); its pid (None: none was made)."""
         if self._spares is None:
             self._spares = LocalLauncher(options, tmp_dir=self._dir)
-        return await self._spares.fill_spare(engine)
+        pid = await self._spares.fill_spare(engine)
+        self._arm()
+        return pid
 
     async def start(self, model: CatalogModel, options: LaunchOptions, secret: str,
                     host: str, snapshot_dir: str | None) -> dict[str, Any]:
@@ -56,6 +70,7 @@ class WorkerHost:
         locally. ``snapshot_dir``: the model's directory in this node's KV snapshot store,
         which the front made just before: where this node does not see it (the front's
         filesystem is not this node's), the worker saves none (``"snapshots": false``)."""
+        self._heard = float("inf")  # no heartbeat while it starts (the agent is awaiting it)
         snapshots = Path(snapshot_dir) if snapshot_dir else None
         if snapshots is not None and not snapshots.is_dir():
             snapshots = None
@@ -68,6 +83,7 @@ class WorkerHost:
         await worker.start()
         self._relay = Relay(str(self._dir / "w.sock"), secret)
         port = await self._relay.start(host)
+        self._arm()
         return {"port": port, "pid": worker.pid,
                 "adapter_versions": dict(worker.adapter_versions),
                 "snapshots": snapshots is not None}
@@ -79,8 +95,24 @@ class WorkerHost:
         assert worker is not None
         return {"cause": worker.exit_cause, "detail": worker.exit_detail}
 
+    def _arm(self) -> None:
+        """From now on, end this host when the agent stops calling (started once)."""
+        self._heard = time.monotonic()
+        if not self._armed:
+            self._armed = True
+            threading.Thread(target=self._watch_agent, name="agent-heartbeat",
+                             daemon=True).start()
+
+    def _watch_agent(self) -> None:
+        while time.monotonic() - self._heard < HEARTBEAT_S:
+            time.sleep(1.0)
+        # its worker and spare end with this process (their parent-death signal)
+        os._exit(1)
+
     def memory(self) -> tuple[int, int] | None:
-        """The worker's resident bytes now and at its peak (None: not running)."""
+        """The worker's resident bytes now and at its peak (None: not running); each call
+        is the agent's heartbeat."""
+        self._heard = time.monotonic()
         memory = self._worker.memory() if self._worker is not None else None
         return (memory.resident, memory.peak) if memory is not None else None
 

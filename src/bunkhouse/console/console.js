@@ -115,7 +115,8 @@ function render() {
   $("#memory-figures").textContent = mib(stats.used_bytes) + " used of " + mib(budget) +
     (clustered ? " on " + nodes.length + " node" + (nodes.length === 1 ? "" : "s") : "") +
     " (peak " + mib(stats.peak_used_bytes) + ")" +
-    (stats.spare_worker ? ", " + mib(stats.spare_worker.bytes) + " for a spare worker" : "");
+    (stats.spare_worker && !clustered ? ", " + mib(stats.spare_worker.bytes) +
+     " for a spare worker" : "");
   const bar = $("#bar");
   bar.replaceChildren();
   bar.hidden = clustered;
@@ -129,7 +130,8 @@ function render() {
     nodeList.append(el("div", { class: "node", "data-node": n.id },
       el("div", { class: "node-label", title: n.id },
          "node " + n.id.slice(0, 12) + ": " + mib(n.used_bytes) + " used of " +
-         mib(n.budget_bytes) + (n.models.length ? " (" + n.models.join(", ") + ")" : "")),
+         mib(n.budget_bytes) + (n.models.length ? " (" + n.models.join(", ") + ")" : "") +
+         (n.spare ? ", " + mib(n.spare.bytes) + " for a spare worker" : "")),
       row));
   }
   const legend = $("#legend");

@@ -375,10 +375,13 @@ class ResidencyManager:
             node=w.node if w is not None else None)
 
     def nodes(self) -> list[dict[str, Any]]:
-        """Each node: its id, budget and the bytes its models (and spare) hold."""
+        """Each node: its id, budget, the bytes its models (and spare) hold, its models, and
+        its spare worker (``{"pid", "bytes"}``, or None)."""
         s = self._loop.state
         return [{"id": n.id, "budget_bytes": n.budget, "used_bytes": s.used_bytes(n.id),
-                 "models": sorted(m.id for m in s.models.values() if m.node == n.id)}
+                 "models": sorted(m.id for m in s.models.values() if m.node == n.id),
+                 "spare": {"pid": n.spare.pid, "bytes": defaults.SPARE_BYTES}
+                 if n.spare is not None and n.spare.pid is not None else None}
                 for n in s.nodes.values()]
 
     def statuses(self) -> list[ModelStatus]:
@@ -401,7 +404,8 @@ class ResidencyManager:
 
     def spare_status(self) -> dict[str, Any] | None:
         """The spare worker waiting for the next load: its pid and its share of the budget;
-        None if there is none."""
+        None if there is none. With a cluster, the first node's that has one (each node's
+        is in :meth:`nodes`)."""
         for node in self._loop.state.nodes.values():
             if node.spare is not None and node.spare.pid is not None:
                 return {"pid": node.spare.pid, "bytes": defaults.SPARE_BYTES}
