@@ -18,6 +18,7 @@ Skipped, saying why, where Ray is not installed (it is the ``ray`` extra)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -253,19 +254,6 @@ def test_a_node_lost_mid_stream_ends_the_stream_and_its_model_moves(
     lost_hosts = {p for p in _worker_hosts() if psutil.Process(p).ppid() == raylet}
     assert len(lost_hosts) == 1  # the worker host of the model on the node to lose
 
-    health: list[int] = []
-    stop = threading.Event()
-
-    def watch_health() -> None:
-        while not stop.is_set():
-            try:
-                health.append(httpx.get(f"{server.url}/health", timeout=10).status_code)
-            except httpx.HTTPError:
-                health.append(0)
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=watch_health)
-    watcher.start()
     first = threading.Event()
     result: dict[str, Any] = {}
 
@@ -276,14 +264,11 @@ def test_a_node_lost_mid_stream_ends_the_stream_and_its_model_moves(
 
     streamer = threading.Thread(target=stream)
     streamer.start()
-    try:
+    with _health_watched(server) as health:
         assert first.wait(300), "the stream never started"
         cluster.remove_node(node)
         streamer.join(120)
         assert not streamer.is_alive(), "the stream did not end after its node was lost"
-    finally:
-        stop.set()
-        watcher.join(30)
     lines = result["lines"]
     assert result["status"] == 200 and "data: [DONE]" not in lines
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
@@ -308,6 +293,29 @@ def test_a_node_lost_mid_stream_ends_the_stream_and_its_model_moves(
     assert not orphans, "a worker of the lost node runs on"
 
 
+@contextlib.contextmanager
+def _health_watched(server: Server) -> Iterator[list[int]]:
+    """/health's status every 0.2 s while the block runs (0: no answer)."""
+    health: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                health.append(httpx.get(f"{server.url}/health", timeout=10).status_code)
+            except httpx.HTTPError:
+                health.append(0)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield health
+    finally:
+        stop.set()
+        watcher.join(30)
+
+
 def _worker_hosts() -> set[int]:
     return {p.pid for p in psutil.process_iter(["name"])
             if "WorkerHost" in (p.info["name"] or "")}
@@ -323,29 +331,13 @@ def test_the_front_outlives_its_ray_agent_and_connects_again(server: Server) -> 
     [agent] = [p for p in psutil.Process(server.proc.pid).children()
                if "bunkhouse.cluster.agent" in " ".join(p.cmdline())]
     old_hosts = _worker_hosts()
-    health: list[int] = []
-    stop = threading.Event()
-
-    def watch_health() -> None:
-        while not stop.is_set():
-            try:
-                health.append(httpx.get(f"{server.url}/health", timeout=10).status_code)
-            except httpx.HTTPError:
-                health.append(0)
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=watch_health)
-    watcher.start()
-    try:
+    with _health_watched(server) as health:
         agent.kill()
         wait_for(lambda: not psutil.pid_exists(agent.pid) or agent.status() == "zombie"
                  or None, 60, "the agent to end")
         wait_for(lambda: {n["id"] for n in server.stats()["nodes"]} == nodes or None, 180,
                  "the nodes to be back")
         assert _complete(server, QWEN)
-    finally:
-        stop.set()
-        watcher.join(30)
     assert health and set(health) == {200}
     assert kept <= {p.name for p in (server.log.parent / "kv" / "nodes").iterdir()}
     wait_for(lambda: not old_hosts & _worker_hosts() or None, 120,
