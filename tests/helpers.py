@@ -40,6 +40,15 @@ def wait_for(check: Callable[[], T | None], timeout_s: float, what: str,
         time.sleep(interval_s)
 
 
+def still_running(proc: psutil.Process) -> bool:
+    """Whether ``proc`` runs on: a process that died but that init has not reaped yet is a
+    zombie, gone (the init of some sandboxes reaps adopted children seconds late)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

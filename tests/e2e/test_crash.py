@@ -12,6 +12,7 @@ import httpx
 import psutil
 
 from tests.e2e.server import Server, running, serve
+from tests.helpers import still_running
 from tests.models import GEMMA, QWEN
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -99,17 +100,8 @@ def test_sigkill_of_the_front_leaves_no_worker(tmp_path: Path) -> None:
         # Each worker notices at once (parent-death signal); stopping its engine takes a
         # moment, longer on a busy machine: a generous deadline.
         _, alive = psutil.wait_procs(workers, timeout=30)
-        # A worker that died but that init has not reaped yet is a zombie: gone, not orphaned
-        # (the init of some sandboxes reaps adopted children seconds late).
-        alive = [p for p in alive if _still_running(p)]
+        alive = [p for p in alive if still_running(p)]
         assert not alive, f"orphaned workers: {alive}"
-
-
-def _still_running(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_sigterm_of_the_front_lets_a_running_stream_finish(tmp_path: Path) -> None:

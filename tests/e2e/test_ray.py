@@ -37,7 +37,7 @@ import pytest
 from bunkhouse.catalog import Catalog
 from tests.e2e.server import Server, serve
 from tests.e2e.shared import post_stream
-from tests.helpers import wait_for
+from tests.helpers import still_running, wait_for
 from tests.models import GEMMA, QWEN
 
 pytestmark = pytest.mark.slow
@@ -333,8 +333,10 @@ def test_the_front_outlives_its_ray_agent_and_connects_again(server: Server) -> 
     old_hosts = _worker_hosts()
     with _health_watched(server) as health:
         agent.kill()
-        wait_for(lambda: not psutil.pid_exists(agent.pid) or agent.status() == "zombie"
-                 or None, 60, "the agent to end")
+        # the front counts every node out of reach once it sees the agent gone (at least
+        # the restart's 1 s): the nodes are back only after that
+        wait_for(lambda: not server.stats()["nodes"] or None, 60,
+                 "the front to count the nodes out of reach")
         wait_for(lambda: {n["id"] for n in server.stats()["nodes"]} == nodes or None, 180,
                  "the nodes to be back")
         assert _complete(server, QWEN)
@@ -382,6 +384,7 @@ def test_a_lost_cluster_fails_requests_at_once_and_health_answers(
     (never a hang or a 500), /health answers throughout, and the front's stop (the serve
     fixture's SIGTERM) does not wait for the agent, which keeps trying to connect."""
     gcs = cluster.head_node.all_processes["gcs_server"][0].process
+    workers = [c for h in _worker_hosts() for c in psutil.Process(h).children()]
     absent = next(m for m in (GEMMA, *EXTRA) if server.model(m)["state"] == "absent")
     gcs.kill()
     statuses: list[int] = []
@@ -400,7 +403,21 @@ def test_a_lost_cluster_fails_requests_at_once_and_health_answers(
     # Ray cannot end the agent's actors without its GCS: each ends itself, with its worker,
     # once the agent stops calling it
     wait_for(lambda: not _worker_hosts() or None, 120, "the worker hosts to end")
-    # (their workers should end with them; in CI some outlived them: an open fault)
+    wait_for(lambda: not any(still_running(p) for p in workers) or None, 60,
+             "the hosts' workers to end with them")
+
+    # nor any other worker but the front's own (named, to say where it came from)
+    def strays() -> list[str]:
+        return [f"{p.pid} (parent {p.info['ppid']}): {' '.join(p.info['cmdline'])}"
+                for p in psutil.process_iter(["cmdline", "ppid", "status"])
+                if "bunkhouse.worker" in " ".join(p.info["cmdline"] or [])
+                and p.info["ppid"] != server.proc.pid
+                and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+    deadline = time.monotonic() + 60
+    while strays() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not strays(), f"workers outside the front run on: {strays()}"
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -106,7 +107,14 @@ class WorkerHost:
     def _watch_agent(self) -> None:
         while time.monotonic() - self._heard < HEARTBEAT_S:
             time.sleep(1.0)
-        # its worker and spare end with this process (their parent-death signal)
+        # its worker and spare first: their parent-death signal would end them with this
+        # process, but a signal sent here does not depend on which thread forked them
+        worker, spares = self._worker, self._spares
+        for pid in (worker.pid if worker is not None else None,
+                    spares.spare_pid if spares is not None else None):
+            if pid is not None:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
         os._exit(1)
 
     def memory(self) -> tuple[int, int] | None:
