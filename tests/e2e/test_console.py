@@ -8,11 +8,13 @@ saved in the test's folder and, if ``BUNKHOUSE_ARTIFACTS`` names a folder, there
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -35,6 +37,26 @@ def browser_or_skip() -> None:
     if os.environ.get("BUNKHOUSE_REQUIRE_BROWSER"):
         pytest.fail(message)
     pytest.skip(message)
+
+
+@contextlib.contextmanager
+def console_page(url: str) -> Iterator[tuple[Any, list[str]]]:
+    """The console of the server at ``url`` open in headless chromium (the test skipped
+    where there is none): the page, and the errors its script raised so far."""
+    browser_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(120_000)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + "/")
+            yield page, errors
+        finally:
+            browser.close()
 
 
 @pytest.fixture

@@ -244,13 +244,12 @@ def test_hostile_model_files_are_skipped_and_scanned_off_the_event_loop(
 
 
 def test_every_part_of_a_split_model_is_checked_and_counted(
-        tmp_path: Path, packaged_catalog: Catalog) -> None:
-    from tests.helpers import split_gguf
-    gemma = packaged_catalog.get(GEMMA).path
+        tmp_path: Path, split_gemma: tuple[Path, Path]) -> None:
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
-    first, second = split_gguf(gemma, root / "sp.gguf")
+    first, second = (Path(shutil.copy(part, root / f"sp-0000{i}-of-00002.gguf"))
+                     for i, part in enumerate(split_gemma, 1))
     total = first.stat().st_size + second.stat().st_size
     shutil.copy(second, outside / second.name)
     other = shutil.copy(first, root / "ot-00001-of-00002.gguf")

@@ -157,32 +157,20 @@ def test_models_are_placed_on_nodes_by_fit_and_answer_through_their_relays(
 
 
 def test_the_console_draws_each_node_with_its_models(server: Server) -> None:
-    from tests.e2e.test_console import CHROMIUM, FLAGS, browser_or_skip
-
-    browser_or_skip()
-    from playwright.sync_api import sync_playwright
+    from tests.e2e.test_console import console_page
 
     where = {m["id"]: m["node"] for m in server.stats()["models"] if m.get("node")}
     assert len(set(where.values())) == 3  # after the test above: a model on each node
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        try:
-            page = browser.new_page()
-            page.set_default_timeout(120_000)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(server.url + "/")
-            page.wait_for_selector(".node-bar .seg")
-            assert page.locator(".node").count() == 3
-            assert not page.locator("#bar").is_visible()  # one bar per node instead
-            for model_id, node in where.items():
-                page.locator(f'.node-bar[data-node="{node}"] .seg[data-model="{model_id}"]'
-                             ).wait_for()
-                label = page.locator(f'.node[data-node="{node}"] .node-label').inner_text()
-                assert model_id in label and f"of {NODE_MIB} MiB" in label, label
-            assert "on 3 nodes" in page.locator("#memory-figures").inner_text()
-        finally:
-            browser.close()
+    with console_page(server.url) as (page, errors):
+        page.wait_for_selector(".node-bar .seg")
+        assert page.locator(".node").count() == 3
+        assert not page.locator("#bar").is_visible()  # one bar per node instead
+        for model_id, node in where.items():
+            page.locator(f'.node-bar[data-node="{node}"] .seg[data-model="{model_id}"]'
+                         ).wait_for()
+            label = page.locator(f'.node[data-node="{node}"] .node-label').inner_text()
+            assert model_id in label and f"of {NODE_MIB} MiB" in label, label
+        assert "on 3 nodes" in page.locator("#memory-figures").inner_text()
     assert not errors, errors
 
 
