@@ -237,6 +237,9 @@ class Settings:
     default_engine: str = DEFAULT_ENGINE  # of a GGUF model without an engine of its own
     kv_cache_max: int | None = None  # bytes; None: a share of the free disk; 0: no snapshots
     responses_db: Path = field(default_factory=lambda: default_data_dir() / "responses.db")
+    # where `bunkhouse pull` records what it pulled (pulled.json): those models are served
+    # whatever hf_cache says
+    data_dir: Path = field(default_factory=lambda: default_data_dir())
     responses_keep: int = d.RESPONSES_KEEP  # stored Responses API answers; 0: none stored
     responses_max_age_s: float = d.RESPONSES_MAX_AGE_S
     responses_max_bytes: int = d.RESPONSES_MAX_BYTES  # all stored responses together

@@ -29,6 +29,8 @@ status, the envelope ``type`` and ``code`` it becomes at the HTTP edge::
     ├── ModelMisconfigured              503 server_error / model_misconfigured
     ├── ShuttingDown                    503 server_error / shutting_down
     ├── ServerBusy                      503 server_error / server_busy (+ Retry-After)
+    ├── InsufficientStorage             507 server_error / insufficient_storage
+    ├── PullFailed                      502 server_error / pull_failed
     └── EngineUnavailable               502 server_error / engine_unavailable
 
 Lower layers raise these with ``raise ... from`` the original exception; the HTTP edge turns
@@ -254,6 +256,21 @@ class ServerBusy(BunkhouseError):
     status = 503
     code = "server_busy"
     retry_after_s = 1
+
+
+class InsufficientStorage(BunkhouseError):
+    """A pull whose files do not fit the free disk: refused before any byte is written."""
+
+    status = 507
+    code = "insufficient_storage"
+    refusal = True
+
+
+class PullFailed(BunkhouseError):
+    """A pull that the hub, the network or a checksum failed (the message says which)."""
+
+    status = 502
+    code = "pull_failed"
 
 
 class EngineUnavailable(BunkhouseError):

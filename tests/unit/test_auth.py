@@ -128,7 +128,7 @@ def test_every_route_is_in_the_access_table_and_the_table_names_no_dead_route(
                  "/api/chat", "/api/generate", "/api/show", "/api/embed", "/api/embeddings",
                  "/infill", "/tokenize", "/detokenize", "/apply-template",
                  "/v1/audio/transcriptions",
-                 "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete"}  # 501s
+                 "/api/push", "/api/create", "/api/copy", "/api/delete"}  # 501s
     assert all(level is Level.ADMIN for (m, p), level in ACCESS.items()
                if m in ("POST", "DELETE") and p not in inference)
 

@@ -109,11 +109,11 @@ def test_every_error_status_the_docs_name_is_one_an_answer_has(path: Path) -> No
 
 
 def test_the_docs_check_finds_a_status_no_answer_has() -> None:
-    said = "A request refused at once keeps its 429 or 507; an error after that"
-    assert [m.group(1) for m in _BARE.finditer(said)] == ["429", "507"]
-    assert 507 not in _rendered() and _codes()["model_too_large"] == 503
-    assert [m.groups() for m in _PAIR.finditer("fails with 507 `model_too_large`")] == [
-        ("507", "model_too_large")]
+    said = "A request refused at once keeps its 429 or 508; an error after that"
+    assert [m.group(1) for m in _BARE.finditer(said)] == ["429", "508"]
+    assert 508 not in _rendered() and _codes()["model_too_large"] == 503
+    assert [m.groups() for m in _PAIR.finditer("fails with 508 `model_too_large`")] == [
+        ("508", "model_too_large")]
 
 
 def test_the_exception_tree_in_errors_docstring_lists_every_class_as_it_is() -> None:

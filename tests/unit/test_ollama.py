@@ -114,7 +114,7 @@ def test_whole_answers_for_chat_and_generate() -> None:
 
 
 def test_what_is_not_served_says_what_to_do() -> None:
-    assert "--models-dir" in ollama.not_served("pull")
+    assert "uploads nothing" in ollama.not_served("push")
     assert "TOML" in ollama.not_served("create")
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from bunkhouse.catalog import sources
 from bunkhouse.catalog.sources import (
+    VERIFYING,
     Found,
     hf_cache_models,
     hf_cache_root,
@@ -63,6 +64,17 @@ def hf_repo(root: Path, name: str, files: dict[str, bytes], commit: str = COMMIT
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / "main").write_text(ref)
     return snapshot
+
+
+def test_hf_files_a_pull_is_still_checking_are_not_listed(tmp_path: Path) -> None:
+    """A live pull's marker hides the files it names until its checks pass; a marker whose
+    process is gone hides nothing."""
+    hf_repo(tmp_path, "models--o--r", {"a-q4_k_m.gguf": GGUF, "b-q8_0.gguf": GGUF + b"b"})
+    marker = tmp_path / "models--o--r" / f"{VERIFYING}{os.getpid()}"
+    marker.write_text(json.dumps({"pid": os.getpid(), "files": ["a-q4_k_m.gguf"]}))
+    assert ids(list(hf_cache_models(tmp_path))) == ["o/r:b-q8_0"]
+    marker.write_text(json.dumps({"pid": 2**22 + 7, "files": ["a-q4_k_m.gguf"]}))  # no pid
+    assert ids(list(hf_cache_models(tmp_path))) == ["o/r:a-q4_k_m", "o/r:b-q8_0"]
 
 
 def test_hf_naming_org_repo_repo_only_and_nested_paths(tmp_path: Path) -> None:

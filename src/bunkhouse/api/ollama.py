@@ -476,10 +476,8 @@ def error(message: str) -> dict[str, Any]:
 
 
 def not_served(route: str) -> str:
-    """Why ``route`` (pull, push, create, copy, delete) is not served, and what to do."""
-    what = {"pull": "bunkhouse downloads nothing: put GGUF files under --models-dir and "
-                    "they are served",
-            "push": "bunkhouse uploads nothing",
+    """Why ``route`` (push, create, copy, delete) is not served, and what to do."""
+    what = {"push": "bunkhouse uploads nothing",
             "create": "bunkhouse has no Modelfiles: describe a model in the TOML config file "
                       "(docs/configuration.md)",
             "copy": "name a model twice with aliases in the TOML config file",

@@ -42,6 +42,7 @@ from bunkhouse.errors import (
     PackagedModelError,
 )
 from bunkhouse.gguf.meta import GGUFInfo, lora_misfit, read_gguf_info, read_tensor_shapes
+from bunkhouse.pull.records import read_records
 
 log = logging.getLogger(__name__)
 
@@ -549,6 +550,37 @@ def _from_sources(settings: Settings) -> Iterator[CatalogModel]:
                     log.warning("skipping %s: %s", found.path, e)
 
 
+def _from_pulls(settings: Settings) -> Iterator[CatalogModel]:
+    """The models `bunkhouse pull` recorded, in the hub cache (hf_cache may list them too:
+    the first listing wins, and their names are added below either way)."""
+    root = sources.hf_cache_root()
+    for pulled in read_records(settings.data_dir):
+        found = sources.pulled_model(root, pulled.repo, pulled.commit, pulled.model,
+                                     pulled.model_id)
+        if found is None:
+            continue
+        try:
+            yield _model(found.id, found.path, found.source, settings, found=found)
+        except GGUFError as e:
+            log.warning("skipping %s: %s", found.path, e.message)
+        except (OSError, ConfigError) as e:
+            log.warning("skipping %s: %s", found.path, e)
+
+
+def _name_pulled(models: dict[str, CatalogModel], settings: Settings) -> None:
+    """Each pulled model also answers to the names it was pulled by, where no model's id
+    or other alias has that name already (those come first)."""
+    taken = {s for m in models.values() for n in (m.id, *m.aliases) for s in _spellings(n)}
+    for pulled in read_records(settings.data_dir):
+        model = models.get(pulled.model_id)
+        if model is None:
+            continue
+        names = [n for n in pulled.names if not set(_spellings(n)) & taken]
+        taken |= {s for n in names for s in _spellings(n)}
+        if names:
+            models[model.id] = replace(model, aliases=(*model.aliases, *names))
+
+
 def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
     """Scan every source named by ``settings`` into a catalog. ``engines``: the names of the
     engines there are (``bunkhouse.engines.ENGINES``), which a configured model's
@@ -561,6 +593,7 @@ def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
         readers.append(_from_packages(settings))
     readers.append(_from_dirs(settings))
     readers.append(_from_sources(settings))
+    readers.append(_from_pulls(settings))
     for reader in readers:
         for model in reader:
             taken = next((s for s in _spellings(model.id) if s in models), None)
@@ -581,6 +614,7 @@ def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
                               f"the catalog; known: {', '.join(models) or '(none)'}")
         model = models[named]
         models[named] = replace(model, aliases=(*model.aliases, alias))
+    _name_pulled(models, settings)
     for entry in settings.entries:  # by id or by any alias given above
         if entry.overlay:
             _overlay(models, entry, settings)
@@ -744,7 +778,8 @@ def _first_default(models: dict[str, CatalogModel], entries: Iterable[ModelEntry
         if named is not None and not models[named].transcribes \
                 and models[named].adapter_of is None:
             return named
-    for source in ("config", "package", "models_dir", "hf_cache", "ollama", "lmstudio"):
+    for source in ("config", "package", "models_dir", "hf_cache", "pulled", "ollama",
+                   "lmstudio"):
         for model in models.values():
             if model.source == source and not model.transcribes and model.adapter_of is None:
                 return model.id

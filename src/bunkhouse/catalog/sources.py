@@ -282,6 +282,7 @@ def _hf_repo(repo: Path, budget: _Budget) -> list[Found]:
     snapshot = _hf_snapshot(repo, budget)
     if snapshot is None:
         return []
+    unchecked = _being_verified(repo)
     repo_id = _hf_repo_id(repo.name)
     try:
         inside = repo.resolve(strict=True)
@@ -291,8 +292,51 @@ def _hf_repo(repo: Path, budget: _Budget) -> list[Found]:
     files = (
         (f"{repo_id}:{path.relative_to(snapshot).as_posix().removesuffix('.gguf')}", path)
         for path in _walk(snapshot, budget) if path.name.endswith(".gguf")
+        and path.relative_to(snapshot).as_posix() not in unchecked
     )
     return _gguf_dir(files, "hf_cache", inside)
+
+
+VERIFYING = ".bunkhouse-verifying-"
+"""The name (then a pid) of a marker in a hub cache repo's folder while `bunkhouse pull`
+checks its files (bunkhouse/pull/hub.py): ``{"pid", "files"}``; those files are not listed
+until they pass. A marker whose process is gone is stale and ignored."""
+
+
+def _being_verified(repo: Path) -> frozenset[str]:
+    """The files of ``repo`` that a pull under way has not checked yet."""
+    files: set[str] = set()
+    try:
+        markers = [e.name for e in os.scandir(repo) if e.name.startswith(VERIFYING)][:64]
+    except OSError:
+        return frozenset()
+    for name in markers:
+        try:
+            marker = json.loads(_read(repo / name, 64 * 1024))
+            os.kill(int(marker["pid"]), 0)
+        except (_Skip, ValueError, KeyError, TypeError, ProcessLookupError):
+            continue
+        except PermissionError:  # another user's live process
+            pass
+        files |= {f for f in marker.get("files", ()) if isinstance(f, str)}
+    return frozenset(files)
+
+
+def pulled_model(root: Path, repo: str, commit: str, model: str, model_id: str
+                 ) -> Found | None:
+    """A model `bunkhouse pull` recorded, checked as the hub cache's models are (None,
+    with a warning, when its file is gone or fails a check)."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    path = folder / "snapshots" / commit / model
+    if model in _being_verified(folder):
+        return None
+    try:
+        inside = folder.resolve(strict=True)
+    except (OSError, RuntimeError) as e:
+        log.warning("pulled: skipping %s (%s): %s", model_id, folder, e)
+        return None
+    found = _gguf_dir([(model_id, path)], "pulled", inside)
+    return found[0] if found else None
 
 
 def _hf_snapshot(repo: Path, budget: _Budget) -> Path | None:

@@ -27,7 +27,9 @@ from bunkhouse.cli.output import print_catalog
 from bunkhouse.cli.parser import parser
 from bunkhouse.cli.reader import ends_with_its_reader
 from bunkhouse.cli.settings import settings_from
+from bunkhouse.config import default_data_dir
 from bunkhouse.errors import BunkhouseError
+from bunkhouse.pull.run import main as pull_main
 
 __all__ = ["main"]
 
@@ -77,6 +79,8 @@ def _client_command(args: argparse.Namespace) -> int | None:
     if args.command in ("load", "unload", "pin", "unpin"):
         return remote.control(args.command, args.model, args.url, args.admin_key,
                               getattr(args, "path", None))
+    if args.command == "pull":
+        return pull_main(args.model, default_data_dir(), args.json)
     if args.command == "cache":
         if args.model is not None and not args.model.strip():
             print("bunkhouse: error: give a model id, or none for every model", file=sys.stderr)

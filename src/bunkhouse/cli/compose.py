@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
     from bunkhouse.cluster.front import Cluster
     from bunkhouse.front.auth import Keys
+    from bunkhouse.front.pulls import Pulls
+    from bunkhouse.front.reload import Reloader
     from bunkhouse.front.response_store import ResponseStore
     from bunkhouse.kvcache.keeper import SnapshotKeeper
     from bunkhouse.residency.manager import ResidencyManager
@@ -60,6 +62,8 @@ def serve(settings: Settings, catalog: Catalog, rebuild: Rebuild | None = None) 
     """Serve until stopped. ``rebuild()``: the catalog the configuration describes now and
     the keys its key files hold, for reloads (SIGHUP, ``POST /admin/reload``)."""
     from bunkhouse.front.auth import Keys
+    from bunkhouse.front.pulls import Pulls
+    from bunkhouse.front.reload import Reloader
     from bunkhouse.residency.estimate import default_budget_bytes
 
     budget = settings.budget_bytes or default_budget_bytes()
@@ -75,15 +79,18 @@ def serve(settings: Settings, catalog: Catalog, rebuild: Rebuild | None = None) 
     launcher = _launcher(settings, keeper)
     residency = _residency(settings, catalog, budget, launcher, events, keeper, cluster)
     keys = Keys(settings.api_keys, settings.admin_keys)
+    reloader = Reloader(rebuild, residency, keys) if rebuild else None
+    pulls = Pulls(settings.data_dir, events, _reloading(reloader))
     app = _app(settings, catalog, residency, launcher=launcher, keeper=keeper, keys=keys,
-               rebuild=rebuild, cluster=cluster)
+               reloader=reloader, pulls=pulls, cluster=cluster)
     warn_at_start(settings, catalog, budget)
     where = (f"memory budget {budget // 2**20} MiB" if cluster is None else
              f"on {len(cluster.nodes)} Ray node(s) of {cluster.address}")
     serving = (f"serving {len(catalog)} model(s) on http://{settings.host}:{settings.port} "
                f"(default: {catalog.default_id}), {where}")
     server = Server(_uvicorn_config(app, settings), _stop_workers(residency, launcher),
-                    settings.stop_grace_s, serving, on_stop=_on_stop(residency, events))
+                    settings.stop_grace_s, serving,
+                    on_stop=_on_stop(residency, events, pulls))
     server.run()
     return 0 if server.started else 1
 
@@ -213,12 +220,12 @@ def _response_store(settings: Settings) -> ResponseStore | None:
 
 def _app(settings: Settings, catalog: Catalog, residency: ResidencyManager, *,
          launcher: LocalLauncher, keeper: SnapshotKeeper | None, keys: Keys,
-         rebuild: Rebuild | None, cluster: Cluster | None = None) -> Starlette:
+         reloader: Reloader | None, pulls: Pulls, cluster: Cluster | None = None
+         ) -> Starlette:
     """The front's HTTP app over residency."""
     from bunkhouse.front.admin import AdminOptions
     from bunkhouse.front.admission import ComputeGates
     from bunkhouse.front.app import FrontOptions, Parts, build_app
-    from bunkhouse.front.reload import Reloader
     from bunkhouse.front.site import SitePolicy
     from bunkhouse.front.waiting import WaitingOptions
 
@@ -227,7 +234,7 @@ def _app(settings: Settings, catalog: Catalog, residency: ResidencyManager, *,
         responses=_response_store(settings), keys=keys,
         compute=ComputeGates(enabled=settings.compute_gate, turn_s=settings.compute_turn_s,
                              suspend=residency.suspend, resume=residency.resume),
-        reloader=Reloader(rebuild, residency, keys) if rebuild else None,
+        reloader=reloader, pulls=pulls,
     ), FrontOptions(
         max_body_bytes=settings.max_body_bytes, max_audio_bytes=settings.max_audio_bytes,
         admin=AdminOptions(allow_runtime_load=settings.allow_runtime_load,
@@ -266,8 +273,21 @@ def _stop_workers(residency: ResidencyManager, launcher: LocalLauncher
     return stop_workers
 
 
-def _on_stop(residency: ResidencyManager, events: EventLog) -> Callable[[], None]:
+def _reloading(reloader: Reloader | None) -> Callable[[str], Awaitable[None]]:
+    """What a finished pull calls: the catalog re-read, with the pull's record."""
+    async def pulled(name: str) -> None:
+        if reloader is not None:
+            await reloader.reload(f"pulled {name}")
+        else:
+            log.warning("pulled %s: restart the server to serve it", name)
+
+    return pulled
+
+
+def _on_stop(residency: ResidencyManager, events: EventLog,
+             pulls: Pulls) -> Callable[[], None]:
     def stopping() -> None:
+        pulls.stop()  # first: a stop waits for no download (its followers' streams end)
         residency.stop_loads()  # the grace is for running requests, not for new loads
         if not events.closed:  # open streams would hold uvicorn's wait for connections
             events.emit("*", "stopping", "the server is stopping; event streams end")

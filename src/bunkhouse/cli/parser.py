@@ -46,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
     _server_controls(sub)
     _transcribe(sub)
     _cache(sub)
+    _pull(sub)
     return p
 
 
@@ -349,3 +350,23 @@ def _cache(sub: Commands) -> None:
     cache.add_argument("model", nargs="?", metavar="ID", help="only this model's snapshots")
     cache.add_argument("--kv-cache-dir", type=argtypes.dir_path, metavar="DIR",
                        help="the snapshot directory (default: the cache directory's kv/)")
+
+
+def _pull(sub: Commands) -> None:
+    pull = sub.add_parser(
+        "pull", help="download a GGUF model from the Hugging Face hub",
+        description="Download a model's GGUF file(s) (every part of a split model, and a "
+                    "vision projector if the repo has one) into the Hugging Face cache, "
+                    "check each file's sha256, and print the id it is served under. An "
+                    "interrupted download resumes; files already there are not fetched "
+                    "again. HF_TOKEN for gated repos; HF_ENDPOINT and HF_HUB_OFFLINE as the "
+                    "hub client reads them.",
+        epilog="examples:\n"
+               "  bunkhouse pull Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF          # Q4_K_M\n"
+               "  bunkhouse pull bartowski/gemma-2-2b-it-GGUF:Q8_0\n"
+               "  bunkhouse pull hf.co/ORG/REPO:path/in/repo/model-q4_0.gguf",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pull.add_argument("model", metavar="ORG/REPO[:QUANT|:FILE]",
+                      help="the repo, and a quantization (Q4_K_M if none) or a .gguf file")
+    pull.add_argument("--json", action="store_true",
+                      help="print each step as a JSON line (Ollama's pull statuses), not a bar")

@@ -288,6 +288,8 @@ async function follow() {
         const event = JSON.parse(message.data);
         if (message.id) state.lastSeq = Number(message.id);
         if (event.kind === "load_progress") return;
+        if (event.kind.startsWith("pull")) showPullEvent(event);
+        if (event.kind === "pull_progress") return;
         showEvent(event);
         refreshSoon();
       });
@@ -344,6 +346,76 @@ async function chat(event) {
   }
 }
 
+// A pull's row: its name, a bar of the bytes fetched, and what it is doing.
+function showPull(id, name, completed, total, text, ended) {
+  let row = document.getElementById("pull-" + id);
+  if (!row) {
+    row = el("li", { id: "pull-" + id, class: "pull" }, el("span", { class: "pull-name" }, name),
+             el("progress", { max: "1", value: "0" }), el("span", { class: "pull-status" }));
+    $("#pulls").prepend(row);
+  }
+  const bar = row.querySelector("progress");
+  if (total) {
+    bar.max = total;
+    bar.value = Math.min(completed || 0, total);
+  }
+  if (ended === "ok") bar.value = bar.max;
+  row.querySelector(".pull-status").textContent = text;
+  if (ended) row.dataset.ended = ended;
+}
+
+// A pull that this page did not start (an Ollama client's, another tab's), from the events.
+function showPullEvent(event) {
+  const data = event.data || {};
+  if (!data.pull) return;
+  const ended = event.kind === "pulled" ? "ok" : event.kind === "pull_failed" ? "failed" : "";
+  showPull(data.pull, event.model, data.completed, data.total, event.reason, ended);
+}
+
+async function pull(event) {
+  event.preventDefault();
+  const note = $("#pull-note");
+  const name = $("#pull-model").value.trim();
+  note.className = "note";
+  note.textContent = "";
+  if (!name) return;
+  if (!keyFor("admin")) {
+    note.textContent = "Pulling needs the admin key: enter it above.";
+    note.className = "note bad";
+    return;
+  }
+  let resp;
+  try {
+    resp = await fetch("/admin/pull", { method: "POST", body: JSON.stringify({ model: name }),
+      headers: headers("admin", { "Content-Type": "application/json" }) });
+  } catch (e) {
+    note.textContent = "cannot reach the server (" + e.message + ")";
+    note.className = "note bad";
+    return;
+  }
+  if (!resp.ok) {
+    note.textContent = name + ": " + await errorText(resp);
+    note.className = "note bad";
+    return;
+  }
+  const id = resp.headers.get("X-Pull-Id");
+  const done = {};
+  let total = null;
+  await readEvents(resp, (message) => {
+    const step = JSON.parse(message.data);
+    if (step.status === "plan") total = step.total;
+    if (step.file) done[step.file] = step.completed;
+    const completed = Object.values(done).reduce((a, b) => a + b, 0);
+    const text = step.error ? step.error :
+      step.status === "success" ? "served as " + step.id :
+      step.file && total ? Math.floor(100 * completed / total) + "% of " + mib(total) :
+      step.status;
+    showPull(id, name, completed, total, text,
+             step.error ? "failed" : step.status === "success" ? "ok" : "");
+  });
+  refresh();
+}
+
 async function showVersion() {
   try {
     const resp = await fetch("/api/version", { headers: headers("client") });
@@ -366,6 +438,7 @@ async function main() {
     showVersion();
   });
   $("#chat").addEventListener("submit", chat);
+  $("#pull").addEventListener("submit", pull);
   showVersion();
   await refresh();  // the recent events first; the stream follows on after them
   follow();

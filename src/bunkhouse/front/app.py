@@ -28,6 +28,7 @@ from bunkhouse.api.schemas import (
     InfillRequest,
 )
 from bunkhouse.catalog import Catalog
+from bunkhouse.config import default_data_dir
 from bunkhouse.errors import BunkhouseError, MethodNotAllowed, NotFound, log_line
 from bunkhouse.front.access import AccessLog
 from bunkhouse.front.admin import Admin, AdminOptions
@@ -48,6 +49,8 @@ from bunkhouse.front.openai import OpenAIRoutes
 from bunkhouse.front.openapi import openapi
 from bunkhouse.front.pipeline import Pipeline
 from bunkhouse.front.protocols import error_envelope
+from bunkhouse.front.pull_routes import PullRoutes
+from bunkhouse.front.pulls import Pulls
 from bunkhouse.front.reload import Reloader
 from bunkhouse.front.response_store import ResponseStore, ResponseStoreError
 from bunkhouse.front.responses import ResponsesRoutes
@@ -93,7 +96,8 @@ class Parts:
     ``reloader``: how the configuration is re-read, on ``POST /admin/reload`` and on SIGHUP.
     ``constraints``: what measures requests' constraints (front/constraints.py; default: a
     probe process per model). ``cluster``: the Ray cluster whose nodes run the workers
-    (started before the preloads, closed after residency). ``on_shutdown``: called last
+    (started before the preloads, closed after residency). ``pulls``: the downloads from
+    the Hugging Face hub (cancelled first when the app stops). ``on_shutdown``: called last
     when the app stops."""
 
     preload: Sequence[str] = ()
@@ -104,6 +108,7 @@ class Parts:
     reloader: Reloader | None = None
     constraints: ConstraintGate | None = None
     cluster: Cluster | None = None
+    pulls: Pulls | None = None
     on_shutdown: Callable[[], None] | None = None
 
 
@@ -112,6 +117,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, parts: Parts | None
     """The front's ASGI app over ``catalog`` and ``residency``."""
     parts = parts or Parts()
     options = options or FrontOptions()
+    pulls = PullRoutes(parts.pulls or Pulls(default_data_dir(), residency.events, _no_reload))
     keys = parts.keys or Keys()
     pipeline = Pipeline(catalog, residency, parts.compute or ComputeGates(),
                         BodyReader(keys, options.max_body_bytes), keys, parts.keeper,
@@ -120,8 +126,8 @@ def build_app(catalog: Catalog, residency: ResidencyManager, parts: Parts | None
     views = ModelViews(catalog, residency, keys, parts.keeper, drafts)
     metrics = Metrics(residency, pipeline.compute, parts.keeper, drafts)
     routes = [*_generation_routes(pipeline, options), *_model_routes(pipeline, views, parts,
-                                                                      options),
-              *_ollama_routes(pipeline),
+                                                                      options, pulls),
+              *_ollama_routes(pipeline, pulls),
               *_service_routes(pipeline, views, metrics, options)]
     guarded = [Route(path, _guarded(keys, method, path, handler), methods=[method])
                for method, path, handler in routes]
@@ -178,8 +184,13 @@ def _generation_routes(pipeline: Pipeline, options: FrontOptions) -> list[RouteS
     ]
 
 
+async def _no_reload(name: str) -> None:
+    log.warning("pulled %s: this server cannot re-read its catalog; restart it to serve the "
+                "model", name)
+
+
 def _model_routes(pipeline: Pipeline, views: ModelViews, parts: Parts,
-                  options: FrontOptions) -> list[RouteSpec]:
+                  options: FrontOptions, pulls: PullRoutes) -> list[RouteSpec]:
     stored = ResponsesRoutes(pipeline, parts.responses)
     admin = Admin(pipeline.catalog, pipeline.residency, options.admin,
                   functools.partial(views.model_object, detail=True), parts.keeper,
@@ -201,10 +212,13 @@ def _model_routes(pipeline: Pipeline, views: ModelViews, parts: Parts,
         ("POST", "/admin/pause", admin.pause),
         ("POST", "/admin/resume", admin.resume),
         ("DELETE", "/admin/cache/{model_id:path}", admin.cache_purge),
+        ("POST", "/admin/pull", pulls.start),
+        ("GET", "/admin/pull", pulls.list),
+        ("DELETE", "/admin/pull/{pull_id}", pulls.cancel),
     ]
 
 
-def _ollama_routes(pipeline: Pipeline) -> list[RouteSpec]:
+def _ollama_routes(pipeline: Pipeline, pulls: PullRoutes) -> list[RouteSpec]:
     olla = OllamaRoutes(pipeline)
     return [
         ("POST", "/api/chat", olla.chat),
@@ -215,8 +229,8 @@ def _ollama_routes(pipeline: Pipeline) -> list[RouteSpec]:
         ("GET", "/api/tags", olla.tags),
         ("GET", "/api/ps", olla.ps),
         ("POST", "/api/show", olla.show),
-        *(("POST", f"/api/{name}", olla.not_served)
-          for name in ("pull", "push", "create", "copy")),
+        ("POST", "/api/pull", pulls.ollama),
+        *(("POST", f"/api/{name}", olla.not_served) for name in ("push", "create", "copy")),
         ("DELETE", "/api/delete", olla.not_served),
     ]
 
@@ -247,6 +261,7 @@ async def _lifespan(pipeline: Pipeline, parts: Parts, app: Starlette) -> AsyncIt
     """Open residency and the response store, preload, keep a spare worker; on the way out
     stop SIGHUP reloads, the idle saves, the probe, every worker and every event stream."""
     residency, catalog = pipeline.residency, pipeline.catalog
+    pulls = parts.pulls
     residency.open()
     hangups = _on_hangup(parts.reloader)
     if parts.responses is not None:
@@ -262,6 +277,8 @@ async def _lifespan(pipeline: Pipeline, parts: Parts, app: Starlette) -> AsyncIt
         residency.keep_spare_for(catalog.default_id)  # even the first load finds one
         yield
     finally:
+        if pulls is not None:
+            await pulls.close()  # first: a stop waits for no download
         if parts.reloader is not None:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         await asyncio.gather(*hangups, return_exceptions=True)

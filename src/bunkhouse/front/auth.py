@@ -57,8 +57,8 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("GET", "/api/tags"): Level.CLIENT,
     ("GET", "/api/ps"): Level.CLIENT,
     ("POST", "/api/show"): Level.CLIENT,
-    ("POST", "/api/pull"): Level.CLIENT,  # 501s: nothing changes
-    ("POST", "/api/push"): Level.CLIENT,
+    ("POST", "/api/pull"): Level.ADMIN,  # downloads a model: a change of state
+    ("POST", "/api/push"): Level.CLIENT,  # 501s: nothing changes
     ("POST", "/api/create"): Level.CLIENT,
     ("POST", "/api/copy"): Level.CLIENT,
     ("DELETE", "/api/delete"): Level.CLIENT,
@@ -78,6 +78,9 @@ ACCESS: dict[tuple[str, str], Level] = {
     ("POST", "/admin/resume"): Level.ADMIN,
     ("DELETE", "/admin/cache"): Level.ADMIN,
     ("DELETE", "/admin/cache/{model_id:path}"): Level.ADMIN,
+    ("POST", "/admin/pull"): Level.ADMIN,
+    ("GET", "/admin/pull"): Level.ADMIN,
+    ("DELETE", "/admin/pull/{pull_id}"): Level.ADMIN,
 }
 """(method, route path) → the level a caller needs. Internal detail (a worker's output, server
 paths) goes only to ADMIN-level callers, whatever the route."""

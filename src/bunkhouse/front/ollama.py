@@ -1,8 +1,9 @@
 """Ollama's API on the same port (Ollama's docs/api.md): ``/api/chat`` and ``/api/generate``
 translated by api/ollama.py and served by the one generation path (``Pipeline.generate``);
 ``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show`` from the catalog and residency;
-``pull``, ``push``, ``create``, ``copy`` and ``delete`` answer 501 saying what bunkhouse does
-instead. Errors come as Ollama's ``{"error": "..."}`` (front/protocols.py)."""
+``/api/pull`` is front/pull_routes.py's; ``push``, ``create``, ``copy`` and ``delete`` answer
+501 saying what bunkhouse does instead. Errors come as Ollama's ``{"error": "..."}``
+(front/protocols.py)."""
 
 from __future__ import annotations
 

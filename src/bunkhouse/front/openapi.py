@@ -35,13 +35,15 @@ def _body(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
 
 
 def _op(summary: str, ok: str, body: dict[str, Any] | None = None,
-        params: list[dict[str, Any]] | None = None, media: tuple[str, ...] = ()
-        ) -> dict[str, Any]:
-    """An operation answering ``ok`` with a JSON object (or text of the ``media`` types)."""
+        params: list[dict[str, Any]] | None = None, media: tuple[str, ...] = (),
+        errors: tuple[int, ...] = ()) -> dict[str, Any]:
+    """An operation answering ``ok`` with a JSON object (or text of the ``media`` types);
+    ``errors``: statuses it may answer besides the common ones."""
     content = {m: {"schema": {"type": "string"}} for m in media} or _JSON_OBJECT
     op: dict[str, Any] = {"summary": summary,
                           "responses": {ok: {"description": "success",
-                                             "content": content}, **_ERRORS}}
+                                             "content": content}, **_ERRORS,
+                                        **{str(e): _ERROR for e in errors}}}
     if body:
         op["requestBody"] = body
     if params:
@@ -277,8 +279,14 @@ def _ollama_paths() -> dict[str, Any]:
                                   _object_body({"model": {"type": "string"},
                                                 "name": {"type": "string"},
                                                 "verbose": {"type": "boolean"}}))},
+        "/api/pull": {"post": _op("Ollama: pull a model from the Hugging Face hub, "
+                                  "hf.co/ORG/REPO:QUANT (admin); NDJSON statuses", "200",
+                                  _object_body({"model": {"type": "string"},
+                                                "name": {"type": "string"},
+                                                "stream": {"type": "boolean"}}),
+                                  media=("application/x-ndjson",), errors=(507,))},
         **{f"/api/{name}": {"post": _not_served(name, "post")}
-           for name in ("pull", "push", "create", "copy")},
+           for name in ("push", "create", "copy")},
         "/api/delete": {"delete": _not_served("delete", "delete")},
         "/api/tags": {"get": _op("Ollama: every model and alias, as name:tag", "200")},
         "/api/ps": {"get": _op("Ollama: the loaded models", "200")},
@@ -304,6 +312,18 @@ def _admin_paths() -> dict[str, Any]:
         "/admin/cache": {"delete": _op("remove every KV snapshot (admin)", "200")},
         "/admin/cache/{model_id}": {"delete": _op("remove a model's KV snapshots (admin)",
                                                   "200", params=_MODEL_ID)},
+        "/admin/pull": {
+            "post": _op("pull a model from the Hugging Face hub: {\"model\": "
+                        "\"ORG/REPO[:QUANT|:FILE]\", \"stream\"} (admin); its steps as "
+                        "Server-Sent Events", "200",
+                        _object_body({"model": {"type": "string"},
+                                      "stream": {"type": "boolean"}}, ["model"]),
+                        media=("text/event-stream",), errors=(507,)),
+            "get": _op("the pulls of this run, with their progress (admin)", "200")},
+        "/admin/pull/{pull_id}": {"delete": _op(
+            "cancel a pull (admin)", "200",
+            params=[{"name": "pull_id", "in": "path", "required": True,
+                     "schema": {"type": "string"}}])},
     }
 
 
