@@ -95,9 +95,12 @@ def test_generate_through_the_template_and_raw(client: ollama.Client) -> None:
 
 def test_what_bunkhouse_does_not_do_and_bad_input(client: ollama.Client,
                                                   server: Server) -> None:
+    with pytest.raises(ollama.ResponseError) as info:  # a pull changes what is served
+        client.pull("hf.co/org/repo:Q4_K_M")
+    assert info.value.status_code == 403 and "--admin-key" in info.value.error
     with pytest.raises(ollama.ResponseError) as info:
-        client.pull("llama3")
-    assert info.value.status_code == 501 and "--models-dir" in info.value.error
+        client.push("gemma")
+    assert info.value.status_code == 501 and "uploads nothing" in info.value.error
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model="no-such-model", messages=ASK)
     assert info.value.status_code == 404

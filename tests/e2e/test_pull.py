@@ -122,6 +122,9 @@ def test_pulled_models_are_served_under_the_printed_id_and_the_name_pulled(
     assert gemma == f"{GEMMA_REPO}:gemma-3-270m-Q4_K_M"  # the split model, once
     answer = client.completions.create(model=gemma, prompt="The sky is", max_tokens=8)
     assert answer.choices[0].text
+    typed = client.completions.create(model=f"huggingface.co/{GEMMA_REPO}:q4_k_m",
+                                      prompt="The sky is", max_tokens=2)  # as it was typed
+    assert typed.model == gemma
     qwen = client.chat.completions.create(
         model=f"hf.co/{QWEN_REPO}:Q4_K_M", max_tokens=8,
         messages=[{"role": "user", "content": "Say hello."}])
@@ -237,6 +240,9 @@ def test_a_pull_is_cancelled_and_one_under_way_ends_with_the_server(
             if steps and "error" in steps[-1]:
                 break
     assert steps[-1]["code"] == "pull_cancelled", steps[-1]
+    [view] = [p for p in httpx.get(f"{server.url}/admin/pull", headers=_admin()).json()["pulls"]
+              if p["id"] == pull_id]
+    assert (view["status"], view["ended"]) == ("cancelled", True), view
     assert not local_hub.blobs(f"{ORG}/slow-GGUF")  # and no half file: the hub's is gone
     folder = local_hub.root / "hf" / f"models--{ORG}--slow-GGUF"
     assert not list(folder.rglob("*.incomplete"))

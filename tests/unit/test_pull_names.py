@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bunkhouse.errors import InvalidRequest, ModelNotFound
-from bunkhouse.pull.names import choose, parse, quant_of
+from bunkhouse.pull.names import choose, hub_spellings, parse, quant_of
 
 FILES = ["README.md", "model-Q4_K_M.gguf", "model-q8_0.gguf", "model-IQ4_XS.gguf",
          "model-F16.gguf", "mmproj-model-f16.gguf",
@@ -70,6 +70,8 @@ def test_what_is_missing_is_refused_naming_what_the_repo_offers() -> None:
         choose("org/repo", ["README.md", "model.safetensors"], None)
     with pytest.raises(ModelNotFound, match=r"no model file 'x\.gguf'"):
         choose("org/repo", FILES, "x.gguf")
+    with pytest.raises(ModelNotFound, match="a later part of a split model: name its first"):
+        choose("org/repo", FILES, "big/model-Q6_K-00002-of-00002.gguf")
     assert choose("org/repo", ["only.gguf"], None).model == "only.gguf"  # its only model
 
 
@@ -78,3 +80,11 @@ def test_the_names_a_pull_answers_to() -> None:
         "Org/Repo:Q4_K_M", "hf.co/Org/Repo:Q4_K_M", "Org/Repo", "hf.co/Org/Repo")
     assert parse("org/repo:q8_0").names("org/repo", "Q8_0") == (
         "org/repo:Q8_0", "hf.co/org/repo:Q8_0")
+
+
+def test_the_spellings_a_catalog_looks_a_hub_name_up_by() -> None:
+    assert hub_spellings("hf.co/org/repo:q4_k_m") == (
+        "org/repo:q4_k_m", "org/repo:Q4_K_M", "hf.co/org/repo:Q4_K_M")
+    assert hub_spellings("huggingface.co/org/repo") == ("org/repo",)
+    assert "org/repo:m-q4_0" in hub_spellings("org/repo:m-q4_0.gguf")
+    assert hub_spellings("gemma3:270m") == hub_spellings("qwen") == ()

@@ -42,6 +42,7 @@ from bunkhouse.errors import (
     PackagedModelError,
 )
 from bunkhouse.gguf.meta import GGUFInfo, lora_misfit, read_gguf_info, read_tensor_shapes
+from bunkhouse.pull.names import hub_spellings
 from bunkhouse.pull.records import read_records
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,17 @@ class Catalog:
 
     def resolve(self, name: str) -> str | None:
         """The id of the model ``name`` means: an id or an alias, exactly as typed; Ollama's
-        ``name:latest`` is ``name``, and a name without a tag is also ``name:latest``."""
+        ``name:latest`` is ``name``, and a name without a tag is also ``name:latest``; a hub
+        name as one types it to pull it (pull/names.py ``hub_spellings``: ``hf.co/``, the
+        quantization in any case, a file's path) is the model pulled."""
+        found = self._lookup(name)
+        if found is None:
+            for spelled in hub_spellings(name):  # a hub name as one types it to pull it
+                if (found := self._lookup(spelled)) is not None:
+                    break
+        return found
+
+    def _lookup(self, name: str) -> str | None:
         for candidate in _spellings(name):
             if candidate in self._models:
                 return candidate
@@ -550,11 +561,14 @@ def _from_sources(settings: Settings) -> Iterator[CatalogModel]:
                     log.warning("skipping %s: %s", found.path, e)
 
 
-def _from_pulls(settings: Settings) -> Iterator[CatalogModel]:
-    """The models `bunkhouse pull` recorded, in the hub cache (hf_cache may list them too:
-    the first listing wins, and their names are added below either way)."""
+def _from_pulls(settings: Settings, listed: dict[str, CatalogModel]
+                ) -> Iterator[CatalogModel]:
+    """The models `bunkhouse pull` recorded, in the hub cache, but those ``listed`` already
+    (hf_cache lists them too where it is on; their names are added below either way)."""
     root = sources.hf_cache_root()
     for pulled in read_records(settings.data_dir):
+        if pulled.model_id in listed:
+            continue
         found = sources.pulled_model(root, pulled.repo, pulled.commit, pulled.model,
                                      pulled.model_id)
         if found is None:
@@ -593,7 +607,7 @@ def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
         readers.append(_from_packages(settings))
     readers.append(_from_dirs(settings))
     readers.append(_from_sources(settings))
-    readers.append(_from_pulls(settings))
+    readers.append(_from_pulls(settings, models))
     for reader in readers:
         for model in reader:
             taken = next((s for s in _spellings(model.id) if s in models), None)

@@ -324,10 +324,13 @@ def _being_verified(repo: Path) -> frozenset[str]:
 
 def pulled_model(root: Path, repo: str, commit: str, model: str, model_id: str
                  ) -> Found | None:
-    """A model `bunkhouse pull` recorded, checked as the hub cache's models are (None,
-    with a warning, when its file is gone or fails a check)."""
+    """A model `bunkhouse pull` recorded, checked as the hub cache's models are (None when
+    its file is gone, with a warning when it fails a check)."""
     folder = root / f"models--{repo.replace('/', '--')}"
     path = folder / "snapshots" / commit / model
+    if not path.exists():  # removed since (hf cache rm): its record is stale, not an error
+        log.debug("pulled: %s is no longer in the hub cache (%s)", model_id, path)
+        return None
     if model in _being_verified(folder):
         return None
     try:

@@ -355,12 +355,13 @@ def _cache(sub: Commands) -> None:
 def _pull(sub: Commands) -> None:
     pull = sub.add_parser(
         "pull", help="download a GGUF model from the Hugging Face hub",
-        description="Download a model's GGUF file(s) (every part of a split model, and a "
-                    "vision projector if the repo has one) into the Hugging Face cache, "
-                    "check each file's sha256, and print the id it is served under. An "
-                    "interrupted download resumes; files already there are not fetched "
-                    "again. HF_TOKEN for gated repos; HF_ENDPOINT and HF_HUB_OFFLINE as the "
-                    "hub client reads them.",
+        description="Download a model's GGUF file(s) (every part of a split model, and a\n"
+                    "vision projector if the repo has one) into the Hugging Face cache, check\n"
+                    "each file's sha256, and print the id it is served under. A dropped\n"
+                    "connection is resumed; files already there are not fetched again.\n"
+                    "HF_TOKEN for gated repos; HF_ENDPOINT and HF_HUB_OFFLINE as the hub\n"
+                    "client reads them. A running server serves the model after\n"
+                    "`bunkhouse reload` (or pulls itself: POST /admin/pull).",
         epilog="examples:\n"
                "  bunkhouse pull Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF          # Q4_K_M\n"
                "  bunkhouse pull bartowski/gemma-2-2b-it-GGUF:Q8_0\n"

@@ -70,7 +70,9 @@ class Pull:
         self.steps: list[Step] = []
         self.ended = asyncio.Event()
         self.proc: asyncio.subprocess.Process | None = None
+        self.last: Step | None = None  # the child's last step, held until the pull ends
         self.cancelled = False
+        self.stopping = False  # cancelled by the server's stop
         self.cancelling = asyncio.Event()
         self._changed = asyncio.Condition()
 
@@ -85,8 +87,12 @@ class Pull:
         if last is None or "error" not in last:
             return None
         kind = _ERRORS.get(last.get("code", ""), PullFailed)
+        if last.get("code") == "pull_cancelled" and self.stopping:
+            return ShuttingDown(f"the pull of {self.name} was cancelled: the server is "
+                                "stopping")
         if last.get("code") == "pull_cancelled":
-            return Conflict(f"the pull of {self.name} was cancelled")
+            return Conflict(f"the pull of {self.name} was cancelled (DELETE /admin/pull/"
+                            f"{self.id})")
         return kind(last["error"], param="model" if kind is not PullFailed else None)
 
     async def add(self, step: Step) -> None:
@@ -94,7 +100,9 @@ class Pull:
         async with self._changed:
             self._changed.notify_all()
 
-    async def end(self) -> None:
+    async def finish(self, step: Step) -> None:
+        """Its last step (``success`` or an error) and its end, seen together."""
+        self.steps.append(step)
         self.ended.set()
         async with self._changed:
             self._changed.notify_all()
@@ -117,7 +125,10 @@ class Pull:
         progress = next((s for s in reversed(self.steps) if "completed" in s), None)
         plan = next((s for s in self.steps if s.get("status") == "plan"), None)
         last = self.steps[-1] if self.steps else {}
-        return {"id": self.id, "model": self.name, "status": last.get("status", "starting"),
+        status = last.get("status", "starting")
+        if "error" in last:
+            status = "cancelled" if last.get("code") == "pull_cancelled" else "failed"
+        return {"id": self.id, "model": self.name, "status": status,
                 "total": plan["total"] if plan else None,
                 "completed": _completed(self.steps), "ended": self.ended.is_set(),
                 "error": last.get("error"), "served_as": last.get("id"),
@@ -188,6 +199,7 @@ class Pulls:
         self._closed = True
         running = [p for p in self._pulls.values() if not p.ended.is_set()]
         for pull in running:
+            pull.stopping = True
             _cancel(pull)
         if running:
             log.info("cancelling %d pull(s): the server is stopping", len(running))
@@ -210,8 +222,8 @@ class Pulls:
                 stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
                 preexec_fn=die_with_parent(os.getpid()))
         except OSError as e:
-            await pull.add({"error": f"the pull could not start: {e}", "code": "pull_failed"})
-            await pull.end()
+            await pull.finish({"error": f"the pull could not start: {e}",
+                               "code": "pull_failed"})
             return
         pull.proc = proc
         if pull.cancelled:  # cancelled while it started
@@ -224,15 +236,14 @@ class Pulls:
         finally:
             killer.cancel()
         output = (await stderr).decode(errors="replace").strip()
-        if not pull.steps or ("error" not in pull.steps[-1]
-                              and pull.steps[-1].get("status") != "success"):
+        last = pull.last
+        if last is None or ("error" not in last and last.get("status") != "success"):
             reason = "it was cancelled" if pull.cancelled else \
                 f"its process exited with code {proc.returncode}"
-            await pull.add({"error": f"the pull of {pull.name} stopped: {reason}",
-                            "code": "pull_cancelled" if pull.cancelled else "pull_failed"})
+            last = {"error": f"the pull of {pull.name} stopped: {reason}",
+                    "code": "pull_cancelled" if pull.cancelled else "pull_failed"}
             if output and not pull.cancelled:
                 log.warning("pull %s (%s): its output:\n%s", pull.id, pull.name, output[-4000:])
-        last = pull.steps[-1]
         if "error" in last:
             self.events.emit(pull.name, "pull_failed", last["error"], pull=pull.id,
                              code=last.get("code"))
@@ -242,9 +253,9 @@ class Pulls:
             except BunkhouseError as e:
                 log.error("pulled %s, but the catalog was not re-read: %s", pull.name,
                           e.message)
-            self.events.emit(pull.name, "pulled", f"served as {last['id']}", pull=pull.id,
-                             served_as=last["id"])
-        await pull.end()
+            self.events.emit(pull.name, "pulled", f"served as {last['id']}",
+                             pull=pull.id, served_as=last["id"])
+        await pull.finish(last)
 
     async def _read(self, pull: Pull, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
@@ -255,6 +266,9 @@ class Pulls:
             except ValueError:
                 continue
             if not isinstance(step, dict):
+                continue
+            if step.get("status") == "success" or "error" in step:
+                pull.last = step  # told with the pull's end (a success: once catalogued)
                 continue
             await pull.add(step)
             if "completed" in step and time.monotonic() - told >= EVENT_EVERY_S:

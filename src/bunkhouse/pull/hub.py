@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,8 @@ from bunkhouse.errors import (
     PullFailed,
 )
 from bunkhouse.pull.names import Choice, PullName, choose
+
+log = logging.getLogger(__name__)
 
 MIB = 2**20
 DISK_MARGIN_BYTES = 256 * MIB
@@ -179,6 +183,7 @@ def fetch(plan: Plan, meter: Meter, on_verify: Callable[[HubFile], None]) -> Pat
     paths: dict[str, Path] = {}
     folder = repo_dir(plan.repo)
     folder.mkdir(parents=True, exist_ok=True)
+    _clear_leftovers(folder)
     marker = folder / f"{VERIFYING}{os.getpid()}"
     marker.write_text(json.dumps({"pid": os.getpid(), "files": [f.name for f in plan.files]}))
     try:
@@ -194,6 +199,30 @@ def fetch(plan: Plan, meter: Meter, on_verify: Callable[[HubFile], None]) -> Pat
     finally:
         marker.unlink(missing_ok=True)
     return paths[plan.choice.model]
+
+
+STALE_PARTIAL_S = 60.0
+"""A partial download untouched this long belongs to a pull that was killed outright (a
+live one writes every second or so; the hub client's read timeout is 10 s)."""
+
+
+def _clear_leftovers(folder: Path) -> None:
+    """What a pull killed outright (SIGKILL, a power cut) left in the repo's cache folder:
+    its marker and its partial file, which the hub client names per process and so never
+    resumes."""
+    now = time.time()
+    for marker in folder.glob(f"{VERIFYING}*"):
+        try:
+            os.kill(int(marker.name.removeprefix(VERIFYING)), 0)
+        except (ValueError, ProcessLookupError):
+            marker.unlink(missing_ok=True)
+        except PermissionError:
+            pass
+    for partial in (folder / "blobs").glob("*.incomplete"):
+        with contextlib.suppress(OSError):
+            if now - partial.stat().st_mtime > STALE_PARTIAL_S:
+                partial.unlink()
+                log.info("removed %s, left by a pull that was stopped outright", partial)
 
 
 def _verify(f: HubFile, path: Path) -> None:

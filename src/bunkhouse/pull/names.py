@@ -53,25 +53,46 @@ class PullName:
         return tuple(names)
 
 
-def parse(name: str, param: str = "model") -> PullName:
-    """``name`` as a pull name; InvalidRequest naming ``param`` if it is not one."""
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidRequest(f"'{param}' must name a Hugging Face repo, as ORG/REPO[:QUANT]",
-                             param=param)
+def _without_host(name: str) -> str:
+    """``name`` stripped, less a hub host Ollama's users type (``hf.co/``...)."""
     text = name.strip()
     for host in _HOSTS:
         if text.lower().startswith(host):
-            text = text[len(host):]
-            break
-    repo, _, tag = text.partition(":")
+            return text[len(host):]
+    return text
+
+
+def hub_spellings(name: str) -> tuple[str, ...]:
+    """Other spellings of a name a model may have been pulled by, as the catalog looks them
+    up: without the hub's host (``hf.co/``, ``huggingface.co/``), the tag in upper case (a
+    quantization), and a file tag without ``.gguf`` (the id the hub cache gives it).
+    Nothing for a name that is no pull name."""
+    repo, _, tag = _without_host(name).partition(":")
+    if not _REPO_RE.fullmatch(repo):
+        return ()
+    if not tag:
+        return (repo,) if repo != name else ()
+    out = [f"{repo}:{tag}", f"{repo}:{tag.upper()}", f"hf.co/{repo}:{tag.upper()}"]
+    if tag.endswith(".gguf"):
+        stem = _SHARD_RE.sub("", tag.removesuffix(".gguf"))
+        out.append(f"{repo}:{stem}")
+    return tuple(dict.fromkeys(n for n in out if n != name))
+
+
+def parse(name: str, param: str = "model") -> PullName:
+    """``name`` as a pull name; InvalidRequest naming ``param`` if it is not one."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidRequest("give a Hugging Face repo to pull, as ORG/REPO[:QUANT]",
+                             param=param)
+    repo, _, tag = _without_host(name).partition(":")
     if not _REPO_RE.fullmatch(repo) or ".." in repo or "--" in repo:
         shown = name if len(name) <= 200 else f"{name[:200]}..."
-        raise InvalidRequest(f"'{param}': {shown!r} is not a Hugging Face repo name; give "
-                             "ORG/REPO[:QUANT], e.g. Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF:Q4_K_M",
+        raise InvalidRequest(f"{shown!r} is not a Hugging Face repo name; give ORG/REPO"
+                             "[:QUANT], e.g. Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF:Q4_K_M",
                              param=param)
     if tag and (tag != tag.strip() or "\\" in tag or tag.startswith("/") or ".." in tag.split("/")
                 or len(tag) > 500):
-        raise InvalidRequest(f"'{param}': {tag!r} is not a quantization or a file in the repo",
+        raise InvalidRequest(f"{tag!r} is not a quantization or a file in the repo",
                              param=param)
     return PullName(repo, tag or None)
 
@@ -114,6 +135,10 @@ def choose(repo: str, files: Iterable[str], tag: str | None) -> Choice:
         raise ModelNotFound(f"the repo {repo} has no GGUF model", param="model")
     if tag is not None and tag.endswith(".gguf"):
         chosen = [f for f in models if f == tag]
+        if not chosen and tag in ggufs and not is_projector(tag):
+            raise ModelNotFound(f"{tag} is a later part of a split model: name its first "
+                                "part (...-00001-of-...), which brings every part",
+                                param="model")
         if not chosen:
             raise ModelNotFound(f"the repo {repo} has no model file {tag!r}; its GGUF models: "
                                 f"{_listed(models)}", param="model")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from bunkhouse.pull.hub import Plan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +36,19 @@ def records_path(data_dir: Path) -> Path:
 
 
 def read_records(data_dir: Path) -> list[Pulled]:
-    """The pulls on record (an unreadable record: none, never an error)."""
+    """The pulls on record: none when there is no record, and none, with a warning, when
+    it cannot be read (never an error: the other models serve)."""
+    path = records_path(data_dir)
     try:
-        raw = json.loads(records_path(data_dir).read_text())
+        raw = json.loads(path.read_text())
         return [Pulled(r["model_id"], r["repo"], r["commit"], r["model"], tuple(r["names"]),
                        float(r["when"])) for r in raw]
-    except (OSError, ValueError, KeyError, TypeError):
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s cannot be read (%s): the models pulled are served only where the "
+                    "hf_cache source lists them; `bunkhouse pull` them again to record "
+                    "them", path, e)
         return []
 
 
@@ -48,6 +58,11 @@ def record(data_dir: Path, plan: Plan) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / "pulled.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        path = records_path(data_dir)
+        if path.exists() and not read_records(data_dir) and path.read_text().strip() != "[]":
+            kept_aside = path.with_name(f"pulled.json.unreadable-{int(time.time())}")
+            path.replace(kept_aside)  # not overwritten: its records may still be read by hand
+            log.warning("the unreadable %s is kept as %s", path, kept_aside)
         kept = [r for r in read_records(data_dir) if r.model_id != plan.model_id]
         kept.append(Pulled(plan.model_id, plan.repo, plan.commit, plan.choice.model,
                            plan.names, time.time()))

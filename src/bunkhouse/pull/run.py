@@ -42,8 +42,9 @@ def pull(name: str, data_dir: Path, emit: Callable[[Step], None]) -> hub.Plan:
     """Pull ``name`` (see bunkhouse.pull.names), telling ``emit`` each step. Raises
     BunkhouseError (InvalidRequest, ModelNotFound, Forbidden, InsufficientStorage,
     PullFailed)."""
+    parsed = parse(name)
     emit({"status": "pulling manifest"})
-    plan = hub.make_plan(parse(name))
+    plan = hub.make_plan(parsed)
     todo = hub.missing(plan)
     hub.check_disk(plan, todo)
     emit({"status": "plan", "repo": plan.repo, "commit": plan.commit, "id": plan.model_id,
