@@ -43,7 +43,7 @@ from bunkhouse.errors import (
 )
 from bunkhouse.gguf.meta import GGUFInfo, lora_misfit, read_gguf_info, read_tensor_shapes
 from bunkhouse.pull.names import hub_spellings
-from bunkhouse.pull.records import read_records
+from bunkhouse.pull.records import Pulled, read_records
 
 log = logging.getLogger(__name__)
 
@@ -561,12 +561,12 @@ def _from_sources(settings: Settings) -> Iterator[CatalogModel]:
                     log.warning("skipping %s: %s", found.path, e)
 
 
-def _from_pulls(settings: Settings, listed: dict[str, CatalogModel]
+def _from_pulls(pulls: list[Pulled], settings: Settings, listed: dict[str, CatalogModel]
                 ) -> Iterator[CatalogModel]:
     """The models `bunkhouse pull` recorded, in the hub cache, but those ``listed`` already
     (hf_cache lists them too where it is on; their names are added below either way)."""
     root = sources.hf_cache_root()
-    for pulled in read_records(settings.data_dir):
+    for pulled in pulls:
         if pulled.model_id in listed:
             continue
         found = sources.pulled_model(root, pulled.repo, pulled.commit, pulled.model,
@@ -581,11 +581,11 @@ def _from_pulls(settings: Settings, listed: dict[str, CatalogModel]
             log.warning("skipping %s: %s", found.path, e)
 
 
-def _name_pulled(models: dict[str, CatalogModel], settings: Settings) -> None:
+def _name_pulled(models: dict[str, CatalogModel], pulls: list[Pulled]) -> None:
     """Each pulled model also answers to the names it was pulled by, where no model's id
     or other alias has that name already (those come first)."""
     taken = {s for m in models.values() for n in (m.id, *m.aliases) for s in _spellings(n)}
-    for pulled in read_records(settings.data_dir):
+    for pulled in pulls:
         model = models.get(pulled.model_id)
         if model is None:
             continue
@@ -607,7 +607,8 @@ def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
         readers.append(_from_packages(settings))
     readers.append(_from_dirs(settings))
     readers.append(_from_sources(settings))
-    readers.append(_from_pulls(settings, models))
+    pulls = read_records(settings.data_dir)
+    readers.append(_from_pulls(pulls, settings, models))
     for reader in readers:
         for model in reader:
             taken = next((s for s in _spellings(model.id) if s in models), None)
@@ -628,7 +629,7 @@ def build_catalog(settings: Settings, *, engines: Collection[str]) -> Catalog:
                               f"the catalog; known: {', '.join(models) or '(none)'}")
         model = models[named]
         models[named] = replace(model, aliases=(*model.aliases, alias))
-    _name_pulled(models, settings)
+    _name_pulled(models, pulls)
     for entry in settings.entries:  # by id or by any alias given above
         if entry.overlay:
             _overlay(models, entry, settings)

@@ -298,9 +298,9 @@ def _hf_repo(repo: Path, budget: _Budget) -> list[Found]:
 
 
 VERIFYING = ".bunkhouse-verifying-"
-"""The name (then a pid) of a marker in a hub cache repo's folder while `bunkhouse pull`
-checks its files (bunkhouse/pull/hub.py): ``{"pid", "files"}``; those files are not listed
-until they pass. A marker whose process is gone is stale and ignored."""
+"""The name (then the pid of its pull) of a marker in a hub cache repo's folder while
+`bunkhouse pull` checks its files (bunkhouse/pull/hub.py): ``{"pid", "files"}``; those files
+are not listed until they pass. A marker whose process is gone is stale and ignored."""
 
 
 def _being_verified(repo: Path) -> frozenset[str]:
@@ -311,15 +311,25 @@ def _being_verified(repo: Path) -> frozenset[str]:
     except OSError:
         return frozenset()
     for name in markers:
+        if not marker_live(repo / name):
+            continue
         try:
             marker = json.loads(_read(repo / name, 64 * 1024))
-            os.kill(int(marker["pid"]), 0)
-        except (_Skip, ValueError, KeyError, TypeError, ProcessLookupError):
+            files |= {f for f in marker.get("files", ()) if isinstance(f, str)}
+        except (_Skip, ValueError, AttributeError, TypeError):
             continue
-        except PermissionError:  # another user's live process
-            pass
-        files |= {f for f in marker.get("files", ()) if isinstance(f, str)}
     return frozenset(files)
+
+
+def marker_live(marker: Path) -> bool:
+    """Whether the process a :data:`VERIFYING` marker is named after still runs."""
+    try:
+        os.kill(int(marker.name.removeprefix(VERIFYING)), 0)
+    except (ValueError, ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's live process
+        pass
+    return True
 
 
 def pulled_model(root: Path, repo: str, commit: str, model: str, model_id: str

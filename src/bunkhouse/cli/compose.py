@@ -80,7 +80,7 @@ def serve(settings: Settings, catalog: Catalog, rebuild: Rebuild | None = None) 
     residency = _residency(settings, catalog, budget, launcher, events, keeper, cluster)
     keys = Keys(settings.api_keys, settings.admin_keys)
     reloader = Reloader(rebuild, residency, keys) if rebuild else None
-    pulls = Pulls(settings.data_dir, events, _reloading(reloader))
+    pulls = Pulls(settings.data_dir, events, _reloading(reloader) if reloader else None)
     app = _app(settings, catalog, residency, launcher=launcher, keeper=keeper, keys=keys,
                reloader=reloader, pulls=pulls, cluster=cluster)
     warn_at_start(settings, catalog, budget)
@@ -273,15 +273,9 @@ def _stop_workers(residency: ResidencyManager, launcher: LocalLauncher
     return stop_workers
 
 
-def _reloading(reloader: Reloader | None) -> Callable[[str], Awaitable[None]]:
+def _reloading(reloader: Reloader) -> Callable[[str], Awaitable[Any]]:
     """What a finished pull calls: the catalog re-read, with the pull's record."""
-    async def pulled(name: str) -> None:
-        if reloader is not None:
-            await reloader.reload(f"pulled {name}")
-        else:
-            log.warning("pulled %s: restart the server to serve it", name)
-
-    return pulled
+    return lambda name: reloader.reload(f"pulled {name}")
 
 
 def _on_stop(residency: ResidencyManager, events: EventLog,

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -109,12 +108,10 @@ class WorkerHost:
             time.sleep(1.0)
         # its worker and spare first: their parent-death signal would end them with this
         # process, but a signal sent here does not depend on which thread forked them
-        worker, spares = self._worker, self._spares
-        for pid in (worker.pid if worker is not None else None,
-                    spares.spare_pid if spares is not None else None):
-            if pid is not None:
-                with contextlib.suppress(OSError):
-                    os.killpg(pid, signal.SIGKILL)
+        if self._worker is not None:
+            self._worker.kill()  # SIGKILL to its process group
+        if self._spares is not None:
+            self._spares.drop_spare()
         os._exit(1)
 
     def memory(self) -> tuple[int, int] | None:

@@ -117,7 +117,7 @@ def build_app(catalog: Catalog, residency: ResidencyManager, parts: Parts | None
     """The front's ASGI app over ``catalog`` and ``residency``."""
     parts = parts or Parts()
     options = options or FrontOptions()
-    pulls = PullRoutes(parts.pulls or Pulls(default_data_dir(), residency.events, _no_reload))
+    pulls = PullRoutes(parts.pulls or Pulls(default_data_dir(), residency.events))
     keys = parts.keys or Keys()
     pipeline = Pipeline(catalog, residency, parts.compute or ComputeGates(),
                         BodyReader(keys, options.max_body_bytes), keys, parts.keeper,
@@ -182,11 +182,6 @@ def _generation_routes(pipeline: Pipeline, options: FrontOptions) -> list[RouteS
         ("POST", "/v1/messages/count_tokens", anthropic.count_tokens),
         ("POST", "/v1/audio/transcriptions", audio.create),
     ]
-
-
-async def _no_reload(name: str) -> None:
-    log.warning("pulled %s: this server cannot re-read its catalog; restart it to serve the "
-                "model", name)
 
 
 def _model_routes(pipeline: Pipeline, views: ModelViews, parts: Parts,

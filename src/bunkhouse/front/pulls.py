@@ -71,9 +71,10 @@ class Pull:
         self.ended = asyncio.Event()
         self.proc: asyncio.subprocess.Process | None = None
         self.last: Step | None = None  # the child's last step, held until the pull ends
-        self.cancelled = False
         self.stopping = False  # cancelled by the server's stop
-        self.cancelling = asyncio.Event()
+        self.cancelling = asyncio.Event()  # set once cancelled
+        self.total: int | None = None  # bytes, from its plan
+        self.done: dict[str, int] = {}  # bytes fetched of each file, from its progress
         self._changed = asyncio.Condition()
 
     @property
@@ -95,8 +96,17 @@ class Pull:
                             f"{self.id})")
         return kind(last["error"], param="model" if kind is not PullFailed else None)
 
+    @property
+    def completed(self) -> int:
+        """Bytes fetched so far, over its files."""
+        return sum(self.done.values())
+
     async def add(self, step: Step) -> None:
         self.steps.append(step)
+        if step.get("status") == "plan":
+            self.total = step["total"]
+        if "file" in step and "completed" in step:
+            self.done[step["file"]] = step["completed"]
         async with self._changed:
             self._changed.notify_all()
 
@@ -123,30 +133,22 @@ class Pull:
     def view(self) -> dict[str, Any]:
         """What ``GET /admin/pull`` shows of it."""
         progress = next((s for s in reversed(self.steps) if "completed" in s), None)
-        plan = next((s for s in self.steps if s.get("status") == "plan"), None)
         last = self.steps[-1] if self.steps else {}
         status = last.get("status", "starting")
         if "error" in last:
             status = "cancelled" if last.get("code") == "pull_cancelled" else "failed"
         return {"id": self.id, "model": self.name, "status": status,
-                "total": plan["total"] if plan else None,
-                "completed": _completed(self.steps), "ended": self.ended.is_set(),
+                "total": self.total, "completed": self.completed,
+                "ended": self.ended.is_set(),
                 "error": last.get("error"), "served_as": last.get("id"),
                 "file": progress.get("file") if progress else None}
 
 
-def _completed(steps: list[Step]) -> int:
-    done: dict[str, int] = {}
-    for s in steps:
-        if "file" in s and "completed" in s:
-            done[s["file"]] = s["completed"]
-    return sum(done.values())
-
-
 class Pulls:
     def __init__(self, data_dir: Path, events: EventLog,
-                 on_pulled: Callable[[str], Awaitable[Any]]) -> None:
-        """``on_pulled(name)``: what makes a pulled model servable (the reload)."""
+                 on_pulled: Callable[[str], Awaitable[Any]] | None = None) -> None:
+        """``on_pulled(name)``: what makes a pulled model servable (the reload; None: a
+        server that cannot re-read its catalog serves it after a restart)."""
         self.data_dir = data_dir
         self.events = events
         self.on_pulled = on_pulled
@@ -161,7 +163,7 @@ class Pulls:
             raise ShuttingDown("the server is stopping: no pull starts")
         key = parse(name).text
         for pull in self._pulls.values():
-            if not pull.ended.is_set() and parse(pull.name).text.lower() == key.lower():
+            if not pull.ended.is_set() and pull.name.lower() == key.lower():
                 return pull
         running = [p for p in self._pulls.values() if not p.ended.is_set()]
         if len(running) >= MAX_PULLS:
@@ -226,7 +228,7 @@ class Pulls:
                                "code": "pull_failed"})
             return
         pull.proc = proc
-        if pull.cancelled:  # cancelled while it started
+        if pull.cancelling.is_set():  # cancelled while it started
             _signal(pull, "SIGTERM")
         killer = asyncio.create_task(self._kill_late(pull))
         stderr = asyncio.create_task(proc.stderr.read())  # type: ignore[union-attr]
@@ -238,18 +240,21 @@ class Pulls:
         output = (await stderr).decode(errors="replace").strip()
         last = pull.last
         if last is None or ("error" not in last and last.get("status") != "success"):
-            reason = "it was cancelled" if pull.cancelled else \
+            reason = "it was cancelled" if pull.cancelling.is_set() else \
                 f"its process exited with code {proc.returncode}"
             last = {"error": f"the pull of {pull.name} stopped: {reason}",
-                    "code": "pull_cancelled" if pull.cancelled else "pull_failed"}
-            if output and not pull.cancelled:
+                    "code": "pull_cancelled" if pull.cancelling.is_set() else "pull_failed"}
+            if output and not pull.cancelling.is_set():
                 log.warning("pull %s (%s): its output:\n%s", pull.id, pull.name, output[-4000:])
         if "error" in last:
             self.events.emit(pull.name, "pull_failed", last["error"], pull=pull.id,
                              code=last.get("code"))
         else:
             try:
-                await self.on_pulled(pull.name)
+                if self.on_pulled is None:
+                    log.warning("pulled %s: restart the server to serve it", pull.name)
+                else:
+                    await self.on_pulled(pull.name)
             except BunkhouseError as e:
                 log.error("pulled %s, but the catalog was not re-read: %s", pull.name,
                           e.message)
@@ -273,9 +278,8 @@ class Pulls:
             await pull.add(step)
             if "completed" in step and time.monotonic() - told >= EVENT_EVERY_S:
                 told = time.monotonic()
-                plan = next((s for s in pull.steps if s.get("status") == "plan"), None)
-                total = plan["total"] if plan else step["total"]
-                done = _completed(pull.steps)
+                total = pull.total or step["total"]
+                done = pull.completed
                 self.events.emit(pull.name, "pull_progress",
                                  f"{done * 100 // max(total, 1)}% of {total // 2**20} MiB",
                                  pull=pull.id, completed=done, total=total)
@@ -289,7 +293,6 @@ class Pulls:
 
 
 def _cancel(pull: Pull) -> None:
-    pull.cancelled = True
     pull.cancelling.set()
     _signal(pull, "SIGTERM")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bunkhouse.catalog.sources import VERIFYING, hf_cache_root
+from bunkhouse.catalog.sources import VERIFYING, hf_cache_root, marker_live
 from bunkhouse.config import check_model_id
 from bunkhouse.errors import (
     ConfigError,
@@ -212,12 +212,8 @@ def _clear_leftovers(folder: Path) -> None:
     resumes."""
     now = time.time()
     for marker in folder.glob(f"{VERIFYING}*"):
-        try:
-            os.kill(int(marker.name.removeprefix(VERIFYING)), 0)
-        except (ValueError, ProcessLookupError):
+        if not marker_live(marker):
             marker.unlink(missing_ok=True)
-        except PermissionError:
-            pass
     for partial in (folder / "blobs").glob("*.incomplete"):
         with contextlib.suppress(OSError):
             if now - partial.stat().st_mtime > STALE_PARTIAL_S:

@@ -59,11 +59,12 @@ def record(data_dir: Path, plan: Plan) -> None:
     with open(data_dir / "pulled.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         path = records_path(data_dir)
-        if path.exists() and not read_records(data_dir) and path.read_text().strip() != "[]":
+        records = read_records(data_dir)
+        if not records and path.exists() and path.read_text().strip() != "[]":
             kept_aside = path.with_name(f"pulled.json.unreadable-{int(time.time())}")
             path.replace(kept_aside)  # not overwritten: its records may still be read by hand
             log.warning("the unreadable %s is kept as %s", path, kept_aside)
-        kept = [r for r in read_records(data_dir) if r.model_id != plan.model_id]
+        kept = [r for r in records if r.model_id != plan.model_id]
         kept.append(Pulled(plan.model_id, plan.repo, plan.commit, plan.choice.model,
                            plan.names, time.time()))
         tmp = records_path(data_dir).with_suffix(".tmp")

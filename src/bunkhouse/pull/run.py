@@ -140,7 +140,7 @@ class _Terminal:
                 self._bar = tqdm(total=step["total"], unit="B", unit_scale=True,
                                  unit_divisor=1024, desc="pulling", file=self._stream,
                                  ncols=min(size.columns, 120), nrows=size.lines, miniters=1)
-        elif status.startswith("pulling sha256") or "file" in step:
+        elif "file" in step:
             if self._bar is not None:
                 self._done[step["file"]] = step["completed"]
                 self._bar.update(sum(self._done.values()) - self._bar.n)
