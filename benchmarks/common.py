@@ -76,6 +76,9 @@ class Profile:
     ray_tokens: int = 64
     ray_load_rounds: int = 3  # unload, then load on each target, alternating
     ray_idle_s: float = 5.0  # the quiet window for the worker host's own CPU
+    relay_tokens: int = 2000  # the relay at GPU rates: tokens of each stream
+    relay_rounds: int = 3  # every target, protocol and concurrency, alternating
+    relay_before: bool = True  # also the front before the relay's rework (from git)
 
 
 PROFILES = {
@@ -90,7 +93,8 @@ PROFILES = {
                      flood_concurrency=64, fuzz_examples=10, fuzz_seconds=45,
                      kv_lengths=(1000, 4000), transcribe_rounds=3, marginal_rounds=3,
                      hol_runs=1, hol_tokens=400, adapter_rounds=3, adapter_tokens=32,
-                     spec_rounds=3, spec_tokens=160, ray_rounds=3, ray_load_rounds=2),
+                     spec_rounds=3, spec_tokens=160, ray_rounds=3, ray_load_rounds=2,
+                    relay_tokens=1000, relay_rounds=1),
     # Only for the test suite: checks that every section runs end to end, measures nothing.
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
@@ -102,7 +106,7 @@ PROFILES = {
                     adapter_tokens=4,
                     adapter_functions=21, spec_rounds=1, spec_tokens=8, spec_memory=False,
                     spec_draft=False, ray_rounds=1, ray_tokens=4, ray_load_rounds=1,
-                    ray_idle_s=1.0),
+                    ray_idle_s=1.0, relay_tokens=20, relay_rounds=1, relay_before=False),
 }
 
 
@@ -229,13 +233,17 @@ def _packaged_catalog() -> Catalog:
 
 
 @contextmanager
-def bunkhouse(name: str, *args: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`bunkhouse serve ARGS` on a free port, ready; yields its URL and process."""
+def bunkhouse(name: str, *args: str, env: dict[str, str] | None = None,
+              module: bool = False) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`bunkhouse serve ARGS` on a free port, ready; yields its URL and process. ``env``:
+    added to the environment; ``module``: run as ``python -m bunkhouse`` (the code
+    ``PYTHONPATH`` names, not the installed script's)."""
     port = free_port()
     if "--responses-db" not in args:  # never the user's own stored responses
         args = (*args, "--responses-db",
                 str(Path(tempfile.mkdtemp(prefix="bunkhouse-bench-")) / "responses.db"))
-    with process([*bunkhouse_argv(), "serve", "--port", str(port), *args], name) as proc, \
+    argv = [sys.executable, "-m", "bunkhouse"] if module else bunkhouse_argv()
+    with process([*argv, "serve", "--port", str(port), *args], name, env) as proc, \
             httpx.Client() as client:
         url = f"http://127.0.0.1:{port}"
         wait_http(client, f"{url}/health", proc)
