@@ -14,7 +14,9 @@ prefill again, at 1K, 4K and 8K tokens), reliability
 called directly: time and memory), adapters, speculative, llama_server (bunkhouse on the
 engine llama-server against the binary alone, the router and xllamacpp's worker), ray (a
 worker on a Ray node against a local one: time to first token, decode, the relay's CPU per
-token, the time to place and load). A full
+token, the time to place and load), relay (the front's CPU per token at GPU rates, 1, 4
+and 16 streams from the benchmark engine, in three protocols, against the front before its
+relay was reworked and the engine reached directly). A full
 run takes about 20 minutes on 2 cores, --quick under 10. Every process's log goes to
 benchmarks/results/.
 """
@@ -44,6 +46,7 @@ from benchmarks import (
     llama_server_engine,
     overhead,
     ray_nodes,
+    relay,
     reliability,
     report,
     speculative,
@@ -54,7 +57,7 @@ from benchmarks import (
 from benchmarks.common import PROFILES, Profile
 
 SECTIONS = ("overhead", "throughput", "hol", "swap", "kv", "reliability", "transcribe",
-            "adapters", "speculative", "llama_server", "ray")
+            "adapters", "speculative", "llama_server", "ray", "relay")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -109,6 +112,7 @@ def run_sections(profile: Profile, sections: list[str], llama_server: str | None
         "speculative": lambda: speculative.measure(profile),
         "llama_server": lambda: llama_server_engine.measure(profile, llama_server),
         "ray": lambda: ray_nodes.measure(profile),
+        "relay": lambda: relay.measure(profile),
     }
     for name in sections:
         print(f"== {name} ({profile.name})", file=sys.stderr, flush=True)

@@ -76,7 +76,7 @@ class Profile:
     ray_tokens: int = 64
     ray_load_rounds: int = 3  # unload, then load on each target, alternating
     ray_idle_s: float = 5.0  # the quiet window for the worker host's own CPU
-    relay_tokens: int = 2000  # the relay at GPU rates: tokens of each stream
+    relay_tokens: int = 1500  # the relay at GPU rates: tokens of each stream
     relay_rounds: int = 3  # every target, protocol and concurrency, alternating
     relay_before: bool = True  # also the front before the relay's rework (from git)
 

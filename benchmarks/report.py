@@ -838,6 +838,8 @@ def render(results: dict[str, Any]) -> str:
         body += _llama_server(sec["llama_server"], env.get("llama_server", ""), goals)
     if "ray" in sec:
         body += _ray(sec["ray"], goals)
+    if "relay" in sec:
+        body += _relay(sec["relay"], goals)
     for name, err in results.get("errors", {}).items():
         body += [f"## Section `{name}` failed", "", "```", err.strip()[-2000:], "```", ""]
     cmd = "python -m benchmarks run" + ("" if results["profile"] == "full"
@@ -936,6 +938,67 @@ def _ray(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
     ratio = rd.median / ld.median
     goals.append(["a Ray node's worker decodes within 5% of a local one, 1 request",
                   f"ratio {ratio:.3f}", _yes(ratio >= 0.95)])
+    return lines
+
+
+# ---------------------------------------------------------------- relay at GPU rates
+
+_RELAY_PROTOCOLS = {"chat": ("chat completions (OpenAI client)", 0.05),
+                    "messages": ("Anthropic Messages", 0.1),
+                    "responses": ("Responses API", 0.1)}
+
+
+def _relay(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    before = r.get("before")
+    lines = [
+        "## 14. The relay at GPU rates",
+        "",
+        f"The benchmark engine (`tests/bench_engine.py`, a worker engine selected with "
+        f"`--worker-engine`) streams OpenAI chunks as llama.cpp's server writes them, a token "
+        f"to every stream per decode step, {r['rate']} steps a second: at 16 streams "
+        f"{16 * r['rate']:,} tokens/s, what one GPU's slots stream, each token its own event. "
+        f"Each stream is {r['tokens']:,} tokens; C streams at once; the targets take turns, "
+        f"the order alternating, median (min-max) of {r['rounds']} rounds. `engine`: the "
+        f"engine's own server reached on its socket, no front (the limit); "
+        + (f"`before`: `bunkhouse serve` at commit {before}, the front before its relay was "
+           f"reworked; " if before else "")
+        + "`after`: this checkout. Every stream is checked for all its tokens. Front CPU: the "
+        "front process's user + system time over the tokens; its ceiling is the tokens/s one "
+        "core relays at that cost.",
+        "",
+    ]
+    measured = r.get("measured")
+    if measured:
+        lines += [f"Measured on its own on {measured['started'][:10]} at commit "
+                  f"{measured['commit']} (`python -m benchmarks run --only relay`, merged into "
+                  f"this page's results).", ""]
+    for protocol, (title, goal) in _RELAY_PROTOCOLS.items():
+        runs = r["runs"].get(protocol)
+        if not runs:
+            continue
+        lines += [f"**{title}**", ""]
+        rows = []
+        for c, targets in runs.items():
+            rate = {t: Spread.of([x["tokens_per_s"] for x in xs]) for t, xs in targets.items()}
+            cpu = {t: Spread.of([x["cpu_ms_per_token"] for x in xs])
+                   for t, xs in targets.items() if t != "engine"}
+            row = [c, _f(rate["engine"], 0) if "engine" in rate else "-"]
+            for t in ("before", "after"):
+                if t in cpu:
+                    row += [_f(rate[t], 0), _f(cpu[t], 3), f"{1000 / cpu[t].median:,.0f}"]
+                else:
+                    row += ["-", "-", "-"]
+            row.append(f"**{cpu['after'].median / cpu['before'].median:.2f}**"
+                       if "before" in cpu else "-")
+            rows.append(row)
+            if c == "16":
+                ms = cpu["after"].median
+                goals.append([f"relay at 16 streams, {title}: front CPU at most {goal} ms per "
+                              f"token (a ceiling of {1000 / goal:,.0f} tokens/s on one core)",
+                              f"{ms:.3f} ms ({1000 / ms:,.0f} tokens/s)", _yes(ms <= goal)])
+        lines += _table(["streams", "engine tok/s", "before tok/s", "before ms/token",
+                         "before ceiling tok/s", "after tok/s", "after ms/token",
+                         "after ceiling tok/s", "after/before CPU"], rows)
     return lines
 
 

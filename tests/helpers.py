@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -250,3 +251,27 @@ def silent_flac(seconds: float, rate: int = 16_000, layout: str = "mono",
         fields = int.from_bytes(data[18:26], "big") & ~((1 << 36) - 1)
         data[18:26] = (fields | int(declared_s * rate)).to_bytes(8, "big")
     return bytes(data)
+
+
+async def asgi_messages(response: Any, out: Any = None) -> list[dict[str, Any]]:
+    """The ASGI messages ``response`` (a Starlette response, or the front's relay) sends to a
+    client that never disconnects; each also put on ``out`` (an asyncio.Queue) as sent."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if out is not None:
+            await out.put(message)
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+    await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    return sent
+
+
+async def asgi_body(response: Any) -> bytes:
+    """The body ``response`` sends (see :func:`asgi_messages`)."""
+    return b"".join(m.get("body", b"") for m in await asgi_messages(response)
+                    if m["type"] == "http.response.body")

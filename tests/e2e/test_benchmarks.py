@@ -39,7 +39,7 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
     assert results["errors"] == {}
     assert set(results["sections"]) == {"overhead", "throughput", "hol", "swap", "kv",
                                         "reliability", "transcribe", "adapters",
-                                        "speculative", "llama_server", "ray"}
+                                        "speculative", "llama_server", "ray", "relay"}
     remount = results["sections"]["adapters"]["remount"]  # the conversation kept its KV state
     assert remount["follow_up_prompt_n"] < remount["follow_up_cache_n"], remount
     assert results["sections"]["hol"]["runs"]["time slice"][0]["long_tokens"] == 40
@@ -50,6 +50,9 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
     assert kv["restored"] == 1 and kv["follow_up_prompt_n"] < kv["first_prompt_n"]
     heard = results["sections"]["transcribe"]["texts"]["bunkhouse"].lower()
     assert "fox" in heard and "lazy" in heard
+    relay = results["sections"]["relay"]["runs"]  # every stream had all its tokens
+    assert set(relay) == {"chat", "messages", "responses"} and set(relay["chat"]) == {
+        "1", "4", "16"} and set(relay["chat"]["16"]) == {"engine", "after"}
     flood = results["sections"]["reliability"]["flood"][0]
     assert sum(flood["statuses"].values()) == flood["requests"]
 
@@ -60,7 +63,7 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
                     "## 7. Transcription", "## 8. Head-of-line blocking across models",
                     "## 9. Where a cold load's time goes", "## 10. LoRA adapters",
                     "## 11. Speculative decoding", "## 12. The llama-server engine",
-                    "## 13. A worker on a Ray node"):
+                    "## 13. A worker on a Ray node", "## 14. The relay at GPU rates"):
         assert heading in page
     assert "xllamacpp disabled the router" in page  # the reason the wheel cannot be the peer
     for png in ("throughput.png", "swap-timeline.png"):

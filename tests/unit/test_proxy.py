@@ -6,12 +6,13 @@ import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
@@ -21,6 +22,8 @@ from bunkhouse.errors import BunkhouseError, error_body
 from bunkhouse.front.assemble import LineSplitter, sse_lines
 from bunkhouse.front.protocols import AnthropicShape
 from bunkhouse.front.proxy import forward
+from bunkhouse.front.relay import Relay
+from tests.helpers import asgi_messages
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -242,12 +245,18 @@ def test_a_plain_answer_the_engine_sends_whole_is_relayed_as_it_arrives(
         resp = await asyncio.wait_for(
             forward(upstream, path, body, stream=False, request=_never_disconnects(),
                     model_id="m", on_done=lambda: done.append(True)), 60)
-        assert isinstance(resp, StreamingResponse)
+        assert isinstance(resp, Relay)
         assert resp.headers["content-length"] == "14" and not done
-        chunks = resp.body_iterator
-        assert await anext(chunks) == b'{"data": ['
+        sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        relaying = asyncio.create_task(asgi_messages(resp, sent))
+        assert (await sent.get())["type"] == "http.response.start"
+        assert (await sent.get())["body"] == b'{"data": ['
         rest.set()
-        assert [c async for c in chunks] == [b"1]}"]
+        await relaying
+        rest_body = b""
+        while not sent.empty():
+            rest_body += sent.get_nowait()["body"]
+        assert rest_body == b"1]}" and done
 
     asyncio.run(run())
 
@@ -297,9 +306,9 @@ def test_a_client_that_stops_reading_ends_its_answer_and_frees_what_it_holds(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A streamed answer whose client reads nothing for SEND_TIMEOUT_S is ended: the
     upstream is closed and ``on_done`` (its slot, compute turn and lease) runs."""
-    from bunkhouse.front import proxy
+    from bunkhouse.front import relay
 
-    monkeypatch.setattr(proxy, "SEND_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(relay, "SEND_TIMEOUT_S", 0.2)
 
     async def tokens() -> AsyncIterator[bytes]:
         for n in itertools.count():

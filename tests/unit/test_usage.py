@@ -17,6 +17,7 @@ from bunkhouse.engines.llamacpp import LlamaCppClient
 from bunkhouse.front.assemble import sse_lines
 from bunkhouse.front.protocols import InfillShape
 from bunkhouse.front.proxy import forward
+from tests.helpers import asgi_body
 
 
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
@@ -84,8 +85,7 @@ def _forward(path: str, body: dict[str, Any], events: list[Any]) -> tuple[bytes,
                              request=_request(), model_id="m")
         if not body.get("stream"):
             return bytes(resp.body)
-        return b"".join([c if isinstance(c, bytes) else c.encode()  # type: ignore[attr-defined]
-                         async for c in resp.body_iterator])
+        return await asgi_body(resp)
 
     return asyncio.run(run()), sent
 

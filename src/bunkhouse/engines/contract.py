@@ -218,9 +218,13 @@ class EngineClient(Protocol):
         """The engine's figures of an answer, from its whole answer or the stream event that
         carries them; None for any other."""
 
+    timings_mark: bytes
+    """Bytes every line of a streamed answer that carries the engine's figures holds (a
+    relay splits its reads into lines only where they hold it); ``b""``: no line does."""
+
     def timings_line(self, line: str) -> Timings | None:
-        """As :meth:`timings`, from one raw line of a streamed answer (cheap for the lines
-        that carry none: every line of a relayed stream is passed)."""
+        """As :meth:`timings`, from one raw line of a streamed answer (None for a line that
+        carries none)."""
 
     async def transcribe(self, audio: AsyncIterator[bytes], size: int,
                          options: dict[str, Any]) -> httpx.Response:

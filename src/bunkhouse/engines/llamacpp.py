@@ -462,6 +462,8 @@ class LlamaCppClient(WorkerHTTP):
     def timings(self, event: dict[str, Any]) -> Timings | None:
         return parse_timings(event.get("timings"))
 
+    timings_mark = b'"timings"'  # the last event's own object (llama.cpp's server)
+
     def timings_line(self, line: str) -> Timings | None:
         if '"timings"' not in line or not line.startswith("data:"):
             return None

@@ -14,7 +14,7 @@ connection after a stream without saying so, and a Unix socket connect costs mic
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -23,6 +23,9 @@ import httpx
 # Headers that httpx adds for any request and aiohttp sets itself (or that mean nothing on a
 # private socket).
 _SKIP = frozenset({"host", "connection", "accept-encoding", "user-agent", "transfer-encoding"})
+
+
+_READER = "bunkhouse.body_reader"  # the response's extension holding aiohttp's read
 
 
 class WorkerTransport(httpx.AsyncBaseTransport):
@@ -84,7 +87,8 @@ class WorkerTransport(httpx.AsyncBaseTransport):
         self._open.add(resp)
         return httpx.Response(resp.status, headers=list(resp.raw_headers),
                               stream=_Body(resp, request, self._open), request=request,
-                              extensions={"http_version": b"HTTP/1.1"})
+                              extensions={"http_version": b"HTTP/1.1",
+                                          _READER: resp.content.readany})
 
     async def aclose(self) -> None:
         """Close the session and every answer still open: a task reading one wakes with
@@ -116,8 +120,25 @@ class _Body(httpx.AsyncByteStream):
             raise _httpx_error(e, self._request, connecting=False) from e
 
     async def aclose(self) -> None:
+        """Close the answer; a read waiting on it wakes with a failure (its client left)."""
         self._open.discard(self._resp)
         self._resp.close()
+        if not self._resp.content.at_eof():
+            self._resp.content.set_exception(aiohttp.ClientConnectionError("answer closed"))
+
+
+def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]] | None:
+    """For a response this transport made: a read of the next bytes of its body as they
+    arrive (all that is buffered, ``b""`` at its end) with no iterator between the relay and
+    aiohttp's reader (front/relay.py: one read per token at GPU rates). Its failures are
+    aiohttp's: :func:`httpx_error` turns them into httpx's. None for another response."""
+    read: Callable[[], Awaitable[bytes]] | None = response.extensions.get(_READER)
+    return read
+
+
+def httpx_error(e: Exception, request: httpx.Request) -> Exception:
+    """A failure of a :func:`body_reader` read as the httpx exception its callers catch."""
+    return _httpx_error(e, request, connecting=False)
 
 
 def _httpx_error(e: Exception, request: httpx.Request, *, connecting: bool) -> Exception:

@@ -48,7 +48,12 @@ class LineSplitter:
 
     def feed_raw(self, chunk: bytes) -> list[bytes]:
         """As :meth:`feed`, the lines' bytes undecoded."""
-        parts = _LINE_END.split(self._rest + chunk)
+        data = self._rest + chunk if self._rest else chunk
+        if b"\r" not in data:  # the usual: lines end in LF alone
+            parts = data.split(b"\n")
+            self._rest = parts.pop()
+            return parts
+        parts = _LINE_END.split(data)
         self._rest = parts.pop()
         if self._rest == b"" and chunk.endswith(b"\r"):  # CR now, maybe LF next
             last = parts.pop()

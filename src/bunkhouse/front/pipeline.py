@@ -69,7 +69,8 @@ from bunkhouse.front.bodies import BodyReader
 from bunkhouse.front.constraints import ConstraintGate
 from bunkhouse.front.edge import prepare
 from bunkhouse.front.protocols import ChatShape, ToolCallShape
-from bunkhouse.front.proxy import Shape, StreamShaper, client_gone, forward, stream_broke
+from bunkhouse.front.proxy import Shape, client_gone, forward, stream_broke
+from bunkhouse.front.relay import StreamShaper
 from bunkhouse.front.waiting import WaitingOptions, WaitingStream
 from bunkhouse.kvcache.keeper import SnapshotKeeper
 from bunkhouse.residency.manager import Lease, ResidencyManager

@@ -15,7 +15,8 @@ from bunkhouse.api.fields import renamed
 from bunkhouse.api.tool_calls import ToolCallReader
 from bunkhouse.api.usage import COMPLETIONS, StreamUsage
 from bunkhouse.errors import BunkhouseError, error_body
-from bunkhouse.front.proxy import Shape, StreamShaper
+from bunkhouse.front.proxy import Shape
+from bunkhouse.front.relay import StreamShaper
 
 
 def error_envelope(path: str, err: BunkhouseError, detail: bool = False) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The proxy from the front to one worker: bytes stream through as the engine produces them.
 
-A client that disconnects cancels the upstream request: for a stream, Starlette cancels the
-body iterator and closing the upstream response closes the socket, which llama.cpp notices at
-its next token; for a plain request the upstream call is raced against the disconnect.
+A client that disconnects cancels the upstream request: for a stream, the relay
+(front/relay.py) closes the upstream response, which llama.cpp notices at its next token; for
+a plain request the upstream call is raced against the disconnect.
 
 The front never holds a whole upstream answer: a plain answer the engine makes in one piece
 (embeddings, several choices) is relayed as its bytes arrive, and one assembled from a stream
@@ -22,11 +22,10 @@ from typing import Any, Protocol
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from bunkhouse.api.usage import StreamUsage, choices_per_prompt
-from bunkhouse.engines.contract import EngineClient, Timings
-from bunkhouse.errors import BunkhouseError, EngineUnavailable, error_body
+from bunkhouse.engines.contract import EngineClient
+from bunkhouse.errors import BunkhouseError, EngineUnavailable
 from bunkhouse.front.assemble import (
     DONE,
     Assembly,
@@ -36,30 +35,19 @@ from bunkhouse.front.assemble import (
     StreamError,
     data_event,
 )
+from bunkhouse.front.relay import (
+    Bytes,
+    LineRewrite,
+    Lines,
+    OnTimings,
+    Pipe,
+    Relay,
+    Shaped,
+    StreamShaper,
+    stream_status,
+)
 
 log = logging.getLogger(__name__)
-
-OnTimings = Callable[[Timings], None]
-"""Called with the engine's figures of an answer (engines/contract.py ``Timings``)."""
-
-
-class StreamShaper(Protocol):
-    """One stream's chat completion events turned into another protocol's bytes."""
-
-    def feed(self, event: dict[str, Any]) -> bytes: ...
-
-    def end(self) -> bytes:
-        """The closing events (once, whatever calls it again)."""
-
-    def prompt(self, tokens: int) -> None:
-        """The prompt's token count, known before the engine's first event (a protocol
-        that shows it at the start of its stream keeps it)."""
-
-    def error(self, body: dict[str, Any]) -> bytes:
-        """An error (an OpenAI error object) as the protocol's error event."""
-
-    def keepalive(self) -> bytes:
-        """Bytes a client ignores, sent while nothing else can be (answer text held back)."""
 
 
 class Shape(Protocol):
@@ -74,29 +62,6 @@ class Shape(Protocol):
         """An OpenAI error envelope, re-enveloped for the protocol."""
 
     def stream(self) -> StreamShaper: ...
-
-SEND_TIMEOUT_S = 60.0
-"""Seconds one piece of a streamed answer may wait for the client to read it. A client that
-stops reading (its socket buffers full) would otherwise hold its slot, its compute turn and
-its model's lease for as long as it keeps the connection open; past this, its answer is
-ended and they are freed. The event stream's readers get 30 s (front/watch.py)."""
-
-
-class ReaderStalled(Exception):
-    """The client read nothing of its answer for :data:`SEND_TIMEOUT_S`."""
-
-
-def bounded_send(send: Send, timeout_s: float) -> Send:
-    """``send`` that raises ReaderStalled when a message waits ``timeout_s`` for the client."""
-    async def send_within(message: Any) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):  # no task per message
-                await send(message)
-        except TimeoutError as e:
-            raise ReaderStalled from e
-
-    return send_within
-
 
 MAX_ERROR_BYTES = 1 << 20
 """Most of an engine's error body read (its errors are a few hundred bytes)."""
@@ -218,8 +183,10 @@ async def _forward_stream(engine: EngineClient, send: Upstream, path: str, model
         finally:
             await resp.aclose()
             on_done()
-    return _Relay(resp, engine, path, model_id, on_done, on_broken, on_timings,
-                  shaper, shape.media_type if shape else None, usage)
+    pipe: Pipe = (Shaped(engine, path, on_broken, on_timings, shaper) if shaper is not None
+                  else Bytes(engine, on_broken, on_timings) if usage is None
+                  else Lines(engine, on_broken, on_timings, usage))
+    return Relay(resp, pipe, model_id, on_done, shape.media_type if shape else None)
 
 
 async def _raw(resp: httpx.Response) -> AsyncIterator[bytes]:
@@ -252,74 +219,6 @@ async def _read_error(resp: httpx.Response) -> bytes:
     return content[:MAX_ERROR_BYTES]
 
 
-class _Relay(StreamingResponse):
-    """Streams the worker's answer; closes it and calls ``on_done`` however the send ends,
-    even when the client is gone before the first byte (the body iterator never starts)."""
-
-    def __init__(self, upstream: httpx.Response, engine: EngineClient, path: str, model_id: str,
-                 on_done: Callable[[], None],
-                 on_broken: Callable[[Exception], BunkhouseError] | None,
-                 on_timings: OnTimings | None = None,
-                 shaper: StreamShaper | None = None, media_type: str | None = None,
-                 usage: LineRewrite | None = None) -> None:
-        """``on_broken`` None: a plain answer, relayed with its length, so that a client
-        sees a break as a short body rather than as an event. ``shaper``: the events are
-        sent in another protocol. ``usage``: the lines are rewritten by it."""
-        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        length = upstream.headers.get("content-length")
-        if on_broken is None and length is not None:
-            headers["content-length"] = length
-        body = (_shaped(upstream, engine, path, model_id, on_broken, on_timings, shaper)
-                if shaper is not None else
-                _relay(upstream, engine, model_id, on_broken, on_timings) if usage is None
-                else _rewritten(upstream, engine, model_id, on_broken, on_timings, usage))
-        super().__init__(
-            body,
-            status_code=upstream.status_code,
-            media_type=media_type or upstream.headers.get("content-type", "text/event-stream"),
-            headers=headers,
-        )
-        self._upstream = upstream
-        self._on_done = on_done
-        self._model_id = model_id
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, bounded_send(send, SEND_TIMEOUT_S))
-        except ReaderStalled:
-            log.warning("model %s: the client read nothing of its answer for %.0f s; the "
-                        "answer is ended and its slot freed", self._model_id, SEND_TIMEOUT_S)
-        finally:
-            await self._upstream.aclose()
-            self._on_done()
-
-
-async def _relay(resp: httpx.Response, engine: EngineClient, model_id: str,
-                 on_broken: Callable[[Exception], BunkhouseError] | None,
-                 on_timings: OnTimings | None = None) -> AsyncIterator[bytes]:
-    lines = LineSplitter() if on_timings is not None else None
-    try:
-        async for chunk in _raw(resp):
-            yield chunk
-            if lines is not None and on_timings is not None:
-                for line in lines.feed(chunk):
-                    timings = engine.timings_line(line)
-                    if timings is not None:
-                        on_timings(timings)
-    except httpx.TransportError as e:
-        log.warning("model %s: answer from worker broke: %r", model_id, e)
-        if on_broken is not None:
-            err = on_broken(e)
-            yield b"event: error\ndata: " + json.dumps(error_body(err)).encode() + b"\n\n"
-    finally:
-        await resp.aclose()
-
-
-class LineRewrite(Protocol):
-    def line(self, raw: bytes) -> bytes | None:
-        """What to send instead of one SSE line (bytes, no line end); None: nothing."""
-
-
 class Renamed:
     """An OpenAI stream's events (or one JSON answer) naming ``name`` where the engine named
     itself (``engine_name``: the worker answers for the adapter's base), then ``inner``'s
@@ -334,98 +233,6 @@ class Renamed:
     def line(self, raw: bytes) -> bytes | None:
         raw = raw.replace(self._old, self._new, 1)
         return raw if self._inner is None else self._inner.line(raw)
-
-
-async def _rewritten(resp: httpx.Response, engine: EngineClient, model_id: str,
-                     on_broken: Callable[[Exception], BunkhouseError] | None,
-                     on_timings: OnTimings | None,
-                     usage: LineRewrite) -> AsyncIterator[bytes]:
-    """The stream's lines as ``usage`` rewrites them (only those carrying usage are parsed),
-    each chunk's lines sent as they arrive."""
-    lines = LineSplitter()
-
-    def rewrite(raw: list[bytes]) -> bytes:
-        out = []
-        for line in raw:
-            if on_timings is not None and b'"timings"' in line:
-                timings = engine.timings_line(line.decode("utf-8", errors="replace"))
-                if timings is not None:
-                    on_timings(timings)
-            shown = usage.line(line)
-            if shown is not None:
-                out.append(shown + b"\n")
-        return b"".join(out)
-
-    try:
-        async for chunk in _raw(resp):
-            out = rewrite(lines.feed_raw(chunk))
-            if out:
-                yield out
-        out = rewrite(lines.close_raw())
-        if out:
-            yield out
-    except httpx.TransportError as e:
-        log.warning("model %s: answer from worker broke: %r", model_id, e)
-        if on_broken is not None:
-            yield b"event: error\ndata: " + json.dumps(error_body(on_broken(e))).encode() + b"\n\n"
-    finally:
-        await resp.aclose()
-
-
-async def _shaped(resp: httpx.Response, engine: EngineClient, path: str, model_id: str,
-                  on_broken: Callable[[Exception], BunkhouseError] | None,
-                  on_timings: OnTimings | None, shaper: StreamShaper) -> AsyncIterator[bytes]:
-    """The stream's events, line by line, through ``shaper``."""
-    lines = LineSplitter()
-    shape_line = functools.partial(_shape_line, shaper=shaper, engine=engine, path=path,
-                                   on_timings=on_timings)
-    try:
-        async for chunk in _raw(resp):
-            out = b"".join(shape_line(line) for line in lines.feed(chunk))
-            if out:
-                yield out
-        out = b"".join(shape_line(line) for line in lines.close())
-        yield out + shaper.end()
-    except httpx.TransportError as e:
-        log.warning("model %s: answer from worker broke: %r", model_id, e)
-        if on_broken is not None:
-            yield shaper.error(error_body(on_broken(e)))
-    finally:
-        await resp.aclose()
-
-
-def _shape_line(line: str, shaper: StreamShaper, engine: EngineClient, path: str,
-                on_timings: OnTimings | None) -> bytes:
-    try:
-        event = data_event(line)
-    except StreamError as e:  # the engine's error, as its adapter shapes it before a stream
-        return shaper.error(_stream_error(engine, e.body, path))
-    except ValueError:
-        return b""
-    if event == DONE:
-        return shaper.end()
-    if not isinstance(event, dict):
-        return b""
-    if on_timings is not None:
-        timings = engine.timings(event)
-        if timings is not None:
-            on_timings(timings)
-    return shaper.feed(event)
-
-
-def _stream_error(engine: EngineClient, body: dict[str, Any], path: str) -> dict[str, Any]:
-    """An error the engine sent in its stream, in the envelope its adapter gives the same
-    error answered with a status (the status its body names, else 500)."""
-    return engine.error(_stream_status(body), json.dumps(body).encode(), path)[1]
-
-
-def _stream_status(body: dict[str, Any]) -> int:
-    """The status of an error the engine sent in its stream: the one its body names (as
-    llama.cpp's ``code`` does), else 500."""
-    err = body.get("error")
-    code = err.get("code") if isinstance(err, dict) else None
-    numeric = isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600
-    return code if numeric and isinstance(code, int) else 500
 
 
 Assembler = Callable[[], Assembly]
@@ -480,7 +287,9 @@ async def _call(engine: EngineClient, send: Upstream, path: str, model_id: str,
                                 media_type=resp.headers.get("content-type"))
             if assembler is None:
                 relayed = True
-                return _Relay(resp, engine, path, model_id, on_done, None)
+                # a plain answer relayed with its length: a break is a short body
+                return Relay(resp, Bytes(engine, None, None), model_id, on_done,
+                             length=resp.headers.get("content-length"))
             return await _assemble(engine, path, resp, model_id, assembler(), shape, on_timings,
                                    name)
         finally:
@@ -508,7 +317,7 @@ async def _assemble(engine: EngineClient, path: str, resp: httpx.Response, model
     except httpx.TransportError as e:
         raise stream_broke(model_id, e) from e
     except StreamError as e:
-        return _engine_error(engine, _stream_status(e.body), json.dumps(e.body).encode(), path,
+        return _engine_error(engine, stream_status(e.body), json.dumps(e.body).encode(), path,
                              shape)
     except ValueError as e:
         raise _unreadable(model_id, e) from e

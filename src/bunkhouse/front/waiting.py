@@ -29,10 +29,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from bunkhouse.errors import BunkhouseError, error_body, log_line
-from bunkhouse.front import proxy
+from bunkhouse.front import relay
 from bunkhouse.front.admission import Admitted, drop_admission
 from bunkhouse.front.protocols import ChatShape
-from bunkhouse.front.proxy import ReaderStalled, Shape, StreamShaper, bounded_send
+from bunkhouse.front.proxy import Shape
+from bunkhouse.front.relay import ReaderStalled, Relay, StreamShaper, bounded_send
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,10 @@ class WaitingStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await self._respond(scope, receive, bounded_send(send, proxy.SEND_TIMEOUT_S))
+            await self._respond(scope, receive, bounded_send(send, relay.SEND_TIMEOUT_S))
         except ReaderStalled:  # stopped reading its pings: its place is given up
             log.warning("model %s: a waiting client read nothing for %.0f s; its request "
-                        "is ended", self.model_id, proxy.SEND_TIMEOUT_S)
+                        "is ended", self.model_id, relay.SEND_TIMEOUT_S)
 
     async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
         # the access log and /metrics time the first byte of the answer, not of the pings
@@ -105,7 +106,7 @@ class WaitingStream(Response):
             err = BunkhouseError("internal error; see the server log")
             await self._end(send, self.shaper.error(error_body(err)))
             return
-        if isinstance(response, StreamingResponse):  # the worker's answer: relayed as is
+        if isinstance(response, StreamingResponse | Relay):  # the worker's answer, relayed
             async def body_only(message: Message) -> None:
                 if message["type"] == "http.response.start":
                     return
