@@ -4,12 +4,15 @@ against a small HTTP server on a real socket."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvloop
 
 from bunkhouse.engines.transport import WorkerTransport
 
@@ -139,3 +142,44 @@ def test_failures_are_httpx_errors(tmp_path: Path) -> None:
         server.close()
 
     run(go())
+
+
+def test_a_full_listen_backlog_is_waited_out_not_a_failure(tmp_path: Path) -> None:
+    """Eight requests at once to a worker whose listen backlog (1 here; llama.cpp's server:
+    5) is full until it accepts: the connects refused with EAGAIN meanwhile are tried again,
+    and every request is answered (once they failed, and three in a row got the worker
+    replaced, with every stream on it). Under uvloop, the front's loop: asyncio's own takes
+    the EAGAIN for a connect in progress and fails at the first write instead."""
+    sock = tmp_path / "w.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(sock))
+    listener.listen(1)
+    accepting = threading.Event()
+
+    def serve() -> None:
+        accepting.wait(20)
+        for _ in range(8):
+            conn, _ = listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n"
+                             b"connection: close\r\n\r\nok")
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+
+    async def go() -> None:
+        async with _client(sock) as client:
+            asked = [asyncio.ensure_future(client.get("/health")) for _ in range(8)]
+            await asyncio.sleep(0.3)  # the backlog stays full meanwhile
+            accepting.set()
+            answers = await asyncio.gather(*asked)
+        assert [a.text for a in answers] == ["ok"] * 8
+
+    try:
+        uvloop.run(asyncio.wait_for(go(), 20))
+    finally:
+        listener.close()
+        server.join(10)

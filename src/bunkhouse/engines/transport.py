@@ -10,15 +10,27 @@ callers keep httpx's ``Response`` and its exceptions.
 
 A fresh connection per request (``force_close``): llama.cpp's server may close a kept-alive
 connection after a stream without saying so, and a Unix socket connect costs microseconds.
+A burst of requests may find the worker's listen backlog full (cpp-httplib, which llama.cpp's
+server is built on, listens with a backlog of 5 unless built otherwise); a Unix socket then
+refuses the connect with EAGAIN at once, which is not a worker gone: the connect is tried
+again after 1, 2, 4... ms (at most 50 ms apart) until the request's connect timeout, else
+:data:`CONNECT_RETRY_S`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import httpx
+
+CONNECT_RETRY_S = 10.0
+"""How long a connect refused for a full backlog is tried again when the request sets no
+connect timeout, seconds."""
 
 # Headers that httpx adds for any request and aiohttp sets itself (or that mean nothing on a
 # private socket).
@@ -75,12 +87,22 @@ class WorkerTransport(httpx.AsyncBaseTransport):
         # bytes as they are; a streamed body (an upload) as aiohttp's async iterable payload
         data: Any = (request.content if isinstance(request.stream, httpx.ByteStream)
                      else request.stream)
-        try:
-            resp = await self._client(request).request(
-                request.method, str(url), data=data, headers=headers, timeout=timeout,
-                allow_redirects=False, skip_auto_headers=("Content-Type",))
-        except Exception as e:
-            raise _httpx_error(e, request, connecting=True) from e
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeouts.get("connect") or CONNECT_RETRY_S)
+        for attempt in itertools.count():
+            try:
+                resp = await self._client(request).request(
+                    request.method, str(url), data=data, headers=headers, timeout=timeout,
+                    allow_redirects=False, skip_auto_headers=("Content-Type",))
+                break
+            except aiohttp.ClientConnectorError as e:
+                # a Unix socket whose listen backlog is full refuses a connect with EAGAIN
+                # at once: a burst of requests, not a worker gone; tried again shortly
+                if not _backlog_full(e) or loop.time() >= deadline:
+                    raise _httpx_error(e, request, connecting=True) from e
+                await asyncio.sleep(min(0.001 * 2**attempt, 0.05))
+            except Exception as e:
+                raise _httpx_error(e, request, connecting=True) from e
         if self._closed:  # closed while this answer's head was awaited
             resp.close()
             raise httpx.ReadError("the worker's client is closed", request=request)
@@ -139,6 +161,12 @@ def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]] | No
 def httpx_error(e: Exception, request: httpx.Request) -> Exception:
     """A failure of a :func:`body_reader` read as the httpx exception its callers catch."""
     return _httpx_error(e, request, connecting=False)
+
+
+def _backlog_full(e: aiohttp.ClientConnectorError) -> bool:
+    """Whether a connect failed only because the listener's backlog is full (EAGAIN on a
+    Unix socket)."""
+    return getattr(e.os_error, "errno", None) in (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
 def _httpx_error(e: Exception, request: httpx.Request, *, connecting: bool) -> Exception:
