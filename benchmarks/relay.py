@@ -17,6 +17,11 @@ Responses API) and 1, 4 and 16 concurrent streams: the tokens a second the clien
 (every stream checked for all its tokens), and the front process's CPU time (user + system)
 over them, per token: its relay ceiling on one core is the inverse. The client is a bare
 asyncio reader, so that its own CPU takes as little of the 2 cores as can be.
+
+Then the same two fronts on the real model (the packaged Qwen on llama.cpp, section 1's
+streamed answers: time to first token, decode tokens/s and the front's CPU per token, 1 and
+4 requests at once), so that what the rework changed at CPU rates is measured side by side
+too, not against an older run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -37,7 +43,8 @@ from typing import Any
 import psutil
 from tests.helpers import CHILD_PYTHONPATH, REPO, wait_for, write_tiny_gguf
 
-from benchmarks.common import LOG_DIR, Profile, bunkhouse, process
+from benchmarks.common import LOG_DIR, QWEN, Profile, bunkhouse, process
+from benchmarks.overhead import stream_once
 
 RATE = 250
 """Decode steps a second, a token to every stream each: a GPU's per-slot pace."""
@@ -171,6 +178,47 @@ def measure(profile: Profile) -> dict[str, Any]:
                               f"{figures['cpu_ms_per_token']:.4f} ms/token "
                               f"({figures['system_ms_per_token']:.4f} in the kernel)",
                               file=sys.stderr, flush=True)
+    real = _real_model(profile, before_src, env) if before_src is not None else None
     shutil.rmtree(work, ignore_errors=True)
     return {"rate": RATE, "tokens": tokens, "rounds": rounds, "before": BEFORE
-            if before_src else None, "runs": runs, "logs": str(LOG_DIR)}
+            if before_src else None, "runs": runs, "real_model": real, "logs": str(LOG_DIR)}
+
+
+def _real_model(profile: Profile, before_src: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Per target (``before``, ``after``) and concurrency: each round's [[TTFT s, decode
+    tokens/s], ...] of its requests, and the front's CPU seconds and content chunks over
+    them all."""
+    rounds: dict[str, list[list[list[float]]]] = {}
+    cpu: dict[str, float] = {}
+    chunks: dict[str, int] = {}
+    with ExitStack() as stack:
+        fronts = {
+            "before": stack.enter_context(bunkhouse(
+                "relay-real-before", "--preload", QWEN, module=True,
+                env={"PYTHONPATH": f"{before_src}{os.pathsep}{REPO}"})),
+            "after": stack.enter_context(bunkhouse(
+                "relay-real-after", "--preload", QWEN, module=True,
+                env={"PYTHONPATH": env["PYTHONPATH"]})),
+        }
+        for url, _ in fronts.values():  # warm-up, not counted
+            stream_once(url, "", "Say hello.", 4)
+        for r in range(profile.overhead_rounds):
+            for c in (1, 4):
+                for name in (list(fronts) if r % 2 == 0 else list(reversed(fronts))):
+                    url, proc = fronts[name]
+                    prompts = [f"[{name} {r} {c} {i}] Write a long list of fruits, one per "
+                               "line." for i in range(c)]
+                    user, system = _cpu(proc.pid)
+                    with ThreadPoolExecutor(c) as pool:
+                        done = list(pool.map(
+                            lambda p, u=url: stream_once(u, "", p, profile.overhead_tokens),
+                            prompts))
+                    after_user, after_system = _cpu(proc.pid)
+                    cpu[name] = cpu.get(name, 0.0) + after_user - user + after_system - system
+                    chunks[name] = chunks.get(name, 0) + sum(n for _, _, n in done)
+                    rounds.setdefault(f"{name} c={c}", []).append(
+                        [[ttft, tps] for ttft, tps, _ in done])
+            print(f"relay: real model, round {r + 1}/{profile.overhead_rounds}",
+                  file=sys.stderr, flush=True)
+    return {"model": QWEN, "tokens": profile.overhead_tokens, "concurrency": [1, 4],
+            "rounds": rounds, "cpu_s": cpu, "chunks": chunks}

@@ -997,7 +997,30 @@ def _relay(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
         lines += _table(["streams", "engine tok/s", "before tok/s", "before ms/token",
                          "before ceiling tok/s", "after tok/s", "after ms/token",
                          "after ceiling tok/s", "after/before CPU"], rows)
+    real = r.get("real_model")
+    if real:
+        lines += _relay_real(real)
     return lines + _RELAY_FLOOR
+
+
+def _relay_real(real: dict[str, Any]) -> list[str]:
+    """The two fronts on the real model, side by side (section 1's streamed answers)."""
+    st = overhead_stats(real)
+    n = len(next(iter(real["rounds"].values())))
+    rows = []
+    for c in real["concurrency"]:
+        (bt, bd), (at, ad) = st[f"before c={c}"], st[f"after c={c}"]
+        rows.append([str(c), _f(bt, 1, 1000), _f(at, 1, 1000),
+                     f"{(at.median - bt.median) * 1000:+.1f} ms", _f(bd, 2), _f(ad, 2),
+                     f"**{ad.median / bd.median:.3f}**"])
+    cpu = {t: real["cpu_s"][t] * 1000 / max(real["chunks"][t], 1) for t in ("before", "after")}
+    return [f"On the real model, the same two fronts: {real['model']} on llama.cpp, streamed "
+            f"chat completions of {real['tokens']} tokens (`ignore_eos`) as in section 1, C "
+            f"at once, the fronts taking turns, median (min-max) of {n} rounds.", "",
+            *_table(["concurrent", "before TTFT ms", "after TTFT ms", "TTFT difference",
+                     "before decode tok/s", "after decode tok/s", "decode ratio"], rows),
+            f"Front CPU per streamed token over all of them: {cpu['before']:.3f} ms before, "
+            f"{cpu['after']:.3f} ms after (request handling included).", ""]
 
 
 _RELAY_FLOOR = [

@@ -335,7 +335,11 @@ class Relay(Response):
         self._gone = True
         stream = self.upstream.stream
         if isinstance(stream, httpx.AsyncByteStream):
-            await stream.aclose()
+            try:
+                await stream.aclose()
+            except Exception:  # another transport's stream, read meanwhile: ended at its end
+                log.debug("model %s: closing a left client's upstream failed", self.model_id,
+                          exc_info=True)
 
 
 class _StallTimer:

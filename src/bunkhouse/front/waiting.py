@@ -74,12 +74,14 @@ class WaitingStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await self._respond(scope, receive, bounded_send(send, relay.SEND_TIMEOUT_S))
+            await self._respond(scope, receive, send)
         except ReaderStalled:  # stopped reading its pings: its place is given up
             log.warning("model %s: a waiting client read nothing for %.0f s; its request "
                         "is ended", self.model_id, relay.SEND_TIMEOUT_S)
 
-    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _respond(self, scope: Scope, receive: Receive, unbounded: Send) -> None:
+        """Every message bounded by SEND_TIMEOUT_S, a relay's by its own stall timer."""
+        send = bounded_send(unbounded, relay.SEND_TIMEOUT_S)
         # the access log and /metrics time the first byte of the answer, not of the pings
         state = scope.setdefault("state", {})
         state["first_byte_at"] = None
@@ -107,12 +109,14 @@ class WaitingStream(Response):
             await self._end(send, self.shaper.error(error_body(err)))
             return
         if isinstance(response, StreamingResponse | Relay):  # the worker's answer, relayed
+            direct = unbounded if isinstance(response, Relay) else send
+
             async def body_only(message: Message) -> None:
                 if message["type"] == "http.response.start":
                     return
                 if state["first_byte_at"] is None and message.get("body"):
                     state["first_byte_at"] = time.monotonic()
-                await send(message)
+                await direct(message)
 
             await response(scope, receive, body_only)
             return
