@@ -52,6 +52,11 @@ its model's lease for as long as it keeps the connection open; past this, its an
 ended and they are freed. The event stream's readers get 30 s (front/watch.py)."""
 
 
+STALL_CHECK_S = 1.0
+"""How often a streamed answer checks whether its client stopped reading, seconds: a timer a
+second for each open stream, against one set and cancelled for every write."""
+
+
 class ReaderStalled(Exception):
     """The client read nothing of its answer for :data:`SEND_TIMEOUT_S`."""
 
@@ -314,7 +319,9 @@ class Relay(Response):
                 error = httpx_error(e, self.upstream.request)
                 if self._gone:
                     return
-                if not isinstance(error, httpx.TransportError):
+                if not isinstance(error, httpx.TransportError):  # not the transport's
+                    if error is e:
+                        raise
                     raise error from e
                 log.warning("model %s: answer from worker broke: %r", self.model_id, error)
                 out = pipe.broken(error)
@@ -344,13 +351,13 @@ class Relay(Response):
 
 class _StallTimer:
     """Cancels ``relay``'s task when one of its messages has waited :data:`SEND_TIMEOUT_S`
-    for the client: checked every quarter of it, the progress read from the relay's count
-    of messages (nothing timed per message)."""
+    for the client (to within :data:`STALL_CHECK_S`): checked that often, the progress read
+    from the relay's count of messages (nothing timed per message)."""
 
     def __init__(self, relay: Relay, timeout_s: float) -> None:
         self._relay = relay
         self._task = asyncio.current_task()
-        self._every = timeout_s / 4
+        self._every = min(STALL_CHECK_S, timeout_s / 4)
         self._limit = timeout_s
         self._seen = -1
         self._since = 0.0
