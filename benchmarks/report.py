@@ -51,6 +51,16 @@ def overhead_stats(o: dict[str, Any]) -> dict[str, tuple[Spread, Spread]]:
     return out
 
 
+def _paired_row(c: int, st: dict[str, tuple[Spread, Spread]], peer: str,
+                target: str) -> list[str]:
+    """One concurrency's row of ``target`` against ``peer`` (overhead_stats' keys): both
+    TTFTs, their difference, both decode rates and their ratio."""
+    (pt, pd), (tt, td) = st[f"{peer} c={c}"], st[f"{target} c={c}"]
+    return [str(c), _f(pt, 1, 1000), _f(tt, 1, 1000),
+            f"{(tt.median - pt.median) * 1000:+.1f} ms", _f(pd, 2), _f(td, 2),
+            f"**{td.median / pd.median:.3f}**"]
+
+
 def _protocols(o: dict[str, Any]) -> list[str]:
     """The translated protocols against chat completions through the same front."""
     p = o.get("protocols")
@@ -92,10 +102,7 @@ def _overhead(o: dict[str, Any], goals: list[list[str]]) -> list[str]:
     lines += _measured_alone(o, "overhead")
     rows = []
     for c in o["concurrency"]:
-        (et, ed), (bt, bd) = st[f"engine c={c}"], st[f"bunkhouse c={c}"]
-        rows.append([str(c), _f(et, 1, 1000), _f(bt, 1, 1000),
-                     f"{(bt.median - et.median) * 1000:+.1f} ms", _f(ed, 2), _f(bd, 2),
-                     f"**{bd.median / ed.median:.3f}**"])
+        rows.append(_paired_row(c, st, "engine", "bunkhouse"))
     lines += _table(["concurrent", "engine TTFT ms", "bunkhouse TTFT ms", "TTFT difference",
                      "engine decode tok/s", "bunkhouse decode tok/s", "decode ratio"], rows)
     per_token = o["front_cpu_s"] * 1000 / max(o["front_tokens"], 1)
@@ -905,10 +912,7 @@ def _ray(r: dict[str, Any], goals: list[list[str]]) -> list[str]:
     lines += _measured_alone(r, "ray")
     rows = []
     for c in r["concurrency"]:
-        (lt, ld), (rt, rd) = st[f"local c={c}"], st[f"ray c={c}"]
-        rows.append([str(c), _f(lt, 1, 1000), _f(rt, 1, 1000),
-                     f"{(rt.median - lt.median) * 1000:+.1f} ms", _f(ld, 2), _f(rd, 2),
-                     f"**{rd.median / ld.median:.3f}**"])
+        rows.append(_paired_row(c, st, "local", "ray"))
     lines += _table(["concurrent", "local TTFT ms", "Ray node TTFT ms", "TTFT difference",
                      "local decode tok/s", "Ray node decode tok/s", "decode ratio"], rows)
     cpu, tokens = r["cpu_s"], r["relayed_tokens"]
@@ -1009,10 +1013,7 @@ def _relay_real(real: dict[str, Any], goals: list[list[str]]) -> list[str]:
     n = len(next(iter(real["rounds"].values())))
     rows = []
     for c in real["concurrency"]:
-        (bt, bd), (at, ad) = st[f"before c={c}"], st[f"after c={c}"]
-        rows.append([str(c), _f(bt, 1, 1000), _f(at, 1, 1000),
-                     f"{(at.median - bt.median) * 1000:+.1f} ms", _f(bd, 2), _f(ad, 2),
-                     f"**{ad.median / bd.median:.3f}**"])
+        rows.append(_paired_row(c, st, "before", "after"))
     cpu = {t: real["cpu_s"][t] * 1000 / max(real["chunks"][t], 1) for t in ("before", "after")}
     goals.append(["the reworked relay on the real model: front CPU per streamed token no more "
                   "than before, side by side", f"{cpu['after']:.3f} ms against "
@@ -1077,10 +1078,7 @@ def _llama_server(ls: dict[str, Any], binary: str, goals: list[list[str]]) -> li
               ""]
     rows = []
     for c in o["concurrency"]:
-        (et, ed), (bt, bd) = st[f"engine c={c}"], st[f"bunkhouse c={c}"]
-        rows.append([str(c), _f(et, 1, 1000), _f(bt, 1, 1000),
-                     f"{(bt.median - et.median) * 1000:+.1f} ms", _f(ed, 2), _f(bd, 2),
-                     f"**{bd.median / ed.median:.3f}**"])
+        rows.append(_paired_row(c, st, "engine", "bunkhouse"))
     lines += _table(["concurrent", "binary TTFT ms", "bunkhouse TTFT ms", "TTFT difference",
                      "binary decode tok/s", "bunkhouse decode tok/s", "decode ratio"], rows)
     (et, ed), (bt, bd) = st["engine c=1"], st["bunkhouse c=1"]

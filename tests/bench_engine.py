@@ -194,12 +194,12 @@ class _Connection(asyncio.Protocol):
         try:
             body = json.loads(raw) if raw else {}
         except ValueError:
-            self._json(400, {"error": {"message": "invalid JSON",
+            self.answer_json(400, {"error": {"message": "invalid JSON",
                                        "type": "invalid_request_error"}})
             return
         self.engine.answer(self, method, target, body if isinstance(body, dict) else {})
 
-    def _json(self, status: int, value: Any) -> None:
+    def answer_json(self, status: int, value: Any) -> None:
         data = _dump(value)
         assert self.transport is not None
         self.transport.write(
@@ -262,27 +262,27 @@ class BenchEngine:
     def answer(self, conn: _Connection, method: str, target: str, body: dict[str, Any]) -> None:
         path, _, query = target.partition("?")
         if method == "GET" and path == "/health":
-            conn._json(200, {"status": "ok"})
+            conn.answer_json(200, {"status": "ok"})
         elif method == "GET" and path == "/slots":
-            conn._json(200, [{"id": i, "is_processing": False, "n_prompt_tokens": n}
+            conn.answer_json(200, [{"id": i, "is_processing": False, "n_prompt_tokens": n}
                              for i, n in enumerate(self.slot_tokens)])
         elif path == "/tokenize":
             words = str(body.get("content", "")).split()
             pieces = body.get("with_pieces")
-            conn._json(200, {"tokens": [{"id": i, "piece": (" " if i else "") + w}
+            conn.answer_json(200, {"tokens": [{"id": i, "piece": (" " if i else "") + w}
                                         for i, w in enumerate(words)] if pieces
                              else list(range(len(words)))})
         elif path == "/detokenize":
-            conn._json(200, {"content": " ".join(f"t{i}" for i in body.get("tokens", []))})
+            conn.answer_json(200, {"content": " ".join(f"t{i}" for i in body.get("tokens", []))})
         elif path == "/apply-template":
-            conn._json(200, {"prompt": "".join(f"<{m.get('role')}>{m.get('content')}\n"
+            conn.answer_json(200, {"prompt": "".join(f"<{m.get('role')}>{m.get('content')}\n"
                                                for m in body.get("messages", []))})
         elif path.startswith("/slots/"):
             self._slot_action(conn, path, query, body)
         elif path in ("/v1/chat/completions", "/v1/completions", "/completion"):
             self._generate(conn, path, body)
         else:
-            conn._json(404, {"error": {"message": f"not found: {path}",
+            conn.answer_json(404, {"error": {"message": f"not found: {path}",
                                        "type": "not_found_error"}})
 
     def _generate(self, conn: _Connection, path: str, body: dict[str, Any]) -> None:
@@ -294,7 +294,7 @@ class BenchEngine:
         route = "/v1/completions" if path == "/completion" else path
         events = stream_events(self.config.model_id, route, body, script)
         if not body.get("stream"):
-            conn._json(200, _whole(self.config.model_id, route, script))
+            conn.answer_json(200, _whole(self.config.model_id, route, script))
             return
         assert conn.transport is not None
         conn.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -325,21 +325,21 @@ class BenchEngine:
         slot, action = int(path.rsplit("/", 1)[1]), query.removeprefix("action=")
         folder = self.config.snapshot_dir
         if folder is None:
-            conn._json(501, {"error": {"message": "slot save path not set",
+            conn.answer_json(501, {"error": {"message": "slot save path not set",
                                        "type": "not_supported_error"}})
             return
         file = folder / str(body.get("filename", ""))
         if action == "save":
             data = _dump({"tokens": self.slot_tokens[slot]})
             file.write_bytes(data)
-            conn._json(200, {"id_slot": slot, "filename": file.name,
+            conn.answer_json(200, {"id_slot": slot, "filename": file.name,
                              "n_saved": self.slot_tokens[slot], "n_written": len(data)})
         elif action == "restore" and file.is_file():
             self.slot_tokens[slot] = json.loads(file.read_bytes())["tokens"]
-            conn._json(200, {"id_slot": slot, "filename": file.name,
+            conn.answer_json(200, {"id_slot": slot, "filename": file.name,
                              "n_restored": self.slot_tokens[slot], "n_read": 1})
         else:
-            conn._json(400, {"error": {"message": f"cannot {action} {file.name}",
+            conn.answer_json(400, {"error": {"message": f"cannot {action} {file.name}",
                                        "type": "invalid_request_error"}})
 
 

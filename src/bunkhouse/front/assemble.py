@@ -78,15 +78,26 @@ def sse_lines(data: bytes) -> list[str]:
 DONE = "[DONE]"
 
 
-def data_event(line: str) -> dict[str, Any] | str | None:
-    """The JSON object of a ``data:`` line; :data:`DONE` at the end of the stream; None for
-    anything else. An error event raises StreamError; unreadable JSON raises ValueError."""
-    if not line.startswith("data: "):
-        return None
-    payload = line[len("data: "):]
-    if payload == DONE:
-        return DONE
-    event = json.loads(payload)
+def data_event(line: str | bytes) -> dict[str, Any] | str | None:
+    """The JSON object of a ``data:`` line (text, or its bytes undecoded: bytes that are not
+    UTF-8 read as replaced); :data:`DONE` at the end of the stream; None for anything else.
+    An error event raises StreamError; unreadable JSON raises ValueError."""
+    if isinstance(line, bytes):
+        if not line.startswith(b"data: "):
+            return None
+        if line == b"data: [DONE]":
+            return DONE
+        try:
+            event = json.loads(line[6:])
+        except UnicodeDecodeError:
+            event = json.loads(line[6:].decode("utf-8", errors="replace"))
+    else:
+        if not line.startswith("data: "):
+            return None
+        payload = line[len("data: "):]
+        if payload == DONE:
+            return DONE
+        event = json.loads(payload)
     if not isinstance(event, dict):
         return None  # nothing of an answer in it
     if "error" in event:

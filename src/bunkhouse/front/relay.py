@@ -35,7 +35,7 @@ from starlette.types import Message, Receive, Scope, Send
 from bunkhouse.engines.contract import EngineClient, Timings
 from bunkhouse.engines.transport import body_reader, httpx_error
 from bunkhouse.errors import BunkhouseError, error_body
-from bunkhouse.front.assemble import LineSplitter
+from bunkhouse.front.assemble import DONE, LineSplitter, StreamError, data_event
 
 log = logging.getLogger("bunkhouse.front.proxy")
 
@@ -213,35 +213,21 @@ class Shaped:
         return self._shaper.error(error_body(self._on_broken(error)))
 
     def _line(self, raw: bytes) -> bytes:
-        """One line's bytes in the shaper's protocol (as front/assemble.py ``data_event``
-        reads a line, its JSON parsed from the bytes)."""
-        if not raw.startswith(b"data: "):
-            return b""
-        payload = raw[6:]
-        if payload == b"[DONE]":
-            return self._shaper.end()
         try:
-            event = json.loads(payload)
-        except UnicodeDecodeError:  # as a decoded line reads it: bad bytes replaced
-            event = _loads(payload.decode("utf-8", errors="replace"))
+            event = data_event(raw)
+        except StreamError as e:  # the engine's error, as its adapter shapes it before a stream
+            return self._shaper.error(stream_error(self._engine, e.body, self._path))
         except ValueError:
             return b""
+        if event == DONE:
+            return self._shaper.end()
         if not isinstance(event, dict):
             return b""
-        if "error" in event:  # the engine's error, as its adapter shapes it before a stream
-            return self._shaper.error(stream_error(self._engine, event, self._path))
         if self._on_timings is not None:
             timings = self._engine.timings(event)
             if timings is not None:
                 self._on_timings(timings)
         return self._shaper.feed(event)
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 def stream_error(engine: EngineClient, body: dict[str, Any], path: str) -> dict[str, Any]:
