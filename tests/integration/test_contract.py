@@ -2,7 +2,8 @@
 per engine, reached only through its handle and its engine client.
 
 Engines: llama.cpp (xllamacpp's worker) and llama-server (the binary itself as the worker)
-serving the packaged Gemma, and the fault engine (tests/fault_engine.py), which keeps the
+serving the packaged Gemma, mlx (mlx-lm on mlx-cpu) serving the SmolLM2 MLX test model
+(tests/fixtures/mlx_smollm.py), and the fault engine (tests/fault_engine.py), which keeps the
 same contract with no model."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import psutil
 import pytest
 
-from bunkhouse.catalog import Catalog, CatalogModel
+from bunkhouse.catalog import Catalog, CatalogModel, mlx
+from bunkhouse.catalog.catalog import files_size
 from bunkhouse.engines import LLAMA_SERVER
 from bunkhouse.engines.contract import EngineClient, EngineRefused
 from bunkhouse.supervisor.process import LaunchOptions, WorkerLaunch, WorkerProcess, WorkerState
@@ -26,7 +28,7 @@ from tests.fault_engine import ENGINE
 from tests.helpers import write_tiny_gguf
 from tests.models import GEMMA
 
-ENGINES = ["llama.cpp", "llama-server", "fault"]
+ENGINES = ["llama.cpp", "llama-server", "mlx", "fault"]
 
 
 @dataclasses.dataclass
@@ -43,7 +45,7 @@ Steps = Callable[[Started], Awaitable[None]]
 def run(request: pytest.FixtureRequest, packaged_catalog: Catalog,
         tmp_path: Path) -> Callable[[Steps], None]:
     """Run ``steps`` against a started worker of the engine, then stop it (in one loop)."""
-    model, worker_engine = _model(request.param, packaged_catalog, tmp_path)
+    model, worker_engine = _model(request.param, packaged_catalog, tmp_path, request)
     snapshots = tmp_path / "kv"
     snapshots.mkdir()
     launch = WorkerLaunch(tmp_path / "w.sock", LaunchOptions(120, 10, worker_engine), snapshots)
@@ -64,8 +66,16 @@ def run(request: pytest.FixtureRequest, packaged_catalog: Catalog,
     return go
 
 
-def _model(engine: str, catalog: Catalog, tmp_path: Path) -> tuple[CatalogModel, str | None]:
+def _model(engine: str, catalog: Catalog, tmp_path: Path,
+           request: pytest.FixtureRequest) -> tuple[CatalogModel, str | None]:
     base = catalog.get(GEMMA)
+    if engine == "mlx":
+        directory = request.getfixturevalue("mlx_smollm")
+        options = dataclasses.replace(base.options, context=1024, parallel=2, engine_keys=())
+        return dataclasses.replace(
+            base, id="smollm-mlx", path=directory, engine="mlx", info=mlx.info(directory),
+            options=options, size_bytes=files_size(mlx.model_files(directory)),
+            chat_template=None, resolved=()), None
     if engine == "fault":
         path = write_tiny_gguf(tmp_path / "fault.gguf")
         options = dataclasses.replace(base.options, parallel=2)

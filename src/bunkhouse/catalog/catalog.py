@@ -7,9 +7,10 @@ Sources, in order of precedence when two name the same id:
    a Whisper model directory for transcription (catalog/whisper.py),
 3. every ``*.gguf`` under the model roots (``--models-dir``), with the path relative to its
    root, less ``.gguf``, as id (``sub/name``). Of a split GGUF only the first shard is listed.
+   Every MLX model directory there too (catalog/mlx.py), its relative path as id.
 4. the folders other tools keep models in (catalog/sources.py): the Hugging Face hub cache
-   (``org/repo:file``), Ollama's store (``name:tag``), LM Studio's models folder
-   (``publisher/repo/file``); each can be switched off.
+   (``org/repo:file``; an MLX repo as ``org/repo``), Ollama's store (``name:tag``), LM
+   Studio's models folder (``publisher/repo/file``); each can be switched off.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bunkhouse.catalog import packaged, sources, whisper
+from bunkhouse.catalog import mlx, packaged, sources, whisper
 from bunkhouse.config import (
     DEFAULT_ENGINE,
     EngineOptions,
@@ -48,6 +49,9 @@ from bunkhouse.pull.records import Pulled, read_records
 log = logging.getLogger(__name__)
 
 _SHARD_RE = re.compile(r"-(\d{5})-of-(\d{5})$")
+
+DIRECTORY_ENGINES = whisper.ENGINES | {mlx.ENGINE}
+"""The engines whose models are directories, not GGUF files."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,11 @@ class CatalogModel:
     @property
     def transcribes(self) -> bool:
         return self.kind == "transcription"
+
+    @property
+    def directory(self) -> bool:
+        """Whether its ``path`` is a model directory (Whisper's, MLX's), not a GGUF file."""
+        return self.engine in DIRECTORY_ENGINES
 
     @property
     def embeddings(self) -> bool:
@@ -345,6 +354,8 @@ def _model(model_id: str, path: Path, source: str, settings: Settings,
            ) -> CatalogModel:
     if entry is not None and entry.engine in whisper.ENGINES:
         return _whisper_model(model_id, path, source, settings, entry)
+    if (entry is not None and entry.engine == mlx.ENGINE) or path.is_dir():
+        return _mlx_model(model_id, path, source, settings, entry)
     info = read_gguf_info(path)
     if info.general_type == "adapter":
         raise GGUFError(f"{path}: a LoRA adapter, not a model: serve it as an adapter of its "
@@ -394,8 +405,9 @@ def resolve_draft(name: str, models: Callable[[str], CatalogModel | None], base_
     a runtime registration's roots do). ConfigError naming ``draft`` otherwise."""
     named = models(name)
     if named is not None:
-        if named.adapter_of is not None or named.transcribes:
-            what = "a LoRA adapter" if named.adapter_of else "a transcription model"
+        if named.adapter_of is not None or named.directory:
+            what = "a LoRA adapter" if named.adapter_of else \
+                "a transcription model" if named.transcribes else "an MLX model"
             raise ConfigError(f"draft: {name!r} is {what}, not a model that generates")
         return Draft(name, named.path, named.size_bytes, named.info,
                      named.path.stat().st_mtime_ns)
@@ -463,6 +475,27 @@ def _whisper_model(model_id: str, path: Path, source: str, settings: Settings,
                         aliases=entry.aliases if entry else ())
 
 
+def _mlx_model(model_id: str, path: Path, source: str, settings: Settings,
+               entry: ModelEntry | None = None) -> CatalogModel:
+    """An MLX model directory (catalog/mlx.py), served by the ``mlx`` engine."""
+    if entry is not None and entry.engine != mlx.ENGINE:
+        raise GGUFError(f"{path}: a directory; engine {entry.engine!r} serves GGUF files (an "
+                        f"MLX model directory needs engine = {mlx.ENGINE!r})")
+    files = mlx.model_files(path)
+    info = mlx.info(path)
+    options, refused = _options_or_refusal(settings.defaults, entry.options if entry else {},
+                                           info, f"model {model_id!r}", mlx.ENGINE,
+                                           entry.engine_keys if entry else ())
+    return CatalogModel(model_id, path, source, info, options, files_size(files),
+                        modified=int(path.stat().st_mtime),
+                        pinned=entry.pinned if entry else False,
+                        ttl_s=entry.ttl_s if entry else None,
+                        chat_template=entry.chat_template if entry else None,
+                        engine=mlx.ENGINE, aliases=entry.aliases if entry else (),
+                        request=entry.params if entry else RequestParams(),
+                        resolved=tuple(f.resolve() for f in files), refused=refused)
+
+
 def _transcription_options(base: EngineOptions, entry: ModelEntry | None,
                            where: str) -> EngineOptions:
     """A transcription model's options: its entry's, but one slot (whisper.OPTIONS)."""
@@ -476,9 +509,10 @@ def _from_config(settings: Settings) -> Iterator[CatalogModel]:
     for entry in settings.entries:
         if entry.overlay or entry.adapter_of is not None:
             continue
-        directory = entry.engine in whisper.ENGINES
+        directory = entry.engine in DIRECTORY_ENGINES
         if not (entry.path.is_dir() if directory else entry.path.is_file()):
-            what = "Whisper model directory" if directory else "file"
+            what = {"whisper": "Whisper model directory",
+                    mlx.ENGINE: "MLX model directory"}.get(entry.engine, "file")
             raise ConfigError(f"model {entry.id!r}: no {what} at {entry.path}")
         try:
             yield _model(entry.id, entry.path.resolve(), "config", settings, entry)
@@ -530,7 +564,7 @@ def _from_dirs(settings: Settings) -> Iterator[CatalogModel]:
     for root in settings.models_dirs:
         if not root.is_dir():
             raise ConfigError(f"--models-dir {root} is not a directory")
-        for model_id, path in gguf_files(root):
+        for model_id, path in [*gguf_files(root), *mlx.model_dirs(root)]:
             try:
                 yield _model(model_id, path.resolve(), "models_dir", settings)
             except GGUFError as e:

@@ -39,6 +39,9 @@ LM Studio (lmstudio.ai docs, "Import models" / "Change the models directory")::
 
   Id ``publisher/repo/file``.
 
+An MLX model (catalog/mlx.py) is a hub cache repo whose snapshot is a model directory (no
+GGUF in it): id ``org/repo``, every file's link inside the repo's directory.
+
 Everywhere, a split model (``NAME-00001-of-00003.gguf``) is listed once, by its first shard,
 with the shard suffix dropped from the id; a ``*mmproj*.gguf`` file is a vision projector,
 not a model, and goes with every model in its directory (the first by name, if several).
@@ -58,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bunkhouse.catalog import mlx
 from bunkhouse.config import check_model_id, param_error
 from bunkhouse.errors import ConfigError
 
@@ -289,6 +293,14 @@ def _hf_repo(repo: Path, budget: _Budget) -> list[Found]:
     except (OSError, RuntimeError) as e:
         log.warning("hf_cache: skipping %s: %s", repo, e)
         return []
+    if mlx.looks_like(snapshot) and not unchecked:  # an MLX model: the snapshot is one
+        try:
+            for path in _walk(snapshot, budget):
+                _check_target(path, inside)
+        except _Skip as e:
+            log.warning("hf_cache: skipping %s: %s", repo_id, e)
+            return []
+        return [Found(repo_id, snapshot, "hf_cache")]
     files = (
         (f"{repo_id}:{path.relative_to(snapshot).as_posix().removesuffix('.gguf')}", path)
         for path in _walk(snapshot, budget) if path.name.endswith(".gguf")

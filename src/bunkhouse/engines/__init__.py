@@ -10,13 +10,14 @@ from __future__ import annotations
 from bunkhouse.engines.contract import EngineAdapter, ServedModel
 from bunkhouse.engines.llamacpp import LlamaCpp
 from bunkhouse.engines.llamaserver import LlamaServer
+from bunkhouse.engines.mlx import Mlx
 from bunkhouse.engines.whisper import Whisper
 
 LLAMA_SERVER = LlamaServer()
 """The llama-server engine; the composition root tells it where its binary is (``locate``)."""
 
 ENGINES: dict[str, EngineAdapter] = {LlamaCpp.name: LlamaCpp(), LLAMA_SERVER.name: LLAMA_SERVER,
-                                     Whisper.name: Whisper()}
+                                     Whisper.name: Whisper(), Mlx.name: Mlx()}
 
 
 def engine_for(model: ServedModel) -> EngineAdapter:

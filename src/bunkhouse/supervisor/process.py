@@ -135,12 +135,13 @@ def open_model_file(model: CatalogModel, link_dir: Path | None = None) -> Opened
     several files (the engine finds the parts by name), ``link_dir`` gets links named as the
     parts, each to ``/proc/self/fd/N``, which the worker resolves to its own inherited copy.
 
-    A model that is a directory (a Whisper model) is opened as one: the worker reads its
-    files through ``/proc/self/fd/N/``, and their sizes together must still be the
-    catalogued size.
+    A model that is a directory (a Whisper or an MLX model) is opened as one: the worker
+    reads its files through ``/proc/self/fd/N/``, and their sizes together must still be the
+    catalogued size; a link in it (a hub cache snapshot's) must still lead to the file it led
+    to when catalogued.
 
     Raises WorkerLoadFailed: the message names no path; the detail (log, admins) does."""
-    if model.transcribes:
+    if model.directory:
         return _open_directory(model)
     try:
         files = model_files(model.path, model.info.split_count)
@@ -179,6 +180,14 @@ def _open_directory(model: CatalogModel) -> OpenedModel:
         size = 0
         for name in os.listdir(fd):
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode) and model.resolved:  # a hub cache snapshot's link
+                real = Path(os.path.realpath(f"/proc/self/fd/{fd}/{name}"))
+                if real not in model.resolved:
+                    raise WorkerLoadFailed(
+                        f"model {model.id!r}: a file of its directory is no longer the file "
+                        "that was checked when the model was registered; refused",
+                        detail=f"{model.path}/{name} now leads to {real}")
+                st = os.stat(name, dir_fd=fd)
             if stat.S_ISREG(st.st_mode):
                 size += st.st_size
         if size != model.size_bytes:
