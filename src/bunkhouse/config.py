@@ -236,6 +236,7 @@ class Settings:
     ray_address: str | None = None  # a Ray cluster whose nodes run the workers; None: local
     default_engine: str = DEFAULT_ENGINE  # of a GGUF model without an engine of its own
     kv_cache_max: int | None = None  # bytes; None: a share of the free disk; 0: no snapshots
+    kv_min_tokens: int = d.KV_MIN_TOKENS  # fewest tokens a KV snapshot is saved/restored for
     responses_db: Path = field(default_factory=lambda: default_data_dir() / "responses.db")
     # where `bunkhouse pull` records what it pulled (pulled.json): those models are served
     # whatever hf_cache says

@@ -79,6 +79,13 @@ def tokens(text: str) -> int:
     return int(text)
 
 
+def min_tokens(text: str) -> int:
+    if not text.strip().isdigit() or not 1 <= int(text) <= 1 << 24:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens from 1 to "
+                                         "16777216")
+    return int(text)
+
+
 def slots(text: str) -> int:
     if not text.strip().isdigit() or not 1 <= int(text) <= 256:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of slots from 1 to 256")

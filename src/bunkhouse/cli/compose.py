@@ -99,12 +99,13 @@ def _snapshot_keeper(settings: Settings, events: EventLog,
                      cluster: Cluster | None = None) -> SnapshotKeeper | None:
     """The KV snapshot keeper over its store (a store per node, with a cluster), or None
     when snapshots are off."""
-    from bunkhouse.kvcache.keeper import SnapshotKeeper
+    from bunkhouse.kvcache.keeper import KeeperOptions, SnapshotKeeper
     from bunkhouse.kvcache.nodes import NodeStores
     from bunkhouse.kvcache.store import SnapshotStore
 
     root = settings.kv_cache_dir
     limit = settings.kv_cache_max
+    options = KeeperOptions(min_tokens=settings.kv_min_tokens)
     if limit == 0:
         log.info("KV snapshots off (--kv-cache-max 0)")
         return None
@@ -119,7 +120,7 @@ def _snapshot_keeper(settings: Settings, events: EventLog,
             cluster.snapshots = nodes
             log.info("KV snapshots per node in %s, at most %d MiB each (on the nodes that "
                      "see it: docs/scaling.md)", nodes.root, limit // 2**20)
-            return SnapshotKeeper(nodes, events)
+            return SnapshotKeeper(nodes, events, options)
         store = SnapshotStore(root, limit)
     except OSError as e:
         log.warning("KV snapshots off: cannot use %s: %s; pass another --kv-cache-dir DIR",
@@ -127,7 +128,7 @@ def _snapshot_keeper(settings: Settings, events: EventLog,
         return None
     log.info("KV snapshots in %s, at most %d MiB (%d kept, %d MiB)", root, limit // 2**20,
              len(store.snapshots()), store.stats.bytes // 2**20)
-    return SnapshotKeeper(store, events)
+    return SnapshotKeeper(store, events, options)
 
 
 def _launcher(settings: Settings, keeper: SnapshotKeeper | None) -> LocalLauncher:

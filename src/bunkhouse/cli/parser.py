@@ -153,6 +153,12 @@ def _kv_cache(serve: argparse.ArgumentParser) -> None:
                        help="disk the KV snapshots may take, all models together, least "
                             "recently used removed first (default: 10%% of the free disk, at "
                             "most 32 GiB; 0 turns snapshots off)")
+    serve.add_argument("--kv-min-tokens", type=argtypes.min_tokens, metavar="N",
+                       default=defaults.KV_MIN_TOKENS,
+                       help="fewest tokens a slot must hold for its KV state to be saved, "
+                            "and a snapshot must share with a prompt to be restored "
+                            "(default: %(default)s; lower it for a slow engine, where even "
+                            "short prompts take seconds to prefill)")
 
 
 def _responses(serve: argparse.ArgumentParser) -> None:

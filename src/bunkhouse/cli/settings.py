@@ -60,6 +60,7 @@ def _serve_settings(settings: Settings, args: argparse.Namespace) -> Settings:
         max_audio_bytes=args.max_audio,
         ray_address=args.ray,
         kv_cache_max=args.kv_cache_max,
+        kv_min_tokens=args.kv_min_tokens,
         responses_keep=args.responses_keep,
         responses_max_age_s=args.responses_days * 86400,
         responses_max_bytes=args.responses_max,

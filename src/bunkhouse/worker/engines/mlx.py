@@ -547,25 +547,39 @@ class Model:
 
 
 class TextOut:
-    """A request's text as its tokens come: stop strings cut it, and text that could be the
-    start of one is held back until it cannot."""
+    """A request's text as its tokens come, exactly the tokenizer's decoding of them all
+    (mlx-lm's streaming detokenizers drop the answer's leading space). Each token's text is
+    the difference of two decodings from the last settled point, so that a token completing
+    a UTF-8 sequence or a word's space comes out whole, as vLLM and transformers' streamers
+    do. Stop strings cut it, and text that could be the start of one is held back until it
+    cannot."""
 
     def __init__(self, model: Model, stops: list[str]) -> None:
-        self._detok = model.tokenizer.detokenizer
+        self._decode = model.tokenizer.decode
+        self._ids: list[int] = []
+        self._prefix = 0  # the window decoded starts here...
+        self._read = 0  # ...and its text up to here was sent
         self._stops = stops
         self._held = ""
         self.stopped = False
 
     def add(self, token: int) -> str:
-        self._detok.add_token(token)
-        return self._text(self._detok.last_segment)
+        self._ids.append(token)
+        return self._text(self._delta(final=False))
 
     def finish(self) -> str:
-        self._detok.finalize()
-        text = self._text(self._detok.last_segment)
+        text = self._text(self._delta(final=True))
         if not self.stopped:
             text, self._held = text + self._held, ""
         return text
+
+    def _delta(self, final: bool) -> str:
+        sent = self._decode(self._ids[self._prefix:self._read])
+        now = self._decode(self._ids[self._prefix:])
+        if len(now) <= len(sent) or (now.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return now[len(sent):]
 
     def _text(self, new: str) -> str:
         if self.stopped:
