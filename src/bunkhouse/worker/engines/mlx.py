@@ -555,7 +555,7 @@ class TextOut:
     cannot."""
 
     def __init__(self, model: Model, stops: list[str]) -> None:
-        self._decode = model.tokenizer.decode
+        self._decode: Callable[[list[int]], str] = model.tokenizer.decode
         self._ids: list[int] = []
         self._prefix = 0  # the window decoded starts here...
         self._read = 0  # ...and its text up to here was sent
