@@ -16,7 +16,8 @@ engine llama-server against the binary alone, the router and xllamacpp's worker)
 worker on a Ray node against a local one: time to first token, decode, the relay's CPU per
 token, the time to place and load), relay (the front's CPU per token at GPU rates, 1, 4
 and 16 streams from the benchmark engine, in three protocols, against the front before its
-relay was reworked and the engine reached directly). A full
+relay was reworked and the engine reached directly), mlx (bunkhouse's MLX worker against
+mlx-lm's own server on the same model: time to first token, decode). A full
 run takes about 20 minutes on 2 cores, --quick under 10. Every process's log goes to
 benchmarks/results/.
 """
@@ -44,6 +45,7 @@ from benchmarks import (
     hol,
     kv_restore,
     llama_server_engine,
+    mlx_engine,
     overhead,
     ray_nodes,
     relay,
@@ -57,7 +59,7 @@ from benchmarks import (
 from benchmarks.common import PROFILES, Profile
 
 SECTIONS = ("overhead", "throughput", "hol", "swap", "kv", "reliability", "transcribe",
-            "adapters", "speculative", "llama_server", "ray", "relay")
+            "adapters", "speculative", "llama_server", "ray", "relay", "mlx")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -113,6 +115,7 @@ def run_sections(profile: Profile, sections: list[str], llama_server: str | None
         "llama_server": lambda: llama_server_engine.measure(profile, llama_server),
         "ray": lambda: ray_nodes.measure(profile),
         "relay": lambda: relay.measure(profile),
+        "mlx": lambda: mlx_engine.measure(profile),
     }
     for name in sections:
         print(f"== {name} ({profile.name})", file=sys.stderr, flush=True)

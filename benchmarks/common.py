@@ -79,6 +79,7 @@ class Profile:
     relay_tokens: int = 1500  # the relay at GPU rates: tokens of each stream
     relay_rounds: int = 3  # every target, protocol and concurrency, alternating
     relay_before: bool = True  # also the front before the relay's rework (from git)
+    mlx_concurrency: tuple[int, ...] = (1, 2)  # the MLX engine against mlx_lm.server
 
 
 PROFILES = {
@@ -106,7 +107,8 @@ PROFILES = {
                     adapter_tokens=4,
                     adapter_functions=21, spec_rounds=1, spec_tokens=8, spec_memory=False,
                     spec_draft=False, ray_rounds=1, ray_tokens=4, ray_load_rounds=1,
-                    ray_idle_s=1.0, relay_tokens=20, relay_rounds=1, relay_before=False),
+                    ray_idle_s=1.0, relay_tokens=20, relay_rounds=1, relay_before=False,
+                    mlx_concurrency=(1,)),
 }
 
 

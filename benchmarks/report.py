@@ -853,6 +853,8 @@ def render(results: dict[str, Any]) -> str:
         body += _ray(sec["ray"], goals)
     if "relay" in sec:
         body += _relay(sec["relay"], goals)
+    if "mlx" in sec:
+        body += _mlx(sec["mlx"], goals)
     for name, err in results.get("errors", {}).items():
         body += [f"## Section `{name}` failed", "", "```", err.strip()[-2000:], "```", ""]
     cmd = "python -m benchmarks run" + ("" if results["profile"] == "full"
@@ -1047,6 +1049,39 @@ _RELAY_FLOOR = [
     "their per-event Python.",
     "",
 ]
+
+
+# ---------------------------------------------------------------- engine MLX
+
+
+def _mlx(m: dict[str, Any], goals: list[list[str]]) -> list[str]:
+    st = overhead_stats(m)
+    n = len(next(iter(m["rounds"].values())))
+    rows = [_paired_row(c, st, "mlx_lm.server", "bunkhouse") for c in m["concurrency"]]
+    c1 = st["bunkhouse c=1"][1].median / st["mlx_lm.server c=1"][1].median
+    goals.append(["the MLX engine: decode at least 0.9x mlx-lm's own server on the same "
+                  "model, one request", f"{c1:.3f}x", _yes(c1 >= 0.9)])
+    peak = m["peak_rss"]
+    return [
+        "## 15. The MLX engine",
+        "",
+        f"bunkhouse's MLX worker (`engine = \"mlx\"`, through `bunkhouse serve`) against "
+        f"mlx-lm's own server (`mlx_lm.server`, mlx-lm {m['mlx_lm']}, mlx {m['mlx']}) on the "
+        f"same model directory: {m['model']}, on mlx-cpu (this machine has no Apple GPU: the "
+        "CPU build's reference BLAS makes every figure small; what is compared is the two "
+        f"servers around the same generation loop). Streamed greedy chat answers of up to "
+        f"{m['tokens']} tokens, C at once, the servers taking turns, median (min-max) of {n} "
+        "rounds.",
+        "",
+        *_measured_alone(m, "mlx"),
+        *_table(["concurrent", "mlx_lm.server TTFT ms", "bunkhouse TTFT ms",
+                 "TTFT difference", "mlx_lm.server decode tok/s", "bunkhouse decode tok/s",
+                 "decode ratio"], rows),
+        f"Peak resident memory: mlx_lm.server {peak['mlx_lm.server'] / 2**20:.0f} MiB; "
+        f"bunkhouse {peak['bunkhouse'] / 2**20:.0f} MiB (the front and the MLX worker "
+        "together).",
+        "",
+    ]
 
 
 # ---------------------------------------------------------------- engine llama-server

@@ -39,7 +39,8 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
     assert results["errors"] == {}
     assert set(results["sections"]) == {"overhead", "throughput", "hol", "swap", "kv",
                                         "reliability", "transcribe", "adapters",
-                                        "speculative", "llama_server", "ray", "relay"}
+                                        "speculative", "llama_server", "ray", "relay",
+                                        "mlx"}
     remount = results["sections"]["adapters"]["remount"]  # the conversation kept its KV state
     assert remount["follow_up_prompt_n"] < remount["follow_up_cache_n"], remount
     assert results["sections"]["hol"]["runs"]["time slice"][0]["long_tokens"] == 40
@@ -63,7 +64,8 @@ def test_the_harness_runs_every_section_and_writes_the_docs(tmp_path: Path) -> N
                     "## 7. Transcription", "## 8. Head-of-line blocking across models",
                     "## 9. Where a cold load's time goes", "## 10. LoRA adapters",
                     "## 11. Speculative decoding", "## 12. The llama-server engine",
-                    "## 13. A worker on a Ray node", "## 14. The relay at GPU rates"):
+                    "## 13. A worker on a Ray node", "## 14. The relay at GPU rates",
+                    "## 15. The MLX engine"):
         assert heading in page
     assert "xllamacpp disabled the router" in page  # the reason the wheel cannot be the peer
     for png in ("throughput.png", "swap-timeline.png"):

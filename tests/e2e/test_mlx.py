@@ -9,7 +9,10 @@ mid-stream ends that stream with an error and the next request respawns it."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,16 +36,32 @@ from tests.models import GEMMA, QWEN
 pytestmark = pytest.mark.slow
 
 SMOL = "smollm2-mlx"
+BROKEN = "broken-mlx"  # a directory mlx-lm cannot load (an architecture it does not know)
+ADMIN = "admin-mlx"
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
-def _config(path: Path, smol: Path, budget: int | None = None) -> Path:
+def _config(path: Path, smol: Path, broken: Path, budget: int | None = None) -> Path:
     path.write_text(
         "include_packaged = true\nhf_cache = false\nollama = false\nlmstudio = false\n"
         + (f'budget = "{budget}"\n' if budget else "")
         + f'default_model = "{QWEN}"\n[defaults]\ncontext = 2048\nparallel = 2\n'
-        + f'[[models]]\nid = "{SMOL}"\npath = "{smol}"\nengine = "mlx"\n')
+        + f'[[models]]\nid = "{SMOL}"\npath = "{smol}"\nengine = "mlx"\n'
+        + f'[[models]]\nid = "{BROKEN}"\npath = "{broken}"\nengine = "mlx"\n')
     return path
+
+
+def _broken(root: Path, smol: Path) -> Path:
+    """An MLX directory whose config names an architecture mlx-lm has no model for."""
+    broken = root / "broken-mlx"
+    broken.mkdir()
+    config = json.loads((smol / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "model_type": "no-such-arch"}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol / name, broken / name)
+    header = b'{"__metadata__":{"format":"mlx"}}'
+    (broken / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return broken
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +69,14 @@ def host(tmp_path_factory: pytest.TempPathFactory, mlx_smollm: Path,
          packaged_catalog: Catalog) -> Iterator[Server]:
     """A budget that holds SmolLM2 (MLX) and Qwen (llama.cpp) at once, not Gemma too."""
     root = tmp_path_factory.mktemp("mlx")
-    settings = load_config_file(_config(root / "probe.toml", mlx_smollm), Settings())
+    broken = _broken(root, mlx_smollm)
+    settings = load_config_file(_config(root / "probe.toml", mlx_smollm, broken), Settings())
     catalog = build_catalog(settings, engines=ENGINES)
     sizes = {m: estimate(catalog.get(m)).total for m in (SMOL, QWEN, GEMMA)}
     budget = sizes[SMOL] + sizes[QWEN] + min(sizes[GEMMA], sizes[SMOL]) // 2
     with serve(root / "serve", "--config", str(_config(root / "bunkhouse.toml", mlx_smollm,
-                                                       budget)),
-               "--spare-worker", "off", "--kv-min-tokens", "24") as server:
+                                                       broken, budget)),
+               "--spare-worker", "off", "--kv-min-tokens", "24", "--admin-key", ADMIN) as server:
         yield server
 
 
@@ -163,3 +183,14 @@ def test_a_killed_mlx_worker_ends_its_stream_and_is_respawned(host: Server) -> N
     again = _chat(host, SMOL, HELLO, 2)
     assert again["choices"][0]["message"]["content"]
     assert _worker(host, SMOL).pid != victim.pid
+
+
+def test_a_directory_mlx_lm_cannot_load_fails_with_its_reason(host: Server) -> None:
+    resp = httpx.post(f"{host.url}/v1/chat/completions", timeout=300, json={
+        "model": BROKEN, "messages": HELLO, "max_tokens": 2})
+    assert resp.status_code == 503, resp.text
+    shown = httpx.get(f"{host.url}/v1/models/{BROKEN}",
+                      headers={"authorization": f"Bearer {ADMIN}"}).json()
+    assert shown["state"] == "failed", shown  # mlx-lm's own words, for an admin:
+    assert "Model type no-such-arch not supported" in shown["last_error_detail"], shown
+    assert _chat(host, SMOL, HELLO, 1)["choices"][0]["message"]["content"] is not None

@@ -7,10 +7,10 @@ The guard below enforces it. While a unit test is collected, set up, run or torn
 - a process start (``subprocess``, asyncio's subprocesses, ``os.system``/``fork``/``exec``/
   ``posix_spawn``, multiprocessing's spawn) fails in the test, through an audit hook
   (``sys.addaudithook``) and multiprocessing's one spawning function;
-- an import of a native engine (``xllamacpp``, ``faster_whisper``, ``ctranslate2``) or of the
-  llama.cpp adapter that imports it fails, through a finder first on ``sys.meta_path``; those
-  modules are hidden from ``sys.modules`` meanwhile, so the import is refused even where an
-  integration test earlier in the session loaded them;
+- an import of a native engine (``xllamacpp``, ``faster_whisper``, ``ctranslate2``, ``mlx``,
+  ``mlx_lm``) or of the llama.cpp adapter that imports it fails, through a finder first on
+  ``sys.meta_path``; those modules are hidden from ``sys.modules`` meanwhile, so the import
+  is refused even where an integration test earlier in the session loaded them;
 - a lookup of a packaged model's distribution (``importlib.metadata.distribution``, which the
   catalog's locator uses) or an ``open`` of a file of the installed parts, the Whisper
   directory or the assembled models in the cache fails.
@@ -40,7 +40,8 @@ from bunkhouse.catalog import packaged
 from bunkhouse.config import default_cache_dir
 from bunkhouse.errors import PackagedModelError
 
-NATIVE = ("xllamacpp", "faster_whisper", "ctranslate2", "bunkhouse.worker.engines.llamacpp")
+NATIVE = ("xllamacpp", "faster_whisper", "ctranslate2", "mlx", "mlx_lm",
+          "bunkhouse.worker.engines.llamacpp")
 SPAWNS = frozenset({"subprocess.Popen", "os.system", "os.posix_spawn", "os.spawn", "os.exec",
                     "os.fork", "os.forkpty"})
 

@@ -39,8 +39,8 @@ def test_an_unknown_engine_is_refused_at_start_and_on_reload(
     config = tmp_path / "bunkhouse.toml"
     config.write_text("[[models]]\nid = 'a'\npath = 'a.gguf'\nengine = 'nope'\n")
     flags = ["--no-packaged", "--config", str(config)]
-    message = ("[[models]] #1: engine must be one of ['llama-server', 'llama.cpp', 'whisper'], "
-               "not 'nope'")
+    message = ("[[models]] #1: engine must be one of ['llama-server', 'llama.cpp', 'mlx', "
+               "'whisper'], not 'nope'")
     assert main(["serve", *flags, "--port", "1"]) == 2
     assert f"bunkhouse: error: {message}" in capsys.readouterr().err
     with pytest.raises(ConfigError) as info:  # what POST /admin/reload and SIGHUP read

@@ -760,8 +760,8 @@ def _check_engines(settings: Settings, engines: Collection[str]) -> None:
     """Each [[models]] entry names an engine there is, and [defaults] one that serves GGUF
     files (else ConfigError)."""
     default: object = settings.default_engine
-    if default != DEFAULT_ENGINE and (default not in engines or default in whisper.ENGINES):
-        gguf = sorted(set(engines) - whisper.ENGINES)
+    if default != DEFAULT_ENGINE and (default not in engines or default in DIRECTORY_ENGINES):
+        gguf = sorted(set(engines) - DIRECTORY_ENGINES)
         raise ConfigError(f"[defaults]: engine must be one of {gguf}, not {default!r}")
     for index, entry in enumerate(settings.entries):
         engine: object = entry.engine  # the file's value as written: any TOML value

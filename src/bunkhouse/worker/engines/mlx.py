@@ -409,6 +409,14 @@ class Model:
             raise EngineLoadError(f"mlx-lm cannot load {config.model_id!r}: "
                                   f"{type(e).__name__}: {e}") from e
         self.id = config.model_id
+        self.chat_template: str | None = None  # configured: a .jinja file's text
+        if config.chat_template:
+            try:
+                self.chat_template = Path(config.chat_template).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise EngineLoadError(
+                    f"chat_template {config.chat_template!r}: the MLX engine takes a .jinja "
+                    f"file's path, not a template name ({e})") from e
         self.vocab = len(self.tokenizer)
         self.eos = sorted(self.tokenizer.eos_token_ids)
         self.slot_tokens = max(1, config.context // max(1, config.parallel))
@@ -429,6 +437,8 @@ class Model:
         extra = kwargs if isinstance(kwargs, dict) else {}
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
         try:
+            if self.chat_template is not None:
+                extra = {**extra, "chat_template": self.chat_template}
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False,
                 add_generation_prompt=body.get("add_generation_prompt", True), **extra)
@@ -458,8 +468,7 @@ class Model:
         return out
 
     def request(self, route: str, body: dict[str, Any]) -> Request:
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
+        """The request as the worker runs it; Refused naming the field it cannot take."""
         for name in UNSUPPORTED:
             value = body.get(name)
             if value not in (None, False, 0, {}, []) and not (
@@ -470,6 +479,30 @@ class Model:
         if n != 1:
             raise Refused("n", "the MLX engine answers one choice per request")
         chat = route == "/v1/chat/completions"
+        prompt = self._prompt(chat, body)
+        limit = None
+        for name in ("max_completion_tokens", "max_tokens", "n_predict"):
+            value = body.get(name)
+            if name == "n_predict" and value == -1:
+                continue
+            limit = _int(body, name, 1) if value is not None else limit
+            if limit is not None:
+                break
+        max_tokens = min(limit or DEFAULT_MAX_TOKENS, self.slot_tokens - len(prompt))
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise Refused("stop", "must be a string or an array of strings")
+        slot = _int(body, "id_slot", -1)
+        sampler, processors = self._sampling(body)
+        options = body.get("stream_options")
+        return Request(chat, prompt, max_tokens, [s for s in stops if s],
+                       bool(body.get("stream")),
+                       isinstance(options, dict) and bool(options.get("include_usage")),
+                       None if slot is None or slot < 0 else slot, sampler, processors,
+                       [] if body.get("ignore_eos") else self.eos)
+
+    def _prompt(self, chat: bool, body: dict[str, Any]) -> list[int]:
         if chat:
             prompt = self.encode(self.template(body))
         else:
@@ -490,22 +523,12 @@ class Model:
             raise Refused("messages" if chat else "prompt",
                           f"the request ({len(prompt)} tokens) exceeds the available context "
                           f"size ({self.slot_tokens} tokens per slot)")
-        limit = None
-        for name in ("max_completion_tokens", "max_tokens", "n_predict"):
-            value = body.get(name)
-            if name == "n_predict" and value == -1:
-                continue
-            limit = _int(body, name, 1) if value is not None else limit
-            if limit is not None:
-                break
-        room = self.slot_tokens - len(prompt)
-        max_tokens = min(limit or DEFAULT_MAX_TOKENS, room)
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise Refused("stop", "must be a string or an array of strings")
-        slot = _int(body, "id_slot", -1)
-        slot = None if slot is None or slot < 0 else slot
+        return prompt
+
+    def _sampling(self, body: dict[str, Any]) -> tuple[Any, list[Any]]:
+        """The request's sampler and logits processors (mlx-lm's)."""
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
         temperature = _float(body, "temperature", DEFAULT_TEMPERATURE)
         top_p = _float(body, "top_p", 1.0)
         top_k = _int(body, "top_k", 0, 0) or 0
@@ -538,12 +561,7 @@ class Model:
             presence_penalty=presence or None, frequency_penalty=frequency or None)
         sampler = make_sampler(temp=temperature, top_p=top_p if top_p < 1 else 0.0,
                                min_p=min_p, top_k=top_k)
-        options = body.get("stream_options")
-        return Request(chat, prompt, max_tokens, [s for s in stops if s],
-                       bool(body.get("stream")),
-                       isinstance(options, dict) and bool(options.get("include_usage")),
-                       slot, sampler, processors,
-                       [] if body.get("ignore_eos") else self.eos)
+        return sampler, processors
 
 
 class TextOut:
