@@ -319,6 +319,11 @@ class Admin:
                         path[:300])
             raise Forbidden("path is outside the allowed model roots", param="path")
         try:
+            if real.is_dir():
+                raise InvalidRequest(
+                    "path is a directory: models registered at run time are GGUF files; "
+                    "serve an MLX model directory from the config file or a model root "
+                    "(then POST /admin/reload)", param="path")
             if not real.is_file():
                 raise InvalidRequest("path is not a file", param="path")
         except OSError as e:
