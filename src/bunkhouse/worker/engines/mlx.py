@@ -158,7 +158,10 @@ class Scheduler:
             except queue.Empty:
                 command = None
             while command is not None:
-                self._command(command)
+                try:
+                    self._command(command)
+                except Exception:  # the generation thread serves on, whatever one did
+                    log.exception("mlx: a command failed")
                 try:
                     command = self._commands.get_nowait()
                 except queue.Empty:
@@ -767,9 +770,8 @@ class Api:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         job = Job(req.prompt, req.max_tokens, req.sampler, req.processors, req.stop_ids,
-                  lambda e: loop.call_soon_threadsafe(events.put_nowait, e), req.slot)
+                  _emitter(loop, events), req.slot)
         answer = _Answer(self, route, req, body, job, events)
-        self.scheduler.submit(job)
         if req.stream:
             return StreamingResponse(answer.stream(), media_type="text/event-stream")
         whole = asyncio.ensure_future(answer.whole())
@@ -785,6 +787,16 @@ class Api:
             return _error(499, "the client left")
         status, value = whole.result()
         return JSONResponse(value, status_code=status)
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[tuple[Any, ...]]
+             ) -> Callable[[tuple[Any, ...]], None]:
+    """A job's ``emit``: its events onto the request's queue, from the generation thread (a
+    loop closed meanwhile, the worker stopping, drops them)."""
+    def emit(event: tuple[Any, ...]) -> None:
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(events.put_nowait, event)
+    return emit
 
 
 async def _disconnected(request: Any) -> None:
@@ -855,6 +867,7 @@ class _Answer:
 
     async def stream(self) -> AsyncIterator[bytes]:
         finished = False
+        self.api.scheduler.submit(self.job)  # here: a stream never started runs no job
         try:
             if self.chat:
                 yield _event({"choices": [self._choice(None, None, role=True)], **self.head})
@@ -880,6 +893,7 @@ class _Answer:
                 self.api.scheduler.cancel(self.job)
 
     async def whole(self) -> tuple[int, dict[str, Any]]:
+        self.api.scheduler.submit(self.job)
         parts: list[str] = []
         async for kind, value in self._tokens():
             if kind == "text":
