@@ -102,13 +102,13 @@ def measure(profile: Profile) -> dict[str, Any]:
     from tests.fixtures.mlx_smollm import cached
 
     directory = cached()
-    tokens = max(8, profile.overhead_tokens)
+    tokens = profile.overhead_tokens
     rounds: dict[str, list[list[list[float]]]] = {}
     chunks: dict[str, list[int]] = {}
     with mlx_lm_server(directory) as (theirs, their_pid), \
             bunkhouse_mlx(directory) as (ours, our_pid):
         targets = [("mlx_lm.server", theirs, "default_model"), ("bunkhouse", ours, MODEL)]
-        for _, url, model in targets:  # warm-up, not counted
+        for _, url, model in targets if profile.mlx_warmup else []:  # not counted
             stream_chat(url, model, 4)
         for r in range(profile.overhead_rounds):
             for c in profile.mlx_concurrency:

@@ -1071,7 +1071,11 @@ def _mlx(m: dict[str, Any], goals: list[list[str]]) -> list[str]:
         "CPU build's reference BLAS makes every figure small; what is compared is the two "
         f"servers around the same generation loop). Streamed greedy chat answers of up to "
         f"{m['tokens']} tokens, C at once, the servers taking turns, median (min-max) of {n} "
-        "rounds.",
+        "rounds. Every request has the same prompt, as a conversation's turns share their "
+        "start: both servers keep it in their prompt caches (a slot's KV cache here, "
+        "mlx-lm's LRU prompt cache there), so time to first token is the last prompt token "
+        "and a first decode step, not a whole prefill (about 100 ms a token on this CPU "
+        "build).",
         "",
         *_measured_alone(m, "mlx"),
         *_table(["concurrent", "mlx_lm.server TTFT ms", "bunkhouse TTFT ms",
