@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anthropic
 import httpx
 import ollama
 import openai
-import psutil
 import pytest
 
 from bunkhouse.catalog import Catalog, build_catalog
@@ -31,7 +27,7 @@ from bunkhouse.engines import ENGINES, LLAMA_SERVER
 from bunkhouse.residency.estimate import estimate
 from tests import llama_server
 from tests.e2e.server import Server, serve
-from tests.e2e.shared import post_stream
+from tests.e2e.shared import greedy_chat, kill_mid_stream, model_worker
 from tests.helpers import wait_for
 from tests.models import GEMMA, QWEN
 
@@ -79,21 +75,6 @@ def host(tmp_path_factory: pytest.TempPathFactory, packaged_catalog: Catalog
         yield server
 
 
-def _chat(server: Server, messages: list[dict[str, Any]], tokens: int = 8
-          ) -> dict[str, Any]:
-    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
-        "model": QWEN, "messages": messages, "max_tokens": tokens, "temperature": 0})
-    assert resp.status_code == 200, resp.text
-    data: dict[str, Any] = resp.json()
-    return data
-
-
-def _worker(server: Server, model: str) -> psutil.Process:
-    pid = server.model(model)["pid"]
-    assert pid, server.model(model)
-    return psutil.Process(pid)
-
-
 def test_the_readme_clients_on_a_binary_worker(host: Server) -> None:
     with openai.OpenAI(base_url=f"{host.url}/v1", api_key="none", timeout=600) as client:
         plain = client.chat.completions.create(
@@ -107,7 +88,7 @@ def test_the_readme_clients_on_a_binary_worker(host: Server) -> None:
         assert streamed == plain.choices[0].message.content
         embedded = client.embeddings.create(model=QWEN, input=["a cat", "a dog"])
         assert len(embedded.data) == 2 and len(embedded.data[0].embedding) > 100
-    worker = _worker(host, QWEN)
+    worker = model_worker(host, QWEN)
     assert os.path.basename(worker.exe()) == "llama-server", worker.cmdline()
     assert worker.ppid() == host.proc.pid  # the binary itself: no Python between
 
@@ -133,12 +114,12 @@ def test_side_by_side_with_xllamacpp_then_an_eviction_keeps_the_conversation(
         host: Server) -> None:
     messages = [{"role": "system", "content": "You answer from the notes."},
                 {"role": "user", "content": f"{NOTES}How many jars does shelf 7 hold?"}]
-    first = _chat(host, messages, 12)
+    first = greedy_chat(host, QWEN, messages, 12)
     gemma = httpx.post(f"{host.url}/v1/completions", timeout=600, json={
         "model": GEMMA, "prompt": "Once upon a time", "max_tokens": 4})
     assert gemma.status_code == 200, gemma.text
     assert host.model(QWEN)["state"] == "ready" and host.model(GEMMA)["state"] == "ready"
-    assert "python" in _worker(host, GEMMA).name().lower()  # xllamacpp's worker
+    assert "python" in model_worker(host, GEMMA).name().lower()  # xllamacpp's worker
 
     third = httpx.post(f"{host.url}/v1/completions", timeout=600, json={
         "model": GEMMA_LS, "prompt": "Once upon a time", "max_tokens": 4})
@@ -148,7 +129,7 @@ def test_side_by_side_with_xllamacpp_then_an_eviction_keeps_the_conversation(
 
     follow = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]
                           ["content"]}, {"role": "user", "content": "And shelf 8?"}]
-    again = _chat(host, follow, 8)
+    again = greedy_chat(host, QWEN, follow, 8)
     usage = again["usage"]
     new_turn = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
     assert 0 < new_turn < 40, usage  # every earlier token came back from the snapshot
@@ -156,28 +137,16 @@ def test_side_by_side_with_xllamacpp_then_an_eviction_keeps_the_conversation(
 
 
 def test_a_killed_binary_ends_its_stream_and_is_respawned(host: Server) -> None:
-    _chat(host, [{"role": "user", "content": "Hi"}], 2)  # resident
-    victim = _worker(host, QWEN)
-    first = threading.Event()
-    result: dict[str, Any] = {}
-
-    def stream() -> None:
-        result["status"], result["lines"] = post_stream(
-            host.url, "/v1/chat/completions",
-            {"model": QWEN, "messages": [{"role": "user", "content": "Count to 200."}],
-             "max_tokens": 400}, first=first)
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert first.wait(300)
-    victim.send_signal(signal.SIGKILL)
-    reader.join(300)
-    assert result["status"] == 200
-    assert any('"error"' in line for line in result["lines"]), result["lines"][-3:]
-    assert "data: [DONE]" not in result["lines"][-1:] or len(result["lines"]) < 400
-    again = _chat(host, [{"role": "user", "content": "Say hello."}], 4)
+    greedy_chat(host, QWEN, [{"role": "user", "content": "Hi"}], 2)  # resident
+    status, lines, victim = kill_mid_stream(host, {
+        "model": QWEN, "messages": [{"role": "user", "content": "Count to 200."}],
+        "max_tokens": 400})
+    assert status == 200
+    assert any('"error"' in line for line in lines), lines[-3:]
+    assert "data: [DONE]" not in lines[-1:] or len(lines) < 400
+    again = greedy_chat(host, QWEN, [{"role": "user", "content": "Say hello."}], 4)
     assert again["choices"][0]["message"]["content"]
-    assert _worker(host, QWEN).pid != victim.pid
+    assert model_worker(host, QWEN).pid != victim
 
 
 def test_refused_args_name_the_flag_and_the_rest_serve(host: Server) -> None:
@@ -198,7 +167,7 @@ def test_a_model_registered_at_run_time_on_the_binary(host: Server,
         "id": "rt-gemma", "path": str(packaged_catalog.get(GEMMA).path),
         "engine": "llama-server", "cache_type_k": "q8_0"})
     assert resp.status_code == 200 and resp.json()["state"] == "ready", resp.text
-    worker = _worker(host, "rt-gemma")
+    worker = model_worker(host, "rt-gemma")
     assert os.path.basename(worker.exe()) == "llama-server"
     assert "-ctk q8_0" in " ".join(worker.cmdline())
     assert httpx.delete(f"{host.url}/v1/models/rt-gemma", headers=admin,

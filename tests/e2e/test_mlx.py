@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import struct
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anthropic
 import httpx
 import openai
-import psutil
 import pytest
 
 from bunkhouse.catalog import Catalog, build_catalog
@@ -29,7 +25,7 @@ from bunkhouse.config import Settings, load_config_file
 from bunkhouse.engines import ENGINES
 from bunkhouse.residency.estimate import estimate
 from tests.e2e.server import Server, serve
-from tests.e2e.shared import post_stream
+from tests.e2e.shared import greedy_chat, kill_mid_stream, model_worker
 from tests.helpers import wait_for
 from tests.models import GEMMA, QWEN
 
@@ -82,21 +78,6 @@ def host(tmp_path_factory: pytest.TempPathFactory, mlx_smollm: Path,
         yield server
 
 
-def _chat(server: Server, model: str, messages: list[dict[str, Any]], tokens: int = 8
-          ) -> dict[str, Any]:
-    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
-        "model": model, "messages": messages, "max_tokens": tokens, "temperature": 0})
-    assert resp.status_code == 200, resp.text
-    data: dict[str, Any] = resp.json()
-    return data
-
-
-def _worker(server: Server, model: str) -> psutil.Process:
-    pid = server.model(model)["pid"]
-    assert pid, server.model(model)
-    return psutil.Process(pid)
-
-
 def test_the_sdks_on_mlx_beside_llama_cpp_under_one_budget(host: Server) -> None:
     with openai.OpenAI(base_url=f"{host.url}/v1", api_key="none", timeout=600) as client:
         plain = client.chat.completions.create(model=SMOL, messages=HELLO,  # type: ignore[arg-type]
@@ -115,7 +96,7 @@ def test_the_sdks_on_mlx_beside_llama_cpp_under_one_budget(host: Server) -> None
             client.chat.completions.create(model=SMOL, messages=HELLO,  # type: ignore[arg-type]
                                            max_tokens=4, response_format={"type": "json_object"})
         assert "response_format" in str(refused.value)
-    assert "bunkhouse.worker.engines.mlx:MlxEngine" in _worker(host, SMOL).cmdline()
+    assert "bunkhouse.worker.engines.mlx:MlxEngine" in model_worker(host, SMOL).cmdline()
     assert host.model(SMOL)["state"] == "ready" and host.model(QWEN)["state"] == "ready"
 
     with anthropic.Anthropic(base_url=host.url, api_key="none", timeout=600) as claude:
@@ -144,8 +125,8 @@ def test_greedy_answers_match_mlx_lm_generate(host: Server, mlx_smollm: Path) ->
 def test_an_eviction_keeps_the_conversation(host: Server) -> None:
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Name a fruit that is red."}]
-    first = _chat(host, SMOL, messages)
-    _chat(host, QWEN, HELLO, 2)  # SmolLM2 is now the least recently used
+    first = greedy_chat(host, SMOL, messages)
+    greedy_chat(host, QWEN, HELLO, 2)  # SmolLM2 is now the least recently used
     gemma = httpx.post(f"{host.url}/v1/completions", timeout=600, json={
         "model": GEMMA, "prompt": "Once upon a time", "max_tokens": 2})
     assert gemma.status_code == 200, gemma.text
@@ -154,7 +135,7 @@ def test_an_eviction_keeps_the_conversation(host: Server) -> None:
 
     follow = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]
                           ["content"]}, {"role": "user", "content": "And a yellow one?"}]
-    again = _chat(host, SMOL, follow, 4)
+    again = greedy_chat(host, SMOL, follow, 4)
     usage = again["usage"]
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     before = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
@@ -164,27 +145,14 @@ def test_an_eviction_keeps_the_conversation(host: Server) -> None:
 
 
 def test_a_killed_mlx_worker_ends_its_stream_and_is_respawned(host: Server) -> None:
-    _chat(host, SMOL, HELLO, 1)  # resident
-    victim = _worker(host, SMOL)
-    first = threading.Event()
-    result: dict[str, Any] = {}
-
-    def stream() -> None:
-        result["status"], result["lines"] = post_stream(
-            host.url, "/v1/chat/completions",
-            {"model": SMOL, "messages": HELLO, "max_tokens": 400, "ignore_eos": True},
-            first=first)
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert first.wait(300)
-    victim.send_signal(signal.SIGKILL)
-    reader.join(300)
-    assert result["status"] == 200
-    assert any('"error"' in line for line in result["lines"]), result["lines"][-3:]
-    again = _chat(host, SMOL, HELLO, 2)
+    greedy_chat(host, SMOL, HELLO, 1)  # resident
+    status, lines, victim = kill_mid_stream(host, {
+        "model": SMOL, "messages": HELLO, "max_tokens": 400, "ignore_eos": True})
+    assert status == 200
+    assert any('"error"' in line for line in lines), lines[-3:]
+    again = greedy_chat(host, SMOL, HELLO, 2)
     assert again["choices"][0]["message"]["content"]
-    assert _worker(host, SMOL).pid != victim.pid
+    assert model_worker(host, SMOL).pid != victim
 
 
 def test_a_directory_mlx_lm_cannot_load_fails_with_its_reason(host: Server) -> None:
@@ -195,4 +163,4 @@ def test_a_directory_mlx_lm_cannot_load_fails_with_its_reason(host: Server) -> N
                       headers={"authorization": f"Bearer {ADMIN}"}).json()
     assert shown["state"] == "failed", shown  # mlx-lm's own words, for an admin:
     assert "Model type no-such-arch not supported" in shown["last_error_detail"], shown
-    assert _chat(host, SMOL, HELLO, 1)["choices"][0]["message"]["content"] is not None
+    assert greedy_chat(host, SMOL, HELLO, 1)["choices"][0]["message"]["content"] is not None
