@@ -100,9 +100,11 @@ def test_the_sdks_on_mlx_beside_llama_cpp_under_one_budget(host: Server) -> None
     assert host.model(SMOL)["state"] == "ready" and host.model(QWEN)["state"] == "ready"
 
     with anthropic.Anthropic(base_url=host.url, api_key="none", timeout=600) as claude:
-        message = claude.messages.create(model=SMOL, max_tokens=8, messages=HELLO)  # type: ignore[arg-type]
+        message = claude.messages.create(model=SMOL, max_tokens=8, system="Be brief.",
+                                         messages=HELLO[1:])  # type: ignore[arg-type]
         assert message.content[0].type == "text" and message.content[0].text
-        with claude.messages.stream(model=SMOL, max_tokens=8, messages=HELLO) as stream:  # type: ignore[arg-type]
+        with claude.messages.stream(model=SMOL, max_tokens=8, system="Be brief.",
+                                    messages=HELLO[1:]) as stream:  # type: ignore[arg-type]
             text = "".join(stream.text_stream)
         assert text and stream.get_final_message().usage.output_tokens > 0
 

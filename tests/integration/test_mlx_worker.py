@@ -89,7 +89,24 @@ def test_mlx_refusals_name_the_field(mlx_socket: Path) -> None:
             ({"prompt": "hi", "n": 2}, "n"),
             ({"prompt": [99_999_999]}, "prompt"),
             ({"prompt": "hi", "stop": 5}, "stop"),
+            ({"prompt": "hi", "min_p": 2}, "min_p"),
+            ({"prompt": "hi", "min_p": -0.5, "temperature": 0}, "min_p"),
+            ({"prompt": "hi", "repeat_penalty": -1}, "repeat_penalty"),
             ({"prompt": "hi " * 600}, "prompt")]:  # past the slot's 512 tokens
         resp = _post(mlx_socket, "/v1/completions", body)
         assert resp.status_code == 400, (body, resp.text)
         assert f"Field '{field}'" in resp.json()["error"]["message"], resp.text
+
+
+def test_mlx_a_sampled_answer_survives_refusals_and_a_seed_repeats_it(
+        mlx_socket: Path) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.5, "seed": 7,
+            "ignore_eos": True}
+    first = _post(mlx_socket, "/v1/completions", body)
+    assert first.status_code == 200, first.text
+    for bad in ({"min_p": 2}, {"top_k": 100_000, "min_p": 3}):  # once broke every draw after
+        assert _post(mlx_socket, "/v1/completions", {**body, **bad}).status_code == 400
+    huge_k = _post(mlx_socket, "/v1/completions", {**body, "top_k": 100_000})
+    assert huge_k.status_code == 200, huge_k.text  # past the vocabulary: every token kept
+    again = _post(mlx_socket, "/v1/completions", body)
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]

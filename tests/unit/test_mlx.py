@@ -127,6 +127,12 @@ def test_mlx_estimate_counts_every_slot_in_whole_steps(tmp_path: Path) -> None:
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logprobs": True}, "logprobs"),
     ({"grammar": "root ::= x"}, "grammar"),
+    ({"json_schema": {}}, "json_schema"),
+    ({"lora": []}, "lora"),
+    ({"best_of": 2}, "best_of"),
+    ({"echo": True}, "echo"),
+    ({"mirostat": 2}, "mirostat"),
+    ({"typical_p": 0.5}, "typical_p"),
     ({"n": 2}, "n")])
 def test_mlx_fields_it_does_not_do_are_refused_by_name(body: dict[str, object],
                                                       field: str) -> None:
@@ -136,5 +142,8 @@ def test_mlx_fields_it_does_not_do_are_refused_by_name(body: dict[str, object],
 
 
 def test_mlx_plain_requests_pass(tmp_path: Path) -> None:
-    body = {"messages": [], "response_format": {"type": "text"}, "logprobs": False}
+    body = {"messages": [], "response_format": {"type": "text"}, "logprobs": False,
+            "best_of": 1, "top_k": 40}
     assert Mlx().check_request("/v1/chat/completions", body) is body
+    unused = {"messages": [], "tools": [{"type": "function"}], "tool_choice": "none"}
+    assert Mlx().check_request("/v1/chat/completions", unused) == {"messages": []}

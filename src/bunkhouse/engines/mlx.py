@@ -56,8 +56,20 @@ UNSUPPORTED = {
     "grammar": "constrained output (a grammar)", "json_schema": "constrained output",
     "tools": "tool calls", "logprobs": "log-probabilities", "top_logprobs": "log-probabilities",
     "n_probs": "log-probabilities", "lora": "LoRA adapters", "suffix": "fill-in-the-middle",
+    "echo": "echoing the prompt", "best_of": "several answers to choose from",
 }
 """Request fields the MLX worker does not do, refused at the front naming the field."""
+PRESENT = frozenset({"grammar", "json_schema", "lora"})
+"""Of those, the ones refused whatever their value (an empty one too), as llama.cpp's are."""
+LLAMA_CPP_ONLY = frozenset({
+    "typical_p", "top_n_sigma", "min_keep", "repeat_last_n", "dry_multiplier", "dry_base",
+    "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability",
+    "xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta", "dynatemp_range",
+    "dynatemp_exponent", "samplers", "n_keep", "n_indent", "n_cmpl", "t_max_predict_ms",
+    "return_tokens", "post_sampling_probs", "input_prefix", "input_suffix", "input_extra",
+    "embd_normalize"})
+"""llama.cpp's own sampling and request fields, which the MLX engine does not read: refused
+when set, never ignored."""
 FORWARDED = frozenset({"top_k", "min_p", "repeat_penalty", "repetition_penalty", "ignore_eos",
                        "n_predict", "cache_prompt", "chat_template_kwargs"})
 
@@ -203,9 +215,18 @@ class Mlx:
         return "the MLX engine mounts no LoRA adapters yet"
 
     def check_request(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("tool_choice") == "none":  # no tool may be called: the tools go unused
+            body = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
         for name, what in UNSUPPORTED.items():
-            if body.get(name) not in (None, False, 0, [], {}):
+            harmless: tuple[Any, ...] = (None,) if name in PRESENT else \
+                (None, 1) if name == "best_of" else (None, False, 0, [], {})
+            if body.get(name) not in harmless:
                 raise InvalidRequest(f"{what} ({name!r}) is not supported by the MLX engine",
+                                     param=name)
+        for name in sorted(LLAMA_CPP_ONLY & body.keys()):
+            if body[name] is not None:
+                raise InvalidRequest(f"{name!r} is a llama.cpp sampling option the MLX engine "
+                                     "does not read; leave it out for an MLX model",
                                      param=name)
         fmt = body.get("response_format")
         if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):

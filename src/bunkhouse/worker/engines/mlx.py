@@ -100,6 +100,12 @@ class Slot:
     used: float = 0.0
 
 
+def _reseed() -> None:
+    import mlx.core as mx
+
+    mx.random.seed(time.time_ns() % (1 << 32))
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -233,6 +239,7 @@ class Scheduler:
             _, generated = self._batch.next()
         except Exception as e:  # every running request fails, the worker serves
             log.exception("mlx: a decode step failed")
+            _reseed()  # a sampler that raised mid-trace leaves MLX's random state unusable
             for failed in list(self._running.values()):
                 self._drop(failed, keep_cache=False)
                 failed.emit(("error", f"the engine failed: {e}"))
@@ -299,8 +306,11 @@ class Scheduler:
         slot = self._slot(slot_id)
         if slot.job is not None:
             raise Refused("id_slot", f"slot {slot_id} is running a request", 409)
-        if slot.cache is None or not slot.tokens:
-            raise Refused("id_slot", f"slot {slot_id} holds no KV state to save")
+        if slot.cache is None or not slot.tokens:  # an empty record, as llama.cpp saves one
+            header = json.dumps({"__metadata__": {f"0.{STATE_TOKENS_KEY}": "[]"}}).encode()
+            path.write_bytes(len(header).to_bytes(8, "little") + header)
+            return {"id_slot": slot_id, "filename": path.name, "n_saved": 0,
+                    "n_written": path.stat().st_size}
         # mlx names a file .safetensors: written under that name, then moved to the one asked
         tmp = path.with_name(f".{path.name}.{os.getpid()}.safetensors")
         try:
@@ -529,8 +539,11 @@ class Model:
         return prompt
 
     def _sampling(self, body: dict[str, Any]) -> tuple[Any, list[Any]]:
-        """The request's sampler and logits processors (mlx-lm's)."""
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+        """The request's sampler and logits processors (mlx-lm's), every value checked here:
+        mlx-lm checks some only when its compiled sampler first runs, in the batch's decode
+        step, where a failure would end every request of the batch (and leave MLX's random
+        state broken for the next ones)."""
+        from mlx_lm.sample_utils import make_logits_processors
 
         temperature = _float(body, "temperature", DEFAULT_TEMPERATURE)
         top_p = _float(body, "top_p", 1.0)
@@ -540,11 +553,8 @@ class Model:
             raise Refused("temperature", "must be at least 0")
         if not 0 < top_p <= 1:
             raise Refused("top_p", "must be above 0 and at most 1")
-        seed = _int(body, "seed", 0)
-        if seed is not None:
-            import mlx.core as mx
-
-            mx.random.seed(seed)
+        if not 0 <= min_p <= 1:
+            raise Refused("min_p", "must be from 0 to 1")
         bias = body.get("logit_bias")
         logit_bias = None
         if isinstance(bias, dict) and bias:
@@ -554,17 +564,47 @@ class Model:
                 raise Refused("logit_bias", "must map token ids to numbers") from e
             if any(not 0 <= k < self.vocab for k in logit_bias):
                 raise Refused("logit_bias", f"token ids go from 0 to {self.vocab - 1}")
-        repeat = body.get("repeat_penalty", body.get("repetition_penalty"))
+        repeat = _float(body, "repeat_penalty", _float(body, "repetition_penalty", 1.0))
+        if repeat < 0:
+            raise Refused("repeat_penalty", "must be at least 0")
         presence = _float(body, "presence_penalty", 0.0)
         frequency = _float(body, "frequency_penalty", 0.0)
         processors = make_logits_processors(
-            logit_bias=logit_bias,
-            repetition_penalty=float(repeat) if isinstance(repeat, int | float)
-            and not isinstance(repeat, bool) and repeat != 1 else None,
+            logit_bias=logit_bias, repetition_penalty=repeat if repeat != 1 else None,
             presence_penalty=presence or None, frequency_penalty=frequency or None)
-        sampler = make_sampler(temp=temperature, top_p=top_p if top_p < 1 else 0.0,
-                               min_p=min_p, top_k=top_k)
+        # a top_k past the vocabulary keeps every token, as llama.cpp reads it
+        sampler = make_sampler(temperature, top_p if top_p < 1 else 0.0, min_p,
+                               top_k if top_k < self.vocab else 0, _int(body, "seed", 0))
         return sampler, processors
+
+
+def make_sampler(temp: float, top_p: float, min_p: float, top_k: int,
+                 seed: int | None) -> Any:
+    """mlx-lm's sampler chain (top-p, min-p, top-k, then a categorical draw at ``temp``;
+    greedy at 0), drawing from a key of the request's own when it gives a ``seed``: MLX's
+    global random state is shared by every request of the batch, so a seed set there would
+    not make one request's answer repeatable."""
+    import mlx.core as mx
+    from mlx_lm import sample_utils as su
+
+    if seed is None or temp == 0:
+        return su.make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    filters: list[Callable[[Any], Any]] = []
+    if 0 < top_p < 1:
+        filters.append(lambda x: su.apply_top_p(x, top_p))
+    if min_p:
+        filters.append(lambda x: su.apply_min_p(x, min_p, 1))
+    if top_k > 0:
+        filters.append(lambda x: su.apply_top_k(x, top_k))
+    key = [mx.random.key(seed)]
+
+    def sample(logprobs: Any) -> Any:
+        for f in filters:
+            logprobs = f(logprobs)
+        key[0], draw = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * (1 / temp), key=draw)
+
+    return sample
 
 
 class TextOut:
@@ -765,6 +805,8 @@ class Api:
             req = self.model.request(route, body)
         except Refused as e:
             return _error(e.status, str(e))
+        except (ValueError, TypeError) as e:  # mlx-lm refused a value it checks itself
+            return _error(400, f"the request cannot be run: {e}")
         if req.slot is not None and req.slot >= len(self.scheduler.slots):
             return _error(400, f"Field 'id_slot': no slot {req.slot}")
         loop = asyncio.get_running_loop()
