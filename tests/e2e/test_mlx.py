@@ -100,9 +100,6 @@ def test_the_sdks_on_mlx_beside_llama_cpp_under_one_budget(host: Server) -> None
     assert host.model(SMOL)["state"] == "ready" and host.model(QWEN)["state"] == "ready"
 
     with anthropic.Anthropic(base_url=host.url, api_key="none", timeout=600) as claude:
-        message = claude.messages.create(model=SMOL, max_tokens=8, system="Be brief.",
-                                         messages=HELLO[1:])  # type: ignore[arg-type]
-        assert message.content[0].type == "text" and message.content[0].text
         with claude.messages.stream(model=SMOL, max_tokens=8, system="Be brief.",
                                     messages=HELLO[1:]) as stream:  # type: ignore[arg-type]
             text = "".join(stream.text_stream)
@@ -114,9 +111,9 @@ def test_greedy_answers_match_mlx_lm_generate(host: Server, mlx_smollm: Path) ->
 
     model, tokenizer = load(str(mlx_smollm))
     prompt = "The three primary colors are"
-    ids = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=12)]
+    ids = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=10)]
     resp = httpx.post(f"{host.url}/v1/completions", timeout=600, json={
-        "model": SMOL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+        "model": SMOL, "prompt": prompt, "max_tokens": 10, "temperature": 0})
     assert resp.status_code == 200, resp.text
     answer = resp.json()
     theirs = [t for t in ids if t not in tokenizer.eos_token_ids]
