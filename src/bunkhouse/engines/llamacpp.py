@@ -846,7 +846,11 @@ MIB = 1024 * 1024
 F16 = ("f16", "f16")  # the K and V caches' element types: llama.cpp's default
 LOGIT_BYTES = 4  # f32 logits and embeddings
 # Fitted to the measured peaks of the packaged models (docs/memory-estimate.md):
-RUNTIME_BYTES = 116 * MIB  # interpreter, llama.cpp, threads, graph metadata
+RUNTIME_BYTES = 130 * MIB  # interpreter, llama.cpp, threads, graph metadata
+"""116 MiB fitted, plus 14 MiB: a worker whose engine library (xllamacpp's 106 MB .so) is
+all in the page cache, as right after an install, maps more of it at each fault (the
+kernel's fault-around), measured 13.4 MiB more resident at import in a fresh venv than in
+one whose library had been partly evicted; the measured peaks below were of the latter."""
 FFN_TENSORS = 6.6  # compute: a full micro-batch holds this many (512 x n_ff) f32 tensors
 SLOT_VOCAB_BYTES = 18  # per slot and vocabulary entry: its sampler's candidate arrays
 ATTENTION_SLOT_BYTES = 1500  # per token of one slot: attention over a whole slot...

@@ -18,6 +18,7 @@ every slot at once).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import struct
@@ -74,7 +75,11 @@ FORWARDED = frozenset({"top_k", "min_p", "repeat_penalty", "repetition_penalty",
                        "n_predict", "cache_prompt", "chat_template_kwargs"})
 
 
+@functools.cache
 def _build() -> str:
+    """Read once, when a snapshot key first asks: not at import (every worker imports the
+    adapters, and reading the installed distributions' metadata costs a llama.cpp worker
+    about a MiB of its budget)."""
     try:
         return (f"mlx-lm {importlib.metadata.version('mlx-lm')} "
                 f"mlx {importlib.metadata.version('mlx')}")
@@ -172,7 +177,10 @@ class Mlx:
 
     name = NAME
     worker_engine = WORKER_ENGINE
-    build = _build()
+
+    @property
+    def build(self) -> str:
+        return _build()
 
     known_options: frozenset[str] = frozenset()
 
