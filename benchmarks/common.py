@@ -102,7 +102,7 @@ PROFILES = {
     "tiny": Profile("tiny", overhead_rounds=1, overhead_tokens=4, throughput_rounds=1,
                     throughput_tokens=4, gate_off=False, swap_runs=1, swap_requests=3,
                     chaos_runs=1, chaos_seconds=3, flood_runs=1, flood_requests=100,
-                    flood_concurrency=16, fuzz_examples=2, fuzz_seconds=10,
+                    flood_concurrency=16, fuzz_examples=2, fuzz_seconds=4,
                     kv_lengths=(300,), transcribe_rounds=1, transcribe_long_s=0,
                     marginal_rounds=1, marginal_tokens=(4, 8), hol_runs=1, hol_tokens=40,
                     fuzz_max_tokens=4, fuzz_phases="examples,fuzzing", adapter_rounds=1,
