@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import os
@@ -104,6 +103,15 @@ def _reseed() -> None:
     import mlx.core as mx
 
     mx.random.seed(time.time_ns() % (1 << 32))
+
+
+def timings(job: Job, now: float) -> dict[str, Any]:
+    """A job's figures as llama.cpp's server reports them: tokens prefilled and reused,
+    tokens generated, and the milliseconds of each (``now``: its end)."""
+    first = job.first or now
+    return {"cache_n": job.reused, "prompt_n": len(job.prompt) - job.reused,
+            "prompt_ms": (first - job.inserted) * 1000, "predicted_n": job.generated,
+            "predicted_ms": (now - first) * 1000}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -258,15 +266,9 @@ class Scheduler:
             if r.finish_reason is not None:
                 del self._running[r.uid]
                 self._release(job, r.prompt_cache, r.all_tokens)
-                job.emit(("done", r.finish_reason, self._timings(job, now)))
+                job.emit(("done", r.finish_reason, timings(job, now)))
         if len(self._running) < len(self.slots):
             self._admit()
-
-    def _timings(self, job: Job, now: float) -> dict[str, Any]:
-        first = job.first or now
-        return {"cache_n": job.reused, "prompt_n": len(job.prompt) - job.reused,
-                "prompt_ms": (first - job.inserted) * 1000, "predicted_n": job.generated,
-                "predicted_ms": (now - first) * 1000}
 
     def _release(self, job: Job, cache: list[Any] | None, tokens: list[int] | None) -> None:
         assert job.slot is not None
@@ -471,12 +473,16 @@ class Model:
             text = self.tokenizer.decode([i])
             piece: str | list[int] = text
             if "\ufffd" in text and self._byte_decoder is not None:
-                raw = self.tokenizer.convert_ids_to_tokens(i)
                 try:
-                    data = bytes(self._byte_decoder[c] for c in raw)
-                    piece = data.decode("utf-8")
-                except (KeyError, UnicodeDecodeError, TypeError):
-                    piece = list(data) if "data" in locals() else text
+                    data = bytes(self._byte_decoder[c]
+                                 for c in self.tokenizer.convert_ids_to_tokens(i))
+                except (KeyError, TypeError):
+                    data = b""
+                if data:  # its bytes: text where they are UTF-8 alone, else the integers
+                    try:
+                        piece = data.decode("utf-8")
+                    except UnicodeDecodeError:
+                        piece = list(data)
             out.append({"id": i, "piece": piece})
         return out
 
@@ -679,7 +685,6 @@ class Api:
         self.model = model
         self.scheduler = scheduler
         self.snapshot_dir = snapshot_dir
-        self._ids = itertools.count()
 
     def app(self) -> Any:
         from starlette.applications import Starlette
@@ -882,7 +887,7 @@ class _Answer:
                     yield "text", piece
                 if self.text.stopped:
                     self.api.scheduler.cancel(self.job)
-                    yield "done", ("stop", self._timings_now())
+                    yield "done", ("stop", timings(self.job, time.perf_counter()))
                     return
             elif event[0] == "done":
                 tail = self.text.finish()
@@ -893,13 +898,6 @@ class _Answer:
             else:
                 yield "error", event[1]
                 return
-
-    def _timings_now(self) -> dict[str, Any]:
-        job, now = self.job, time.perf_counter()
-        first = job.first or now
-        return {"cache_n": job.reused, "prompt_n": len(job.prompt) - job.reused,
-                "prompt_ms": (first - job.inserted) * 1000, "predicted_n": job.generated,
-                "predicted_ms": (now - first) * 1000}
 
     def _usage(self, timings: dict[str, Any]) -> dict[str, Any]:
         prompt = len(self.job.prompt)
